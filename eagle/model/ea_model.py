@@ -1,0 +1,248 @@
+"""``EaModel``: a Hugging Face causal LM plus an EAGLE draft head, generating losslessly faster.
+
+The four reference generation methods (``eagenerate``, ``naivegenerate``, ``ea_generate``, ``naive_generate``)
+and the Hugging Face style ``generate`` are thin wrappers over one loop, :func:`generation.speculative_decode`.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+from .drafter import EagleDrafter, NoDrafter, TreeSettings
+from .generation import Step, speculative_decode
+from .loading import load_base_model, load_ea_layer
+from .target import Target, eagle3_layer_ids
+from .verify import Sampler
+
+logger = logging.getLogger(__name__)
+
+
+class EaModel(nn.Module):
+    """A base model (``base_model``), its draft head (``ea_layer``) and tokenizer (``tokenizer``).
+
+    Build it with :meth:`from_pretrained`. Generation works on one sequence at a time.
+    """
+
+    def __init__(self, base_model, ea_layer, tokenizer=None, total_token: int = 60, depth: int = 7, top_k: int = 10,
+                 threshold: float = 1.0, base_model_name_or_path: str | None = None, use_eagle3: bool | None = None):
+        super().__init__()
+        self.base_model = base_model
+        self.ea_layer = ea_layer
+        self.tokenizer = tokenizer
+        self.config = base_model.config
+        self.base_model_name_or_path = base_model_name_or_path
+        self.use_eagle3 = ea_layer.eagle_version == 3 if use_eagle3 is None else use_eagle3
+        self.hidden_size = base_model.get_output_embeddings().weight.shape[-1]
+        self.vocab_size = base_model.get_output_embeddings().weight.shape[0]
+        self.threshold = threshold
+        num_layers = base_model.config.get_text_config().num_hidden_layers
+        if self.use_eagle3:
+            layer_ids = getattr(ea_layer.config, "eagle_layer_ids", None) or eagle3_layer_ids(num_layers)
+        else:
+            layer_ids = [-1]  # EAGLE-1 reads the final normed hidden state
+        self._eagle_target = Target(base_model, feature_layers=list(layer_ids))
+        self._plain_target = Target(base_model, feature_layers=None)
+        self._cache = None
+        self.set_tree(total_token, depth, top_k)
+
+    # ------------------------------------------------------------------ loading
+    @classmethod
+    def from_pretrained(cls, use_eagle3: bool = True, base_model_path: str | None = None, ea_model_path: str | None = None,
+                        total_token: int = 60, depth: int = 7, top_k: int = 10, threshold: float = 1.0, **kwargs):
+        """Load the base model (a local directory, a Hub id, or a ``.gguf`` file / directory holding one) and the
+        head (``config.json`` + ``model.safetensors`` or ``pytorch_model.bin``). ``eagle_model_path`` is accepted
+        as another name for ``ea_model_path``. Other keyword arguments go to the base model's ``from_pretrained``
+        (``dtype``/``torch_dtype``, ``device_map``, ``low_cpu_mem_usage``...). ``total_token=-1`` chooses the
+        tree size by timing verification on the actual device."""
+        if "eagle_model_path" in kwargs:
+            alias = kwargs.pop("eagle_model_path")
+            if ea_model_path is not None and ea_model_path != alias:
+                raise ValueError("Pass the draft head path once: ea_model_path and eagle_model_path differ.")
+            ea_model_path = alias
+        if base_model_path is None or ea_model_path is None:
+            raise ValueError("EaModel.from_pretrained needs base_model_path and ea_model_path.")
+        base_model, tokenizer = load_base_model(base_model_path, **kwargs)
+        auto_tune = total_token == -1
+        ea_layer = load_ea_layer(ea_model_path, base_model, use_eagle3, 60 if auto_tune else total_token, depth,
+                                 top_k, threshold)
+        model = cls(base_model, ea_layer, tokenizer, 60 if auto_tune else total_token, depth, top_k, threshold,
+                    base_model_name_or_path=base_model_path, use_eagle3=use_eagle3)
+        if auto_tune:
+            from .autotune import choose_total_token
+
+            model.set_tree(choose_total_token(model), depth, top_k)
+            logger.info("total_token=-1: chose a tree of %d tokens for this device", model.total_token)
+        return model
+
+    def set_tree(self, total_token: int, depth: int, top_k: int) -> None:
+        """Change the draft tree settings (nodes verified per step including the root, depth, top-k)."""
+        self.tree_settings = TreeSettings(total_token=total_token, depth=depth, top_k=top_k)
+        self.ea_layer.total_tokens, self.ea_layer.depth, self.ea_layer.top_k = total_token - 1, depth, top_k
+
+    @property
+    def total_token(self) -> int:
+        return self.tree_settings.total_token
+
+    @property
+    def device(self) -> torch.device:
+        return self.base_model.get_input_embeddings().weight.device
+
+    def get_tokenizer(self):
+        return self.tokenizer
+
+    # ------------------------------------------------------------------ reference-compatible forward
+    @torch.no_grad()
+    def forward(self, input_ids=None, attention_mask=None, past_key_values=None, output_orig=False, position_ids=None):
+        """Run the base model. Returns ``(outputs, hidden_states)`` or, with ``output_orig``, ``(outputs, logits,
+        hidden_states)``; ``hidden_states`` is the final normed state, ``outputs.hidden_states`` all layers."""
+        outputs = self.base_model(input_ids=input_ids, attention_mask=attention_mask, past_key_values=past_key_values,
+                                  position_ids=position_ids, output_hidden_states=True)
+        hidden = outputs.hidden_states[-1]
+        if output_orig:
+            return outputs, outputs.logits, hidden
+        return outputs, hidden
+
+    # ------------------------------------------------------------------ generation
+    def stop_token_ids(self, is_llama3: bool = False) -> set[int]:
+        """EOS of the tokenizer and of ``generation_config``, and ``<|eot_id|>`` where the vocabulary has it."""
+        ids: set[int] = set()
+        generation_eos = getattr(getattr(self.base_model, "generation_config", None), "eos_token_id", None)
+        for value in (generation_eos, getattr(self.tokenizer, "eos_token_id", None), getattr(self.config, "eos_token_id", None)):
+            if value is None:
+                continue
+            ids.update(value if isinstance(value, (list, tuple)) else [value])
+        if self.tokenizer is not None:
+            eot = self.tokenizer.convert_tokens_to_ids("<|eot_id|>")
+            unk = getattr(self.tokenizer, "unk_token_id", None)
+            if isinstance(eot, int) and eot != unk and eot >= 0:
+                ids.add(eot)
+            elif is_llama3:
+                raise ValueError("is_llama3=True but the tokenizer has no <|eot_id|> token.")
+        return {int(i) for i in ids}
+
+    def _check_request(self, input_ids, temperature, top_p, top_k, max_new_tokens, max_length) -> torch.Tensor:
+        if not isinstance(input_ids, torch.Tensor):
+            raise TypeError(f"input_ids must be a torch.LongTensor of shape (1, seq_len), got {type(input_ids).__name__}.")
+        if input_ids.is_floating_point() or input_ids.is_complex() or input_ids.dtype == torch.bool:
+            raise TypeError(f"input_ids must hold integer token ids, got dtype {input_ids.dtype}.")
+        if input_ids.dim() == 1:
+            input_ids = input_ids[None]
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must have shape (1, seq_len), got {tuple(input_ids.shape)}.")
+        if input_ids.shape[0] != 1:
+            raise ValueError(
+                f"input_ids holds a batch of {input_ids.shape[0]} sequences; EaModel generates one sequence at a time "
+                "(shape (1, seq_len))."
+            )
+        if input_ids.shape[1] == 0:
+            raise ValueError("The prompt is empty: input_ids must contain at least one token.")
+        low, high = int(input_ids.min()), int(input_ids.max())
+        if low < 0 or high >= self.vocab_size:
+            raise ValueError(f"input_ids contains token id {low if low < 0 else high}, outside the vocabulary [0, {self.vocab_size}).")
+        if input_ids.shape[1] >= max_length:
+            raise ValueError(
+                f"The prompt has {input_ids.shape[1]} tokens, which does not fit max_length={max_length} (prompt plus "
+                "new tokens); shorten the prompt or raise max_length."
+            )
+        if not (isinstance(temperature, (int, float)) and math.isfinite(temperature)) or temperature < 0:
+            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature}.")
+        if not 0.0 <= top_p <= 1.0:
+            raise ValueError(f"top_p must be in [0, 1] (0 or 1 = off), got {top_p}.")
+        if top_k < 0 or int(top_k) != top_k:
+            raise ValueError(f"top_k must be a non-negative integer (0 = off), got {top_k}.")
+        if max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}.")
+        return input_ids.long().to(self.device)
+
+    def _cache_for(self, max_length: int):
+        capacity = max_length + self.tree_settings.total_token
+        if self._cache is None or self._cache.capacity < capacity:
+            self._cache = self._eagle_target.new_cache(capacity)  # grown for this call; reused by later ones
+        return self._cache
+
+    def generate_steps(self, input_ids, temperature=0.0, top_p=0.0, top_k=0.0, max_new_tokens=512, max_length=2048,
+                       is_llama3=False, use_eagle=True, generator: torch.Generator | None = None) -> Iterator[Step]:
+        """The generation loop: yields one :class:`~eagle.model.generation.Step` per target forward pass."""
+        input_ids = self._check_request(input_ids, temperature, top_p, top_k, max_new_tokens, max_length)
+        sampler = Sampler(temperature, top_p, int(top_k), generator) if temperature > 1e-5 else None
+        if use_eagle:
+            target, drafter = self._eagle_target, EagleDrafter(self.ea_layer, self.tree_settings)
+        else:
+            target, drafter = self._plain_target, NoDrafter()
+        yield from speculative_decode(target, drafter, self._cache_for(max_length), input_ids, sampler,
+                                      max_new_tokens, max_length, self.stop_token_ids(is_llama3))
+
+    def _stream_ids(self, input_ids, use_eagle, **kwargs) -> Iterator[torch.Tensor]:
+        ids = input_ids if input_ids.dim() == 2 else input_ids[None]
+        steps = self.generate_steps(input_ids, use_eagle=use_eagle, **kwargs)
+        for step in steps:
+            ids = torch.cat([ids.to(step.tokens.device), step.tokens[None]], dim=1)
+            yield ids
+
+    def _run(self, input_ids, use_eagle, log, **kwargs):
+        pieces, cycles = [], -1
+        with torch.no_grad():
+            for step in self.generate_steps(input_ids, use_eagle=use_eagle, **kwargs):
+                pieces.append(step.tokens)
+                cycles += 1
+        prompt = input_ids if input_ids.dim() == 2 else input_ids[None]
+        new = torch.cat(pieces) if pieces else prompt.new_zeros(0)
+        ids = torch.cat([prompt.to(new.device), new[None]], dim=1)
+        if log:
+            return ids, int(new.numel()), max(cycles, 0)
+        return ids
+
+    @torch.no_grad()
+    def eagenerate(self, input_ids, temperature=0.0, top_p=0.0, top_k=0.0, max_new_tokens=512, max_length=2048,
+                   log=False, is_llama3=False):
+        """Speculative generation. Returns the ids (1, S + n); with ``log=True``, ``(ids, new_tokens, steps)`` where
+        ``steps`` is the number of draft/verify cycles (``new_tokens / (steps + 1)`` = tokens per target forward)."""
+        return self._run(input_ids, True, log, temperature=temperature, top_p=top_p, top_k=top_k,
+                         max_new_tokens=max_new_tokens, max_length=max_length, is_llama3=is_llama3)
+
+    @torch.no_grad()
+    def naivegenerate(self, input_ids, temperature=0.0, top_p=0.0, top_k=0.0, max_new_tokens=512, max_length=2048,
+                      log=False, is_llama3=False):
+        """Plain decoding with the same loop, for comparison. Same returns as :meth:`eagenerate`."""
+        return self._run(input_ids, False, log, temperature=temperature, top_p=top_p, top_k=top_k,
+                         max_new_tokens=max_new_tokens, max_length=max_length, is_llama3=is_llama3)
+
+    def ea_generate(self, input_ids, temperature=0.0, top_p=0.0, top_k=0.0, max_new_tokens=512, max_length=2048,
+                    log=False, is_llama3=False):
+        """Streaming :meth:`eagenerate`: yields the whole ids (1, S + n so far) after each step."""
+        with torch.no_grad():
+            yield from self._stream_ids(input_ids, True, temperature=temperature, top_p=top_p, top_k=top_k,
+                                        max_new_tokens=max_new_tokens, max_length=max_length, is_llama3=is_llama3)
+
+    def naive_generate(self, input_ids, temperature=0.0, top_p=0.0, top_k=0.0, max_new_tokens=512, max_length=2048,
+                       log=False, is_llama3=False):
+        """Streaming :meth:`naivegenerate`: yields the whole ids after each token."""
+        with torch.no_grad():
+            yield from self._stream_ids(input_ids, False, temperature=temperature, top_p=top_p, top_k=top_k,
+                                        max_new_tokens=max_new_tokens, max_length=max_length, is_llama3=is_llama3)
+
+    @torch.no_grad()
+    def generate(self, input_ids=None, attention_mask=None, max_new_tokens: int = 20, do_sample: bool = False,
+                 temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, max_length: int | None = None,
+                 use_eagle: bool = True, **ignored):
+        """Hugging Face style: ``model.generate(**tokenizer(text, return_tensors="pt"), max_new_tokens=...)``.
+        Greedy unless ``do_sample``; ``top_p=1`` and ``top_k=0`` mean off. Returns ids (1, S + n)."""
+        if input_ids is None:
+            raise ValueError("generate() needs input_ids.")
+        if attention_mask is not None and not bool(torch.as_tensor(attention_mask).bool().all()):
+            raise ValueError("attention_mask contains padding; EaModel generates one unpadded sequence at a time.")
+        ignored.pop("token_type_ids", None)
+        if ignored:
+            logger.debug("generate() ignores %s", sorted(ignored))
+        if max_length is None:
+            max_length = input_ids.shape[-1] + max_new_tokens + 1
+        if do_sample and temperature <= 1e-5:
+            raise ValueError("do_sample=True needs temperature > 0.")
+        kwargs = dict(temperature=temperature if do_sample else 0.0, top_p=top_p if do_sample else 0.0,
+                      top_k=top_k if do_sample else 0, max_new_tokens=max_new_tokens, max_length=max_length)
+        return self._run(input_ids, use_eagle, False, **kwargs)

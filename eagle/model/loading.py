@@ -1,0 +1,160 @@
+"""Loading a base model and an EAGLE head, with the checks that make a mismatch an error instead of garbage."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+from .checkpoint import load_head_state_dict, resolve_file
+from .configs import EConfig
+
+logger = logging.getLogger(__name__)
+
+
+def split_gguf_path(path: str) -> tuple[str, str | None]:
+    """``(directory or repo id, gguf file name or None)`` for a ``.gguf`` file or a directory holding one."""
+    if path.endswith(".gguf"):
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"GGUF file {path} does not exist.")
+        return os.path.dirname(os.path.abspath(path)), os.path.basename(path)
+    if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "config.json")):
+        ggufs = sorted(f for f in os.listdir(path) if f.endswith(".gguf"))
+        if len(ggufs) == 1:
+            return path, ggufs[0]
+        if len(ggufs) > 1:
+            raise ValueError(f"{path} holds several GGUF files ({', '.join(ggufs)}); pass the path of the one to use.")
+    return path, None
+
+
+def load_base_model(base_model_path: str, **kwargs):
+    """``AutoModelForCausalLM`` + tokenizer from a directory, a Hub id, or a GGUF file (dequantised by transformers).
+
+    The attention implementation defaults to SDPA (it honours tree masks); ``torch_dtype`` is accepted as an alias
+    of ``dtype``.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if "torch_dtype" in kwargs:
+        kwargs.setdefault("dtype", kwargs.pop("torch_dtype"))
+    kwargs.setdefault("attn_implementation", "sdpa")
+    if kwargs["attn_implementation"] not in ("sdpa", "eager"):
+        raise ValueError(
+            f"attn_implementation={kwargs['attn_implementation']!r} cannot apply EAGLE's tree attention mask; "
+            "use 'sdpa' (default) or 'eager'."
+        )
+    location, gguf_file = split_gguf_path(base_model_path)
+    extra = {"gguf_file": gguf_file} if gguf_file else {}
+    trust = kwargs.get("trust_remote_code", False)
+    model = AutoModelForCausalLM.from_pretrained(location, **extra, **kwargs)
+    tokenizer = AutoTokenizer.from_pretrained(location, trust_remote_code=trust, **extra)
+    model.eval()
+    return model, tokenizer
+
+
+def load_head_config(ea_model_path: str) -> EConfig:
+    """The head's ``config.json``: ``ea_model_path`` may be a directory, a Hub id, or the config file itself."""
+    if os.path.isfile(ea_model_path):
+        config_file = ea_model_path
+    else:
+        config_file = resolve_file(ea_model_path, "config.json")
+    return EConfig.from_json_file(config_file)
+
+
+def head_dir_of(ea_model_path: str) -> str:
+    return os.path.dirname(ea_model_path) if os.path.isfile(ea_model_path) else ea_model_path
+
+
+def build_head(config: EConfig, use_eagle3: bool, total_token: int, depth: int, top_k: int, threshold: float):
+    from . import cnets, cnets1
+
+    if use_eagle3:
+        if getattr(config, "draft_vocab_size", None) is None:
+            raise ValueError(
+                "use_eagle3=True but the head's config.json has no `draft_vocab_size`: this looks like an EAGLE-1/2 "
+                "head; pass use_eagle3=False."
+            )
+        return cnets.Model(config, total_tokens=total_token, depth=depth, top_k=top_k, threshold=threshold)
+    bias = getattr(config, "bias", True)
+    return cnets1.Model(config, bias=bias, total_tokens=total_token, depth=depth, top_k=top_k, threshold=threshold)
+
+
+def check_head_matches_base(head, base_model) -> None:
+    """Sizes must agree: hidden size (the features the head reads) and vocabulary."""
+    base = base_model.config.get_text_config()
+    base_vocab = base_model.get_output_embeddings().weight.shape[0]
+    head_vocab = head.config.vocab_size
+    if head_vocab != base_vocab:
+        raise ValueError(
+            f"The draft head's vocab_size is {head_vocab} but the base model's vocabulary has {base_vocab} tokens: "
+            "this head was trained for another base model."
+        )
+    expected = getattr(head.config, "target_hidden_size", None) or head.config.hidden_size
+    if head.eagle_version == 1:
+        expected = head.config.hidden_size
+    if expected != base.hidden_size:
+        raise ValueError(
+            f"The draft head reads target hidden states of size {expected} but the base model's hidden_size is "
+            f"{base.hidden_size}: this head was trained for another base model."
+        )
+
+
+def optional_keys(head) -> set[str]:
+    """Entries a published checkpoint may omit: the embedding (taken from the base model, unless the head's
+    hidden size differs from the target's), and d2t/t2d of a full-vocabulary EAGLE-3 head."""
+    keys = set()
+    if head.eagle_version == 1 or getattr(head.config, "target_hidden_size", None) in (None, head.config.hidden_size):
+        keys.add("embed_tokens.weight")
+    if head.eagle_version == 3 and not head.reduced_vocab:
+        keys.update({"d2t", "t2d"})
+    return keys
+
+
+def load_head_weights(head, state_dict: dict[str, torch.Tensor], source: str) -> bool:
+    """Strict load: a missing (non-optional) or unexpected tensor, or a wrong shape, is an error naming it.
+    Returns whether the checkpoint carried its own embedding."""
+    expected = head.state_dict()
+    optional = optional_keys(head)
+    missing = sorted(k for k in expected if k not in state_dict and k not in optional)
+    unexpected = sorted(k for k in state_dict if k not in expected)
+    if missing or unexpected:
+        parts = []
+        if missing:
+            parts.append(f"missing tensors: {', '.join(missing)}")
+        if unexpected:
+            parts.append(f"unexpected tensors: {', '.join(unexpected)}")
+        raise ValueError(f"The draft-head weights in {source} do not match the head described by its config.json "
+                         f"({'; '.join(parts)}).")
+    for key, tensor in state_dict.items():
+        if tuple(tensor.shape) != tuple(expected[key].shape):
+            raise ValueError(
+                f"Tensor {key} in {source} has shape {tuple(tensor.shape)}, but the head's config.json implies "
+                f"{tuple(expected[key].shape)}."
+            )
+    head.load_state_dict(state_dict, strict=False)  # completeness was checked above
+    return "embed_tokens.weight" in state_dict
+
+
+def load_ea_layer(ea_model_path: str, base_model, use_eagle3: bool, total_token: int, depth: int, top_k: int,
+                  threshold: float):
+    """Build the draft head for ``base_model`` from a head directory / Hub id, strictly, on the base's device
+    and dtype."""
+    config = load_head_config(ea_model_path)
+    head = build_head(config, use_eagle3, total_token, depth, top_k, threshold)
+    check_head_matches_base(head, base_model)
+    state_dict = load_head_state_dict(head_dir_of(ea_model_path))
+    has_embedding = load_head_weights(head, state_dict, ea_model_path)
+    embedding = base_model.get_input_embeddings()
+    device, dtype = embedding.weight.device, embedding.weight.dtype
+    head.to(device=device)
+    for module in head.modules():  # cast floating weights only; d2t/t2d keep their integer/bool dtypes
+        for name, param in list(module.named_parameters(recurse=False)):
+            if param.is_floating_point():
+                param.data = param.data.to(dtype)
+    if not has_embedding:
+        head.tie_embedding(embedding)
+    if head.eagle_version == 1:
+        head.attach_target_lm_head(base_model.get_output_embeddings())
+    head.eval()
+    return head

@@ -1,0 +1,129 @@
+"""The target (base) model seen through one generic mechanism: a stock transformers causal LM, fed a 4-D attention
+mask (tree attention) and our preallocated cache, returning logits and the hidden states EAGLE reads.
+
+Nothing here is specific to a model family: any decoder-only model whose attention honours a 4-D mask (SDPA or
+eager) works.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .kv_cache import TreeKVCache
+
+SUPPORTED_ATTENTION = ("sdpa", "eager")
+
+
+def eagle3_layer_ids(num_layers: int) -> list[int]:
+    """Indices into HF ``output_hidden_states`` (entry i = input of layer i) that feed an EAGLE-3 head:
+    ``[2, L // 2, L - 3]``, clamped to valid entries for tiny models (always three features)."""
+    return [min(max(i, 0), num_layers) for i in (2, num_layers // 2, num_layers - 3)]
+
+
+def check_target_model(model) -> None:
+    """Refuse what the generic mechanism cannot serve, with a message that says why."""
+    config = model.config
+    if getattr(config, "is_encoder_decoder", False):
+        raise ValueError(
+            f"{type(model).__name__} is an encoder-decoder model; EAGLE needs a decoder-only causal language model."
+        )
+    if model.get_output_embeddings() is None:
+        raise ValueError(f"{type(model).__name__} has no causal LM head; load the model with AutoModelForCausalLM.")
+    attention = getattr(config, "_attn_implementation", None)
+    if attention not in SUPPORTED_ATTENTION:
+        raise ValueError(
+            f"The base model uses attn_implementation={attention!r}, which ignores custom 4-D (tree) attention masks. "
+            f"Load it with attn_implementation='sdpa' or 'eager'."
+        )
+
+
+@dataclass
+class TargetOutput:
+    logits: torch.Tensor  # (T', V) float: every position, or only the last one for a prefill
+    features: torch.Tensor | None  # (1, T, F) hidden states EAGLE reads, or None when not asked for
+
+
+class Target:
+    """Runs the target model over new tokens at given positions, on top of a :class:`TreeKVCache`.
+
+    ``feature_layers``: indices into ``output_hidden_states`` to concatenate (EAGLE-3: three layers; EAGLE-1:
+    ``[-1]``, the final normed state), or None when no draft head reads them.
+    """
+
+    def __init__(self, model, feature_layers: list[int] | None):
+        check_target_model(model)
+        self.model = model
+        self.config = model.config.get_text_config()
+        self.feature_layers = feature_layers
+        self.num_layers = self.config.num_hidden_layers
+        self.window = getattr(self.config, "sliding_window", None)
+        layer_types = getattr(self.config, "layer_types", None) or []
+        self.mixed_layer_types = "sliding_attention" in layer_types and "full_attention" in layer_types
+        if layer_types:
+            self.all_sliding = all(t == "sliding_attention" for t in layer_types)
+        else:
+            self.all_sliding = self.window is not None
+        self.device = model.get_input_embeddings().weight.device
+        self.dtype = model.get_input_embeddings().weight.dtype
+
+    def new_cache(self, capacity: int) -> TreeKVCache:
+        return TreeKVCache(self.num_layers, capacity)
+
+    def attention_mask(self, past: int, position_ids: torch.Tensor, tree_mask: torch.Tensor | None):
+        """Additive 4-D mask (1, 1, T, past + T) in the model dtype, or a dict of them per layer type.
+
+        Every new token sees the whole committed prefix; among new tokens it sees what ``tree_mask`` (T, T) allows
+        (ancestors and itself), or causally when there is no tree. Sliding-window layers also hide keys more than
+        ``window`` positions back.
+        """
+        length = position_ids.shape[0]
+        device = self.device
+        if tree_mask is None:
+            new_block = torch.ones(length, length, dtype=torch.bool, device=device).tril_()
+        else:
+            new_block = tree_mask.to(device)
+        allowed = torch.cat([torch.ones(length, past, dtype=torch.bool, device=device), new_block], dim=1)
+        key_positions = torch.cat([torch.arange(past, device=device), position_ids.to(device)])
+        full = self._additive(allowed)
+        if self.window is None or not (self.all_sliding or self.mixed_layer_types):
+            return full
+        in_window = (position_ids.to(device)[:, None] - key_positions[None, :]) < self.window
+        sliding = self._additive(allowed & in_window)
+        if self.mixed_layer_types:
+            return {"full_attention": full, "sliding_attention": sliding}
+        return sliding
+
+    def _additive(self, allowed: torch.Tensor) -> torch.Tensor:
+        mask = torch.zeros(allowed.shape, dtype=self.dtype, device=allowed.device)
+        mask.masked_fill_(~allowed, torch.finfo(self.dtype).min)
+        return mask[None, None]
+
+    @torch.no_grad()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        cache: TreeKVCache,
+        position_ids: torch.Tensor,
+        tree_mask: torch.Tensor | None = None,
+        last_logits_only: bool = False,
+    ) -> TargetOutput:
+        """input_ids: (1, T) new tokens, written to the cache after its ``cache.length`` committed positions;
+        position_ids: (T,) their RoPE positions (tree depth + prefix length for a tree)."""
+        past = cache.length
+        outputs = self.model(
+            input_ids=input_ids.to(self.device),
+            attention_mask=self.attention_mask(past, position_ids, tree_mask),
+            position_ids=position_ids.to(self.device)[None],
+            cache=cache,
+            use_cache=True,
+            output_hidden_states=self.feature_layers is not None,
+            logits_to_keep=1 if last_logits_only else 0,
+        )
+        features = None
+        if self.feature_layers is not None:
+            states = outputs.hidden_states
+            home = states[self.feature_layers[0]].device  # layers may live on several devices
+            features = torch.cat([states[i].to(home) for i in self.feature_layers], dim=-1)
+        return TargetOutput(logits=outputs.logits[0].float(), features=features)

@@ -1,0 +1,100 @@
+"""Draft trees: the data structure, and its construction from scored candidates (EAGLE-2 dynamic tree).
+
+A tree has ``N + 1`` nodes; node 0 is the root (the token the target already chose), and every other node is a
+draft token whose parent has a smaller index. All structure is derived with tensor operations (no Python loop
+over nodes).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class DraftTree:
+    """tokens: (N+1,) target ids, node 0 = root; parents: (N+1,) parent node index (-1 for the root);
+    depths: (N+1,) root 0; ancestor_mask: (N+1, N+1) bool, row i marks i and its ancestors;
+    retrieve_indices: (leaves, max_depth + 1) node ids along each root-to-leaf path, -1 padded on the right;
+    scores: (N+1,) cumulative draft log-probabilities (root 0), used to order siblings."""
+
+    tokens: torch.Tensor
+    parents: torch.Tensor
+    depths: torch.Tensor
+    ancestor_mask: torch.Tensor
+    retrieve_indices: torch.Tensor
+    scores: torch.Tensor
+
+    @property
+    def size(self) -> int:
+        return self.tokens.shape[0]
+
+
+def root_only_tree(root: torch.Tensor) -> DraftTree:
+    """The tree of plain decoding: just the root."""
+    device = root.device
+    zero = torch.zeros(1, dtype=torch.long, device=device)
+    return DraftTree(
+        tokens=root.reshape(1),
+        parents=zero - 1,
+        depths=zero,
+        ancestor_mask=torch.ones(1, 1, dtype=torch.bool, device=device),
+        retrieve_indices=zero.reshape(1, 1),
+        scores=torch.zeros(1, device=device),
+    )
+
+
+def tree_from_parents(tokens: torch.Tensor, parents: torch.Tensor, scores: torch.Tensor) -> DraftTree:
+    """Complete a tree given its nodes. tokens/parents/scores: (N+1,), parents[0] = -1, parents[i] < i."""
+    size = tokens.shape[0]
+    device = tokens.device
+    nodes = torch.arange(size, device=device)
+    ancestor_mask = torch.eye(size, dtype=torch.bool, device=device)
+    current = parents.clone()
+    # Walk up one generation per iteration: at most max-depth iterations of vector ops.
+    while bool((current >= 0).any()):
+        has = current >= 0
+        ancestor_mask[nodes[has], current[has]] = True
+        current = torch.where(has, parents[current.clamp(min=0)], current)
+    depths = ancestor_mask.sum(1) - 1
+
+    is_parent = torch.zeros(size, dtype=torch.bool, device=device)
+    is_parent[parents[parents >= 0]] = True
+    leaves = nodes[~is_parent]
+    max_depth = int(depths.max())
+    # A path's node ids ascend from root to leaf, so sorting each leaf's ancestor set gives the path in order.
+    big = size + 1
+    paths = torch.where(ancestor_mask[leaves], nodes[None, :], torch.full_like(nodes, big)[None, :])
+    paths = paths.sort(dim=1).values[:, : max_depth + 1]
+    retrieve_indices = torch.where(paths == big, torch.full_like(paths, -1), paths)
+    return DraftTree(tokens, parents, depths, ancestor_mask, retrieve_indices, scores)
+
+
+def select_tree(
+    root: torch.Tensor,
+    cand_tokens: torch.Tensor,
+    cand_scores: torch.Tensor,
+    cand_parents: torch.Tensor,
+    num_nodes: int,
+) -> DraftTree:
+    """Keep the ``num_nodes`` best candidates by cumulative score and build the tree (EAGLE-2 re-ranking).
+
+    cand_tokens/cand_scores/cand_parents: (C,) candidates in generation order; cand_parents[c] is the candidate
+    index of c's parent (-1 when the parent is the root) and always < c. Because a child's cumulative log-prob
+    never exceeds its parent's and the sort is stable (earlier index first among equal scores), every kept node's
+    parent is kept too, even with exact ties.
+    """
+    num_nodes = min(num_nodes, cand_tokens.shape[0])
+    order = torch.sort(cand_scores, descending=True, stable=True).indices[:num_nodes]
+    kept = order.sort().values  # ascending candidate index: parents before children
+    # node id of candidate c = position in `kept` + 1 (0 is the root)
+    node_of = torch.full((cand_tokens.shape[0] + 1,), -1, dtype=torch.long, device=kept.device)
+    node_of[kept] = torch.arange(1, num_nodes + 1, device=kept.device)
+    node_of[-1] = 0  # index -1 (parent = root) maps to node 0
+    parents = torch.cat([torch.tensor([-1], device=kept.device), node_of[cand_parents[kept]]])
+    if bool((parents[1:] < 0).any()):
+        raise RuntimeError("Draft tree selection kept a node without its parent; this is a bug.")
+    tokens = torch.cat([root.reshape(1), cand_tokens[kept]])
+    scores = torch.cat([torch.zeros(1, device=cand_scores.device, dtype=cand_scores.dtype), cand_scores[kept]])
+    return tree_from_parents(tokens, parents, scores)

@@ -1,0 +1,103 @@
+"""Verification: which path of a draft tree the target accepts, and the token it adds after it.
+
+Greedy: the longest root-to-leaf prefix whose every token is the target's argmax after its parent.
+Sampling: recursive rejection with point-mass proposals (EAGLE_SPEC section 6.3): at each node the children are
+tried in order of draft score, child x accepted with probability residual(x), where the residual is the target
+distribution at that node with already rejected siblings removed and renormalised; the bonus token is drawn
+from the residual (or from the full target distribution after a leaf). This emits exactly the target's
+(processed) distribution. Randomness comes from torch, so ``torch.manual_seed`` or a generator reproduces a run.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+from .tree import DraftTree
+
+
+def prepare_logits_processor(temperature: float = 0.0, repetition_penalty: float = 0.0, top_p: float = 0.0,
+                             top_k: int = 0) -> LogitsProcessorList:
+    """Reference semantics: empty (greedy) unless temperature > 1e-5; top-p on when 1e-8 <= top_p < 1, top-k on
+    when top_k > 0 (0 means off); top-p is applied before top-k."""
+    processors = LogitsProcessorList()
+    if temperature > 1e-5:
+        if temperature != 1.0:
+            processors.append(TemperatureLogitsWarper(temperature))
+        if repetition_penalty > 1.0:
+            raise ValueError("repetition_penalty is not supported: it would make sampling depend on the draft tree.")
+        if 1e-8 <= top_p < 1.0:
+            processors.append(TopPLogitsWarper(top_p))
+        if top_k > 0:
+            processors.append(TopKLogitsWarper(int(top_k)))
+    return processors
+
+
+class Sampler:
+    """Turns target logits into the processed distribution and draws from it."""
+
+    def __init__(self, temperature: float, top_p: float = 0.0, top_k: int = 0, generator: torch.Generator | None = None):
+        self.processors = prepare_logits_processor(temperature, top_p=top_p, top_k=top_k)
+        self.generator = generator
+
+    def probs(self, logits: torch.Tensor) -> torch.Tensor:
+        """logits (n, V) -> probabilities (n, V), float32."""
+        return torch.softmax(self.processors(None, logits.float()), dim=-1)
+
+    def draw(self, probs: torch.Tensor) -> torch.Tensor:
+        """probs (V,) -> a token id (0-d)."""
+        return torch.multinomial(probs, 1, generator=self.generator)[0]
+
+    def uniform(self, device) -> float:
+        return float(torch.rand((), generator=self.generator, device=self.generator.device if self.generator else device))
+
+
+def verify_greedy(tree: DraftTree, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits: (N+1, V) target logits after each node. Returns the accepted node ids (acc+1,), root first, and the
+    bonus token: the target's argmax after the last accepted node."""
+    predicted = logits.argmax(dim=-1)  # (N+1,)
+    paths = tree.retrieve_indices  # (leaves, depth+1)
+    valid = paths[:, 1:] >= 0
+    tokens_on_path = tree.tokens[paths[:, 1:].clamp(min=0)]
+    predicted_on_path = predicted[paths[:, :-1].clamp(min=0)]
+    matches = (tokens_on_path == predicted_on_path) & valid
+    accept = matches.long().cumprod(dim=1).sum(dim=1)  # leading matches per path
+    best = int(accept.argmax())  # the first path with the longest accepted prefix
+    path = paths[best, : int(accept[best]) + 1]
+    return path, predicted[path[-1]]
+
+
+def verify_sampling(tree: DraftTree, logits: torch.Tensor, sampler: Sampler) -> tuple[torch.Tensor, torch.Tensor]:
+    """Lossless recursive rejection over the tree. Returns (accepted node ids root first, bonus token)."""
+    probs = sampler.probs(logits)  # (N+1, V)
+    parents = tree.parents.tolist()
+    order = torch.argsort(tree.scores, descending=True, stable=True).tolist()
+    children: dict[int, list[int]] = {}
+    for node in order:  # siblings by descending draft score
+        if parents[node] >= 0:
+            children.setdefault(parents[node], []).append(node)
+    tokens = tree.tokens.tolist()
+
+    node, path = 0, [0]
+    while True:
+        kids = children.get(node)
+        if not kids:
+            return torch.tensor(path, device=tree.tokens.device), sampler.draw(probs[node])
+        residual = probs[node]
+        accepted = None
+        for child in kids:
+            token = tokens[child]
+            if sampler.uniform(residual.device) < float(residual[token]):
+                accepted = child
+                break
+            residual = residual.clone()
+            residual[token] = 0.0
+            total = residual.sum()
+            if float(total) <= 0.0:  # nothing left but numerical dust; the target's own distribution decides
+                residual = probs[node]
+                break
+            residual = residual / total
+        if accepted is None:
+            return torch.tensor(path, device=tree.tokens.device), sampler.draw(residual)
+        node = accepted
+        path.append(node)

@@ -1,0 +1,27 @@
+"""Shared fixtures: tiny models built locally (see tests/tiny_models.py)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from tiny_models import make_head, make_target, make_tiny_pair, make_tokenizer  # noqa: E402,F401
+
+SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer_dir(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("tokenizer")
+    make_tokenizer(directory)
+    return directory
+
+
+@pytest.fixture(scope="session")
+def tiny_pair(tmp_path_factory):
+    """(base_dir, head_dir) of a tiny Llama target with a random full-vocabulary EAGLE-3 head."""
+    return make_tiny_pair(tmp_path_factory.mktemp("pair"), "llama", eagle3=True)

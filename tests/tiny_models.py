@@ -1,0 +1,150 @@
+"""Tiny randomly initialised target models and draft heads, saved in the published layouts, for tests.
+
+Everything is built locally (no network): a character-level tokenizer with a ChatML template, a target of any
+supported family, and an EAGLE-3 or EAGLE-1 head whose checkpoint has exactly the official keys.
+"""
+
+from __future__ import annotations
+
+import json
+import string
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+VOCAB = 128
+SPECIALS = ["<pad>", "<s>", "</s>", "<unk>", "<|im_start|>", "<|im_end|>"]
+CHATML = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "mixtral", "phi3", "gemma"]
+
+
+def make_tokenizer(directory: Path):
+    """A character-level fast tokenizer with VOCAB ids (specials first) and a ChatML chat template."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    chars = [c for c in string.printable if c not in "\x0b\x0c\r"]
+    vocab = {tok: i for i, tok in enumerate(SPECIALS + chars)}
+    filler = 0
+    while len(vocab) < VOCAB:
+        vocab[f"<extra_{filler}>"] = len(vocab)
+        filler += 1
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="<|im_end|>", unk_token="<unk>", pad_token="<pad>",
+        additional_special_tokens=["<|im_start|>", "</s>"],
+    )
+    fast.chat_template = CHATML
+    fast.save_pretrained(directory)
+    return fast
+
+
+def target_config(family: str, layers: int = 6, **overrides):
+    """A tiny config of ``family`` with VOCAB tokens; eos = <|im_end|> (id 5)."""
+    from transformers import AutoConfig
+
+    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, bos_token_id=1,
+                  eos_token_id=5, pad_token_id=0, tie_word_embeddings=False, initializer_range=0.5)
+    extra = {
+        "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
+        "mistral": dict(sliding_window=None),
+        "qwen2": dict(use_sliding_window=False),
+        "qwen3": dict(head_dim=16, use_sliding_window=False),
+        "phi3": dict(pad_token_id=0, sliding_window=None),
+        "gemma": dict(head_dim=16),
+    }.get(family, {})
+    kwargs = {**common, **extra, **overrides}
+    return AutoConfig.for_model(family, **kwargs)
+
+
+def make_target(directory: Path, family: str = "llama", seed: int = 0, layers: int = 6, **overrides):
+    """Save a random tiny target (float32, SDPA) and the tokenizer to ``directory``; return the model."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    config = target_config(family, layers=layers, **overrides)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    directory.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(directory)
+    make_tokenizer(directory)
+    return model
+
+
+def head_config_dict(target_cfg, eagle3: bool, draft_vocab_size: int | None = None) -> dict:
+    text = target_cfg.get_text_config()
+    cfg = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": text.hidden_size,
+        "intermediate_size": text.intermediate_size,
+        "num_attention_heads": text.num_attention_heads,
+        "num_key_value_heads": text.num_key_value_heads,
+        "num_hidden_layers": 1,
+        "hidden_act": "silu",
+        "max_position_embeddings": 2048,
+        "rms_norm_eps": 1e-6,
+        "vocab_size": text.vocab_size,
+        "pad_token_id": 0,
+        "bos_token_id": 1,
+        "eos_token_id": 5,
+        "rope_theta": 10000.0,
+        "torch_dtype": "float16",
+        "tie_word_embeddings": False,
+    }
+    if eagle3:
+        cfg["draft_vocab_size"] = draft_vocab_size or text.vocab_size
+    else:
+        cfg["bias"] = True
+    return cfg
+
+
+def make_head(directory: Path, target_model, eagle3: bool = True, draft_vocab_size: int | None = None, seed: int = 1,
+              fmt: str = "safetensors", state_dict: dict | None = None):
+    """Save a random head for ``target_model`` in the official layout (no embedding); return its state dict."""
+    from eagle.model import cnets, cnets1
+    from eagle.model.configs import EConfig
+
+    cfg = head_config_dict(target_model.config, eagle3, draft_vocab_size)
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(cfg, indent=2))
+    if state_dict is None:
+        torch.manual_seed(seed)
+        config = EConfig(**cfg)
+        head = cnets.Model(config) if eagle3 else cnets1.Model(config)
+        for name, param in head.named_parameters():
+            if name.endswith("weight") and param.dim() == 2:
+                torch.nn.init.normal_(param, std=0.2)
+        if eagle3 and cfg["draft_vocab_size"] < cfg["vocab_size"]:
+            used = torch.randperm(cfg["vocab_size"])[: cfg["draft_vocab_size"]].sort().values
+            head.d2t.copy_(used - torch.arange(cfg["draft_vocab_size"]))
+            head.t2d.zero_()
+            head.t2d[used] = True
+        state_dict = {k: v for k, v in head.state_dict().items() if not k.startswith("embed_tokens")}
+        if eagle3 and cfg["draft_vocab_size"] == cfg["vocab_size"]:
+            state_dict = {k: v for k, v in state_dict.items() if k not in ("d2t", "t2d")}
+    if fmt == "safetensors":
+        save_file({k: v.contiguous() for k, v in state_dict.items()}, str(directory / "model.safetensors"))
+    else:
+        torch.save(state_dict, directory / "pytorch_model.bin")
+    return state_dict
+
+
+def make_tiny_pair(tmp_path: Path, family: str = "llama", eagle3: bool = True, draft_vocab_size: int | None = None,
+                   seed: int = 0, fmt: str = "safetensors") -> tuple[Path, Path]:
+    """Save a tiny target and a head for it under ``tmp_path``; return ``(base_dir, head_dir)``."""
+    base_dir = Path(tmp_path) / f"{family}-base"
+    head_dir = Path(tmp_path) / f"{family}-{'eagle3' if eagle3 else 'eagle1'}-{draft_vocab_size or 'full'}"
+    model = make_target(base_dir, family, seed=seed) if not (base_dir / "config.json").exists() else None
+    if model is None:
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(base_dir)
+    make_head(head_dir, model, eagle3=eagle3, draft_vocab_size=draft_vocab_size, seed=seed + 1, fmt=fmt)
+    return base_dir, head_dir
