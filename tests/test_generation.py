@@ -1,0 +1,159 @@
+"""Greedy losslessness: EAGLE output equals Hugging Face `generate(do_sample=False)` token for token, for every
+tested family, head kind and tree setting; and with heads that are really accepted."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from eagle.model.ea_model import EaModel
+from tiny_models import FAMILIES, make_head, make_target, train_head_quickly
+
+HEAD_KINDS = {"eagle3-full": (True, None), "eagle3-reduced": (True, 48), "eagle1": (False, None)}
+TREES = [(16, 3, 4), (7, 5, 2)]
+PROMPTS = [[1, 40, 41, 42], [1, 70, 71, 72, 73, 74, 75, 76, 77, 20], [1, 100]]
+MAX_NEW = 24
+
+
+@pytest.fixture(scope="module")
+def family_dirs(tmp_path_factory):
+    """family -> (base_dir, {head kind: head_dir}), built once per module."""
+    built = {}
+    root = tmp_path_factory.mktemp("families")
+    for family in FAMILIES:
+        base = root / family
+        model = make_target(base, family, seed=3)
+        heads = {}
+        for kind, (eagle3, vocab) in HEAD_KINDS.items():
+            heads[kind] = root / f"{family}-{kind}"
+            make_head(heads[kind], model, eagle3=eagle3, draft_vocab_size=vocab, seed=4)
+        built[family] = (base, heads)
+    return built
+
+
+@pytest.fixture(scope="module")
+def hf_reference(family_dirs):
+    """(family, prompt index) -> ids from transformers' own greedy generate."""
+    cache = {}
+
+    def get(family, index):
+        if (family, index) not in cache:
+            model = AutoModelForCausalLM.from_pretrained(family_dirs[family][0], dtype=torch.float32).eval()
+            for i, prompt in enumerate(PROMPTS):
+                cache[(family, i)] = model.generate(torch.tensor([prompt]), max_new_tokens=MAX_NEW, do_sample=False)
+        return cache[(family, index)]
+
+    return get
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("kind", list(HEAD_KINDS))
+def test_greedy_equals_hf_generate(family, kind, family_dirs, hf_reference):
+    base, heads = family_dirs[family]
+    eagle3, _ = HEAD_KINDS[kind]
+    model = EaModel.from_pretrained(use_eagle3=eagle3, base_model_path=str(base), ea_model_path=str(heads[kind]),
+                                    dtype=torch.float32)
+    for total_token, depth, top_k in TREES:
+        model.set_tree(total_token, depth, top_k)
+        for index, prompt in enumerate(PROMPTS):
+            expected = hf_reference(family, index)
+            got = model.eagenerate(torch.tensor([prompt]), max_new_tokens=MAX_NEW)
+            assert got.tolist() == expected.tolist(), (family, kind, total_token, depth, top_k, prompt)
+            assert model.naivegenerate(torch.tensor([prompt]), max_new_tokens=MAX_NEW).tolist() == expected.tolist()
+
+
+@pytest.fixture(scope="module")
+def trained_pairs(tmp_path_factory):
+    """Heads fitted for a few seconds to their target's own outputs, with the prompts they were fitted on."""
+    root = tmp_path_factory.mktemp("trained")
+    base = root / "base"
+    model = make_target(base, "llama", seed=5)
+    pairs = {}
+    for kind, (eagle3, vocab) in {"eagle3-full": (True, None), "eagle3-reduced": (True, 64)}.items():
+        head = root / kind
+        make_head(head, model, eagle3=eagle3, draft_vocab_size=vocab, seed=6)
+        prompts = train_head_quickly(base, head, eagle3=eagle3, steps=150)
+        pairs[kind] = (base, head, eagle3, prompts)
+    return pairs
+
+
+@pytest.mark.parametrize("kind", ["eagle3-full", "eagle3-reduced"])
+def test_trained_head_is_accepted_and_lossless(kind, trained_pairs):
+    base, head, eagle3, prompts = trained_pairs[kind]
+    reference = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
+    model = EaModel.from_pretrained(use_eagle3=eagle3, base_model_path=str(base), ea_model_path=str(head),
+                                    total_token=16, depth=4, top_k=4, dtype=torch.float32)
+    emitted = cycles = 0
+    for prompt in prompts[:6]:
+        ids = prompt[None]
+        expected = reference.generate(ids, max_new_tokens=40, do_sample=False)
+        got, new_tokens, steps = model.eagenerate(ids, max_new_tokens=40, log=True)
+        assert got.tolist() == expected.tolist()
+        emitted += new_tokens - 1  # the first token comes from the prefill
+        cycles += steps
+    mean_accepted = emitted / cycles  # tokens per draft/verify cycle: accepted drafts + 1
+    assert mean_accepted > 1.5, mean_accepted
+
+
+def test_stop_token_and_budget(family_dirs):
+    """Nothing after the first stop token; never more than max_new_tokens; same as HF for every budget."""
+    base, heads = family_dirs["llama"]
+    model = EaModel.from_pretrained(base_model_path=str(base), ea_model_path=str(heads["eagle3-full"]),
+                                    total_token=8, depth=3, top_k=3)
+    reference = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
+    prompt = torch.tensor([PROMPTS[1]])
+    for budget in range(0, 12):
+        got, new_tokens, _ = model.eagenerate(prompt, max_new_tokens=budget, log=True)
+        assert new_tokens == got.shape[1] - prompt.shape[1] <= budget
+        if budget:
+            assert got.tolist() == reference.generate(prompt, max_new_tokens=budget, do_sample=False).tolist()
+    # make the target's first choice a stop token: generation ends right there, stop token included
+    first = model.eagenerate(prompt, max_new_tokens=1)[0, -1].item()
+    model.base_model.generation_config.eos_token_id = [first]
+    try:
+        out = model.eagenerate(prompt, max_new_tokens=30)
+        assert out[0, prompt.shape[1]:].tolist() == [first]
+    finally:
+        model.base_model.generation_config.eos_token_id = 5
+
+
+def test_streaming_matches_and_chunks_are_steps(family_dirs):
+    base, heads = family_dirs["qwen2"]
+    model = EaModel.from_pretrained(base_model_path=str(base), ea_model_path=str(heads["eagle3-full"]),
+                                    total_token=8, depth=3, top_k=3)
+    prompt = torch.tensor([PROMPTS[0]])
+    final = model.eagenerate(prompt, max_new_tokens=20)
+    lengths = [ids.shape[1] for ids in model.ea_generate(prompt, max_new_tokens=20)]
+    assert lengths[0] == prompt.shape[1] + 1 and lengths[-1] == final.shape[1]
+    assert all(b > a for a, b in zip(lengths, lengths[1:]))
+    naive = [ids.shape[1] for ids in model.naive_generate(prompt, max_new_tokens=20)]
+    assert naive == list(range(prompt.shape[1] + 1, final.shape[1] + 1))
+
+
+def test_hf_style_generate(family_dirs):
+    base, heads = family_dirs["llama"]
+    model = EaModel.from_pretrained(base_model_path=str(base), ea_model_path=str(heads["eagle3-full"]))
+    inputs = model.tokenizer("Hello", return_tensors="pt")
+    out = model.generate(**inputs, max_new_tokens=10)
+    reference = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
+    assert out.tolist() == reference.generate(**inputs, max_new_tokens=10, do_sample=False).tolist()
+
+
+def test_abandoned_stream_and_failed_call_leave_model_usable(family_dirs):
+    base, heads = family_dirs["llama"]
+    model = EaModel.from_pretrained(base_model_path=str(base), ea_model_path=str(heads["eagle3-full"]),
+                                    total_token=8, depth=3, top_k=3)
+    prompt = torch.tensor([PROMPTS[1]])
+    expected = model.eagenerate(prompt, max_new_tokens=16)
+    stream = model.ea_generate(prompt, max_new_tokens=16)
+    next(stream)
+    next(stream)
+    del stream  # abandoned half-way
+    with pytest.raises(ValueError):
+        model.eagenerate(torch.tensor([[1, 2, 3000]]), max_new_tokens=4)
+    assert model.eagenerate(prompt, max_new_tokens=16).tolist() == expected.tolist()
+    # a later call with a larger max_length grows the cache
+    long_prompt = torch.randint(6, 128, (1, 300))
+    out = model.eagenerate(long_prompt, max_new_tokens=4, max_length=400)
+    assert out.shape[1] == 304

@@ -1,0 +1,185 @@
+"""Tree construction and tree attention against slow, obviously-correct references."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from eagle.model.drafter import EagleDrafter, TreeSettings
+from eagle.model.generation import verify_tree
+from eagle.model.loading import load_ea_layer
+from eagle.model.target import Target, eagle3_layer_ids
+from eagle.model.tree import select_tree, tree_from_parents
+from eagle.model.verify import verify_greedy
+from tiny_models import make_head, make_target
+
+
+def random_candidates(top_k: int, depth: int, seed: int, coarse: bool):
+    """Candidates laid out as the EAGLE-2 drafter produces them: level 0 has K children of the root; each later
+    level has K children for each of the K best nodes of the previous level. ``coarse`` rounds log-probs so that
+    exact ties happen."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def logp(n):
+        values = torch.log_softmax(torch.randn(n, generator=gen) * 2, dim=0).topk(top_k).values
+        return values.round(decimals=0) if coarse else values
+
+    tokens, scores, parents = [], [], []
+    level_ids = list(range(top_k))
+    tokens += torch.randint(0, 1000, (top_k,), generator=gen).tolist()
+    scores += logp(50).tolist()
+    parents += [-1] * top_k
+    for _ in range(depth):
+        frontier = sorted(level_ids, key=lambda c: (-scores[c], c))[:top_k]
+        new_ids = []
+        for parent in frontier:
+            for value in logp(50).tolist():
+                new_ids.append(len(tokens))
+                tokens.append(int(torch.randint(0, 1000, (1,), generator=gen)))
+                scores.append(scores[parent] + value)
+                parents.append(parent)
+        level_ids = new_ids
+    return torch.tensor(tokens), torch.tensor(scores), torch.tensor(parents)
+
+
+def slow_tree(root, tokens, scores, parents, num_nodes):
+    """Plain-Python reference: best `num_nodes` candidates (ties: earlier first), explicit ancestor walks."""
+    ranked = sorted(range(len(tokens)), key=lambda c: (-float(scores[c]), c))[:num_nodes]
+    kept = sorted(ranked)
+    node_of = {c: i + 1 for i, c in enumerate(kept)}
+    node_parents = [-1] + [0 if int(parents[c]) < 0 else node_of[int(parents[c])] for c in kept]
+    size = len(kept) + 1
+    ancestors = []
+    for node in range(size):
+        chain, current = [], node
+        while current != -1:
+            chain.append(current)
+            current = node_parents[current]
+        ancestors.append(sorted(chain))
+    depths = [len(a) - 1 for a in ancestors]
+    leaves = [n for n in range(size) if n not in node_parents]
+    max_depth = max(depths)
+    paths = [a + [-1] * (max_depth + 1 - len(a)) for a in (ancestors[leaf] for leaf in leaves)]
+    mask = [[j in ancestors[i] for j in range(size)] for i in range(size)]
+    return {
+        "tokens": [int(root)] + [int(tokens[c]) for c in kept],
+        "parents": node_parents,
+        "depths": depths,
+        "ancestor_mask": mask,
+        "retrieve_indices": paths,
+    }
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("top_k,depth,num_nodes", [(3, 2, 6), (4, 3, 15), (5, 4, 40), (2, 6, 13), (3, 0, 2)])
+def test_select_tree_matches_slow_reference(seed, top_k, depth, num_nodes):
+    tokens, scores, parents = random_candidates(top_k, depth, seed, coarse=seed % 2 == 1)
+    root = torch.tensor(7)
+    tree = select_tree(root, tokens, scores, parents, num_nodes)
+    expected = slow_tree(root, tokens, scores, parents, num_nodes)
+    assert tree.tokens.tolist() == expected["tokens"]
+    assert tree.parents.tolist() == expected["parents"]
+    assert tree.depths.tolist() == expected["depths"]
+    assert tree.ancestor_mask.tolist() == expected["ancestor_mask"]
+    assert tree.retrieve_indices.tolist() == expected["retrieve_indices"]
+
+
+def test_spec_worked_example():
+    """EAGLE_SPEC section 5: K=3, D=2, N=6, best flat indices [0,1,2,3,4,6]."""
+    parents = torch.tensor([-1, -1, -1, 0, 0, 0, 1, 1, 1, 2, 2, 2])
+    scores = torch.tensor([-1.0, -1.1, -1.2, -2.0, -2.1, -9.0, -2.2, -9.0, -9.0, -9.0, -9.0, -9.0])
+    tree = select_tree(torch.tensor(0), torch.arange(12) + 100, scores, parents, 6)
+    assert tree.parents.tolist() == [-1, 0, 0, 0, 1, 1, 2]
+    assert tree.depths.tolist() == [0, 1, 1, 1, 2, 2, 2]
+    assert tree.retrieve_indices.tolist() == [[0, 3, -1], [0, 1, 4], [0, 1, 5], [0, 2, 6]]
+
+
+def test_tree_from_parents_chain():
+    tree = tree_from_parents(torch.arange(4), torch.tensor([-1, 0, 1, 2]), torch.zeros(4))
+    assert tree.retrieve_indices.tolist() == [[0, 1, 2, 3]]
+    assert torch.equal(tree.ancestor_mask, torch.ones(4, 4, dtype=torch.bool).tril())
+
+
+@pytest.fixture(scope="module")
+def tiny_target(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tree-target")
+    model = make_target(root / "base", "qwen3", seed=11)
+    make_head(root / "head", model, eagle3=True, seed=12)
+    return model, root
+
+
+def test_tree_attention_equals_path_forward(tiny_target):
+    """Each tree node's logits equal a plain causal forward over prefix + its root-to-node path."""
+    model, _ = tiny_target
+    target = Target(model, feature_layers=None)
+    torch.manual_seed(0)
+    prefix = torch.randint(6, 128, (1, 9))
+    parents = torch.tensor([-1, 0, 0, 1, 1, 2, 3, 3, 6])
+    tree = tree_from_parents(torch.randint(6, 128, (9,)), parents, torch.zeros(9))
+    cache = target.new_cache(64)
+    target.forward(prefix, cache, torch.arange(9))
+    logits, _ = verify_tree(target, tree, cache)
+    for node in range(tree.size):
+        path = [n for n in range(tree.size) if tree.ancestor_mask[node, n]]
+        sequence = torch.cat([prefix[0], tree.tokens[path]])[None]
+        with torch.no_grad():
+            expected = model(sequence).logits[0, -1]
+        torch.testing.assert_close(logits[node], expected, atol=1e-4, rtol=1e-4)
+
+
+def test_cache_keeps_accepted_path(tiny_target):
+    """After verification and compaction, the cache equals that of a plain forward over the accepted tokens."""
+    model, _ = tiny_target
+    target = Target(model, feature_layers=None)
+    prefix = torch.randint(6, 128, (1, 7))
+    tree = tree_from_parents(torch.randint(6, 128, (6,)), torch.tensor([-1, 0, 0, 2, 2, 4]), torch.zeros(6))
+    cache = target.new_cache(32)
+    target.forward(prefix, cache, torch.arange(7))
+    verify_tree(target, tree, cache)
+    path = torch.tensor([0, 2, 4, 5])
+    cache.keep_path(path + 7, 7)
+    reference = target.new_cache(32)
+    target.forward(torch.cat([prefix[0], tree.tokens[path]])[None], reference, torch.arange(11))
+    assert cache.length == reference.length == 11
+    for mine, theirs in zip(cache.layers, reference.layers):
+        torch.testing.assert_close(mine.keys[:, :, :11], theirs.keys[:, :, :11], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(mine.values[:, :, :11], theirs.values[:, :, :11], atol=1e-4, rtol=1e-4)
+
+
+def test_greedy_verification_picks_longest_matching_path():
+    tokens = torch.tensor([10, 11, 12, 13, 14, 15])
+    tree = tree_from_parents(tokens, torch.tensor([-1, 0, 0, 1, 2, 4]), torch.zeros(6))
+    logits = torch.full((6, 20), -5.0)
+    # target wants: after root -> 12, after node2 (12) -> 14, after node4 (14) -> 3 (not 15), after node1 -> 13
+    for node, token in [(0, 12), (2, 14), (4, 3), (1, 13), (3, 0), (5, 0)]:
+        logits[node, token] = 5.0
+    path, bonus = verify_greedy(tree, logits)
+    assert path.tolist() == [0, 2, 4] and int(bonus) == 3
+
+
+def test_drafter_expansion_matches_explicit_chains(tiny_target):
+    """Every drafted node's score is its parent's score plus the log-prob that a plain causal head forward over
+    (committed context, then the parent's chain fed back one pair at a time) gives it: the tree attention and
+    the expansion KV of the drafter are exact."""
+    model, root = tiny_target
+    head = load_ea_layer(str(root / "head"), model, True, 20, 3, 3, 1.0)  # full vocabulary: draft id = token
+    target = Target(model, feature_layers=eagle3_layer_ids(model.config.num_hidden_layers))
+    prompt = torch.randint(6, 128, (1, 8))
+    out = target.forward(prompt, target.new_cache(64), torch.arange(8))
+    context_ids = torch.cat([prompt[0, 1:], torch.tensor([17])])[None]
+    tree = EagleDrafter(head, TreeSettings(total_token=20, depth=3, top_k=3)).draft(out.features, context_ids)
+    assert tree.size == 20 and int(tree.tokens[0]) == 17
+    with torch.no_grad():
+        for node in range(1, tree.size):
+            chain = [n for n in range(tree.size) if tree.ancestor_mask[node, n]]
+            hidden_in, ids = head.fc(out.features), context_ids
+            hidden_out = head(hidden_in, ids)
+            for step in chain[1:-1]:  # feed the parent's chain back, one (hidden, token) pair at a time
+                hidden_in = torch.cat([hidden_in, hidden_out[:, -1:]], dim=1)
+                ids = torch.cat([ids, tree.tokens[[step]][None]], dim=1)
+                hidden_out = head(hidden_in, ids)
+            logp = torch.log_softmax(head.compute_logits(hidden_out[:, -1])[0].float(), dim=-1)
+            parent = int(tree.parents[node])
+            expected = float(tree.scores[parent]) + float(logp[int(tree.tokens[node])])
+            assert abs(float(tree.scores[node]) - expected) < 1e-4, (node, chain)

@@ -1,0 +1,317 @@
+"""Web UI: prompt building per model type, draft highlighting, streaming answers, and the app's API.
+
+The browser test is tests/test_webui_browser.py. Here, :class:`FakeModel` stands in where a scripted answer with
+known draft acceptance is needed; the tiny real ``EaModel`` checks what users rely on: the same greedy answer with
+EAGLE and plain decoding, through the UI's code, and a model still correct after a stopped generation.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+
+os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
+
+from eagle.application import highlight, prompts  # noqa: E402
+from eagle.application.streaming import EAGLE, PLAIN, ChatRunner, PromptError  # noqa: E402
+
+FAKE_ANSWER = "Hello! EAGLE drafts\n- make it *fast*\n- `x < y`"
+FAKE_CHUNKS = [1, 3, 1, 4, 2]  # tokens per yield after the prefill's single token, cycled
+
+
+class FakeModel:
+    """Scripted stand-in for ``EaModel``: answers ``answer`` (then EOS) whatever the prompt, ``ea_generate`` in
+    ``chunks``-sized steps (all but the last token of each step "accepted drafts"), ``naive_generate`` one token
+    per step, sleeping ``delay`` seconds per step. Records the keyword arguments of each call."""
+
+    def __init__(self, tokenizer, answer: str = FAKE_ANSWER, chunks=FAKE_CHUNKS, delay: float = 0.0,
+                 max_position_embeddings: int = 512):
+        self.tokenizer = tokenizer
+        self.answer_ids = tokenizer(answer, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        self.chunks = chunks
+        self.delay = delay
+        self.device = torch.device("cpu")
+        self.config = type("Config", (), {"max_position_embeddings": max_position_embeddings})()
+        self.calls: list[dict] = []
+
+    def _stream(self, input_ids, sizes, max_new_tokens=512, **kwargs):
+        self.calls.append(dict(kwargs, max_new_tokens=max_new_tokens))
+        answer = self.answer_ids[:max_new_tokens]
+        done = 0
+        for size in sizes:
+            if done >= len(answer):
+                return
+            time.sleep(self.delay)
+            done = min(done + size, len(answer))
+            yield torch.cat([input_ids, torch.tensor([answer[:done]])], dim=1)
+
+    def ea_generate(self, input_ids, **kwargs):
+        sizes = [1] + [self.chunks[i % len(self.chunks)] for i in range(len(self.answer_ids))]
+        return self._stream(input_ids, sizes, **kwargs)
+
+    def naive_generate(self, input_ids, **kwargs):
+        return self._stream(input_ids, [1] * len(self.answer_ids), **kwargs)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_tokenizer_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_tokenizer_dir)
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tiny_pair):
+    from eagle.model.ea_model import EaModel
+
+    base_dir, head_dir = tiny_pair
+    torch.manual_seed(0)
+    return EaModel.from_pretrained(base_model_path=str(base_dir), ea_model_path=str(head_dir), total_token=12,
+                                   depth=3, top_k=4)
+
+
+# ------------------------------------------------------------------------------------------------------- prompts
+HISTORY = [("Hi", "Hello!")]
+
+
+def test_vicuna_prompt_is_fastchat_vicuna_v1_1(tokenizer):
+    prompt = prompts.build_prompt(tokenizer, HISTORY, "How are you?", "vicuna")
+    assert prompt.text == (
+        "A chat between a curious user and an artificial intelligence assistant. The assistant gives helpful, "
+        "detailed, and polite answers to the user's questions. USER: Hi ASSISTANT: Hello!</s>USER: How are you? "
+        "ASSISTANT:")
+    assert tokenizer.decode(prompt.input_ids) == prompt.text
+
+
+def test_llama2_chat_prompt_has_system_prompt_spaced_answers_and_trailing_space(tokenizer):
+    text = prompts.build_prompt(tokenizer, HISTORY, "How are you?", "llama-2-chat").text
+    assert text.startswith("[INST] <<SYS>>\nYou are a helpful, respectful and honest assistant.")
+    assert text.endswith("<</SYS>>\n\nHi [/INST]  Hello! </s><s>[INST] How are you? [/INST] ")
+
+
+def test_mixtral_prompt_has_no_system_prompt_and_plain_eos_separator(tokenizer):
+    text = prompts.build_prompt(tokenizer, HISTORY, "How are you?", "mixtral").text
+    assert text == "[INST] Hi [/INST]  Hello!</s>[INST] How are you? [/INST] "
+
+
+@pytest.mark.parametrize("model_type", ["qwen2", "qwen3", None, "default"])
+def test_chat_template_types_use_the_tokenizers_template(tokenizer, model_type):
+    prompt = prompts.build_prompt(tokenizer, HISTORY, "How are you?", model_type)
+    expected = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"},
+         {"role": "user", "content": "How are you?"}], tokenize=False, add_generation_prompt=True)
+    assert prompt.text == expected
+    assert prompt.input_ids == tokenizer(expected, add_special_tokens=False)["input_ids"]
+
+
+def test_llama3_prompt_has_system_prompt_and_a_single_bos(tokenizer):
+    # A Llama-3 style template writes the BOS itself; the reference then added a second one when encoding.
+    tokenizer = tokenizer.__class__.from_pretrained(tokenizer.name_or_path)
+    tokenizer.chat_template = "{{ bos_token }}" + tokenizer.chat_template
+    tokenizer._tokenizer.post_processor = __import__("tokenizers").processors.TemplateProcessing(
+        single="<s> $A", special_tokens=[("<s>", tokenizer.bos_token_id)])  # encoding adds a BOS, like Llama-3's
+    assert tokenizer("x")["input_ids"][0] == tokenizer.bos_token_id
+    prompt = prompts.build_prompt(tokenizer, [], "Hey", "llama-3-instruct")
+    assert prompt.text.startswith("<s><|im_start|>system\nYou are a helpful, respectful and honest assistant.")
+    assert prompt.input_ids[0] == tokenizer.bos_token_id and prompt.input_ids[1] != tokenizer.bos_token_id
+    assert prompts.get_model_type("llama-3-instruct").is_llama3
+
+
+def test_fastchat_prompt_gets_one_bos_from_a_tokenizer_that_adds_it(tokenizer):
+    tokenizer = tokenizer.__class__.from_pretrained(tokenizer.name_or_path)
+    tokenizer._tokenizer.post_processor = __import__("tokenizers").processors.TemplateProcessing(
+        single="<s> $A", special_tokens=[("<s>", tokenizer.bos_token_id)])
+    ids = prompts.build_prompt(tokenizer, [], "Hey", "vicuna").input_ids
+    assert ids[0] == tokenizer.bos_token_id and ids[1] != tokenizer.bos_token_id
+
+
+def test_unknown_model_type_lists_the_choices():
+    with pytest.raises(ValueError, match="unknown model type 'llama2'.*vicuna, llama-2-chat, mixtral"):
+        prompts.get_model_type("llama2")
+
+
+def test_default_type_without_chat_template_says_what_to_pass(tokenizer):
+    tokenizer = tokenizer.__class__.from_pretrained(tokenizer.name_or_path)
+    tokenizer.chat_template = None
+    with pytest.raises(ValueError, match="no chat template.*vicuna"):
+        prompts.build_prompt(tokenizer, [], "Hey", None)
+    assert "USER: Hey" in prompts.build_prompt(tokenizer, [], "Hey", "vicuna").text
+
+
+# ---------------------------------------------------------------------------------------------------- highlighting
+def test_draft_flags_mark_all_but_the_last_token_of_each_verification_step():
+    assert highlight.draft_flags([1, 3, 1, 2]) == [False, True, True, False, False, True, False]
+
+
+def test_draft_segments_join_to_the_decoded_answer(tokenizer):
+    ids = tokenizer("Hello world", add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    flags = highlight.draft_flags([1, 3, 1, 4, 3])
+    segments = highlight.draft_segments(tokenizer, ids, flags)
+    assert segments == [("H", False), ("el", True), ("lo", False), (" wo", True), ("r", False), ("ld", True)]
+    assert "".join(text for text, _ in segments) == tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def _byte_level_tokenizer():
+    """A byte-level tokenizer without merges: "é" is two tokens, so a prefix can end inside the character."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {tok: i for i, tok in enumerate(pre_tokenizers.ByteLevel.alphabet() + ["<eos>"])}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>")
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}\n{% endfor %}"
+    return tokenizer
+
+
+def test_draft_segments_cut_multi_byte_characters_cleanly():
+    byte_tokenizer = _byte_level_tokenizer()
+    ids = byte_tokenizer("aéb", add_special_tokens=False)["input_ids"]
+    assert len(ids) == 4
+    segments = highlight.draft_segments(byte_tokenizer, ids, [False, False, True, True])
+    assert "".join(text for text, _ in segments) == "aéb"
+    assert all("\ufffd" not in text for text, _ in segments)
+
+
+def test_streamed_text_never_shows_half_a_character():
+    runner = ChatRunner(FakeModel(_byte_level_tokenizer(), answer="né é", chunks=[1]))
+    for decoding in (EAGLE, PLAIN):
+        snapshots = [(p.text, runner.render(p, highlight=True)) for p in runner.stream(runner.prompt([], "x"),
+                                                                                      decoding)]
+        assert all("\ufffd" not in text + shown for text, shown in snapshots)
+        assert snapshots[-1][0] == "né é" and "n" in [text for text, _ in snapshots]
+
+
+def test_render_highlighted_marks_drafts_but_not_markdown_structure_or_code():
+    segments = [("Intro ", False), ("drafted", True), (" text\n", False), ("- item", True), (" one\n", False),
+                ("`a <b>`", True), (" and <i>\n```\n", False), ("code line\n", True), ("```", False)]
+    html = highlight.render_highlighted(segments)
+    assert '<mark class="eagle-draft"' in html and ">drafted</mark>" in html
+    assert "\n- <mark" in html                          # the bullet stays outside the mark
+    assert "`a <b>`" in html                            # inline code untouched, not escaped
+    assert "and &lt;i&gt;" in html                      # model text is shown, not interpreted as HTML
+    assert "```\ncode line\n```" in html                # nothing inside a code block
+    assert html.count("<mark") == 2
+
+
+def test_render_highlighted_keeps_emphasis_delimiters_outside_marks():
+    html = highlight.render_highlighted([("make it ", False), ("*fas", True), ("t* [a", False), ("b](u) _c_", True),
+                                         (" see ", False), ("http://x.y/z", True)])
+    assert html == ('make it *<mark class="eagle-draft" style="{0}">fas</mark>t* [a<mark class="eagle-draft" '
+                    'style="{0}">b</mark>](u) _<mark class="eagle-draft" style="{0}">c</mark>_ see http://x.y/z'
+                    ).format(highlight.DRAFT_STYLE)
+
+
+def test_render_without_drafts_only_escapes():
+    assert highlight.render_highlighted([("a < b\n\n**c**", False)]) == "a &lt; b\n\n**c**"
+
+
+# -------------------------------------------------------------------------------------------------- ChatRunner
+def test_runner_streams_the_scripted_answer_with_speed_figures(tokenizer):
+    runner = ChatRunner(FakeModel(tokenizer))
+    snapshots = [(p.text, p.new_tokens) for p in runner.stream(runner.prompt([], "Hi"), EAGLE)]
+    final = runner.stream(runner.prompt([], "Hi"), EAGLE)
+    *_, last = final
+    assert last.finished and last.text == FAKE_ANSWER
+    assert snapshots[0] == ("H", 1) and len(snapshots) > 3
+    assert last.step_sizes[:5] == [1, 1, 3, 1, 4]
+    assert last.tokens_per_step == pytest.approx(last.new_tokens / last.steps) and last.tokens_per_step > 2
+    assert last.mean_accepted == pytest.approx(sum(s - 1 for s in last.step_sizes[1:]) / (last.steps - 1))
+    assert last.tokens_per_second > 0
+    shown = runner.render(last, highlight=True)
+    assert "<mark" in shown and "&lt;" not in shown.split("`")[1]  # marks, and inline code left as written
+    plain = list(runner.stream(runner.prompt([], "Hi"), PLAIN))[-1]
+    assert plain.text == FAKE_ANSWER and plain.tokens_per_step == 1 and plain.mean_accepted == 0
+    assert "<mark" not in runner.render(plain, highlight=True)
+
+
+def test_runner_passes_settings_and_the_context_limit_to_the_model(tokenizer):
+    model = FakeModel(tokenizer, max_position_embeddings=300)
+    runner = ChatRunner(model, model_type="qwen3", max_length=2048)
+    assert runner.max_length == 300
+    list(runner.stream(runner.prompt([], "Hi"), EAGLE, temperature=0.7, top_p=0.8, top_k=5, max_new_tokens=7))
+    assert model.calls[-1] == dict(temperature=0.7, top_p=0.8, top_k=5, max_new_tokens=7, max_length=300,
+                                   is_llama3=False)
+
+
+def test_empty_or_too_long_messages_are_refused_with_a_reason(tokenizer):
+    runner = ChatRunner(FakeModel(tokenizer, max_position_embeddings=64))
+    with pytest.raises(PromptError, match="empty"):
+        runner.prompt([], "   \n")
+    with pytest.raises(PromptError, match=r"is \d+ tokens long, but this model's context holds 64 tokens"):
+        runner.prompt([], "x" * 100)
+    with pytest.raises(ValueError, match="unknown model type"):
+        ChatRunner(FakeModel(tokenizer), model_type="gpt")
+
+
+def test_a_newer_generation_supersedes_an_abandoned_one_even_from_another_runner(tokenizer):
+    model = FakeModel(tokenizer)
+    runner = ChatRunner(model)
+    prompt = runner.prompt([], "Hi")
+    first = runner.stream(prompt, EAGLE)
+    next(first)
+    second = list(ChatRunner(model).stream(prompt, EAGLE))[-1]  # same model, same KV cache: same guard
+    assert second.finished and second.text == FAKE_ANSWER
+    leftover = next(first)
+    assert leftover.interrupted and not leftover.finished
+
+
+def test_real_model_same_greedy_answer_eagle_and_plain_and_usable_after_stop(tiny_model):
+    runner = ChatRunner(tiny_model)
+    prompt = runner.prompt([("Hi", "Hello")], "Tell me a story")
+    expected = tiny_model.naivegenerate(torch.tensor([prompt.input_ids]), max_new_tokens=24)[0, len(prompt.input_ids):]
+    *_, eagle = runner.stream(prompt, EAGLE, temperature=0.0, max_new_tokens=24)
+    assert eagle.token_ids == expected.tolist() and eagle.finished
+    stopped = runner.stream(prompt, PLAIN, max_new_tokens=24)
+    for _ in range(3):
+        next(stopped)
+    stopped.close()  # what the server does when the user presses Stop
+    *_, plain = runner.stream(prompt, PLAIN, temperature=0.0, max_new_tokens=24)
+    assert plain.token_ids == expected.tolist()
+    assert sum(eagle.step_sizes) == eagle.new_tokens and eagle.steps <= plain.steps
+    assert eagle.text == tiny_model.tokenizer.decode(expected, skip_special_tokens=True)
+
+
+# ------------------------------------------------------------------------------------------------------ the app
+def test_importing_the_webui_loads_nothing():
+    import subprocess
+    import sys
+
+    code = ("import sys, eagle.application.webui as w; "
+            "assert 'gradio' not in sys.modules and 'eagle.model.ea_model' not in sys.modules, sorted(sys.modules)")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=os.path.dirname(os.path.dirname(__file__)))
+
+
+def test_cli_flags_follow_the_reference_and_are_safe_by_default():
+    from eagle.application.webui import parse_args
+
+    args = parse_args(["--base-model", "b", "--eagle-model", "h"])
+    assert (args.base_model_path, args.ea_model_path) == ("b", "h")
+    assert args.host == "127.0.0.1" and not args.share and args.model_type is None
+    assert not args.no_eagle3 and args.total_token == 60 and args.max_new_token == 512
+    args = parse_args(["--ea-model-path", "h", "--base-model-path", "b", "--no-eagle3", "--model-type", "qwen3"])
+    assert args.no_eagle3 and args.model_type == "qwen3"
+    with pytest.raises(SystemExit):
+        parse_args(["--model-type", "llama3"])
+
+
+def test_quantisation_flags_fail_clearly_without_cuda(monkeypatch):
+    from eagle.application.webui import parse_args, quantization_kwargs
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit, match="--load-in-8bit needs a CUDA GPU"):
+        quantization_kwargs(parse_args(["--load-in-8bit"]))
+    assert quantization_kwargs(parse_args([])) == {}
+
+
+def test_build_demo_wires_a_single_model_queue(tokenizer):
+    from eagle.application.webui import MODEL_QUEUE, build_demo
+
+    demo = build_demo(FakeModel(tokenizer))
+    model_events = [d for d in demo.fns.values() if d.concurrency_id == MODEL_QUEUE]
+    assert len(model_events) == 4  # submit, send, regenerate, API
+    assert all(d.concurrency_limit == 1 for d in model_events)
