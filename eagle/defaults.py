@@ -35,3 +35,28 @@ def default_ea_model_path() -> str:
             f"The default EAGLE-3 head is missing from {DEFAULT_HEAD_DIR}; reinstall eagle-llm or pass --ea-model-path."
         )
     return str(DEFAULT_HEAD_DIR)
+
+# Tree settings tuned for the default pair on a 2-core CPU, where every verified tree token costs time
+# (see README, "Embedded default"). On a GPU, larger trees (the reference's 60/7/10) pay off.
+DEFAULT_TREE = {"total_token": 12, "depth": 5, "top_k": 4}
+
+
+def default_tree_settings() -> dict:
+    """``{"total_token", "depth", "top_k"}`` for the embedded default pair."""
+    return dict(DEFAULT_TREE)
+
+
+def load_default_model(base_model_path: str | None = None, ea_model_path: str | None = None, use_eagle3: bool = True,
+                       **tree_overrides):
+    """``EaModel`` for the given paths, falling back to the embedded default pair (and its tuned tree) for
+    whatever is not given. Tree settings given as keyword arguments (``total_token``, ``depth``, ``top_k``) win."""
+    from eagle.model.ea_model import EaModel
+
+    tree = default_tree_settings() if ea_model_path is None else {}
+    tree.update({k: v for k, v in tree_overrides.items() if v is not None})
+    return EaModel.from_pretrained(
+        use_eagle3=use_eagle3,
+        base_model_path=base_model_path or default_base_model_path(),
+        ea_model_path=ea_model_path or default_ea_model_path(),
+        **tree,
+    )

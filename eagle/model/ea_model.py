@@ -167,34 +167,37 @@ class EaModel(nn.Module):
 
     def generate_steps(self, input_ids, temperature=0.0, top_p=0.0, top_k=0.0, max_new_tokens=512, max_length=2048,
                        is_llama3=False, use_eagle=True, generator: torch.Generator | None = None) -> Iterator[Step]:
-        """The generation loop: yields one :class:`~eagle.model.generation.Step` per target forward pass."""
-        input_ids = self._check_request(input_ids, temperature, top_p, top_k, max_new_tokens, max_length)
+        """The generation loop: an iterator of :class:`~eagle.model.generation.Step`, one per target forward pass.
+        The request is checked here, before anything runs."""
+        return self._start(input_ids, temperature, top_p, top_k, max_new_tokens, max_length, is_llama3, use_eagle,
+                           generator)[1]
+
+    def _start(self, input_ids, temperature, top_p, top_k, max_new_tokens, max_length, is_llama3, use_eagle,
+               generator=None):
+        prompt = self._check_request(input_ids, temperature, top_p, top_k, max_new_tokens, max_length)
         sampler = Sampler(temperature, top_p, int(top_k), generator) if temperature > 1e-5 else None
         if use_eagle:
             target, drafter = self._eagle_target, EagleDrafter(self.ea_layer, self.tree_settings)
         else:
             target, drafter = self._plain_target, NoDrafter()
-        yield from speculative_decode(target, drafter, self._cache_for(max_length), input_ids, sampler,
-                                      max_new_tokens, max_length, self.stop_token_ids(is_llama3))
+        steps = speculative_decode(target, drafter, self._cache_for(max_length), prompt, sampler, max_new_tokens,
+                                   max_length, self.stop_token_ids(is_llama3))
+        return prompt, steps
 
-    def _stream_ids(self, input_ids, use_eagle, **kwargs) -> Iterator[torch.Tensor]:
-        ids = input_ids if input_ids.dim() == 2 else input_ids[None]
-        steps = self.generate_steps(input_ids, use_eagle=use_eagle, **kwargs)
+    def _stream_ids(self, input_ids, use_eagle, temperature, top_p, top_k, max_new_tokens, max_length, is_llama3):
+        ids, steps = self._start(input_ids, temperature, top_p, top_k, max_new_tokens, max_length, is_llama3, use_eagle)
         for step in steps:
-            ids = torch.cat([ids.to(step.tokens.device), step.tokens[None]], dim=1)
+            ids = torch.cat([ids, step.tokens[None].to(ids.device)], dim=1)
             yield ids
 
-    def _run(self, input_ids, use_eagle, log, **kwargs):
-        pieces, cycles = [], -1
-        with torch.no_grad():
-            for step in self.generate_steps(input_ids, use_eagle=use_eagle, **kwargs):
-                pieces.append(step.tokens)
-                cycles += 1
-        prompt = input_ids if input_ids.dim() == 2 else input_ids[None]
+    def _run(self, input_ids, use_eagle, log, temperature, top_p, top_k, max_new_tokens, max_length, is_llama3=False):
+        prompt, steps = self._start(input_ids, temperature, top_p, top_k, max_new_tokens, max_length, is_llama3,
+                                    use_eagle)
+        pieces = [step.tokens.to(prompt.device) for step in steps]
         new = torch.cat(pieces) if pieces else prompt.new_zeros(0)
-        ids = torch.cat([prompt.to(new.device), new[None]], dim=1)
+        ids = torch.cat([prompt, new[None]], dim=1)
         if log:
-            return ids, int(new.numel()), max(cycles, 0)
+            return ids, int(new.numel()), max(len(pieces) - 1, 0)
         return ids
 
     @torch.no_grad()

