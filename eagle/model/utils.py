@@ -1,0 +1,147 @@
+"""The reference's public step functions, with their names and meaning, over this package's engine.
+
+``EaModel`` does not use these (its loop is :func:`eagle.model.generation.speculative_decode`); they exist for
+code written against the reference's ``eagle.model.utils``. The reference kept the draft's KV cache and the tree
+mask on model attributes; here that state lives in the cache returned by
+:func:`eagle.model.kv_cache.initialize_past_key_values`, and the tree mask is passed explicitly (or taken from
+the last tree that :func:`initialize_tree` / :func:`update_inference_inputs` built on that cache).
+
+Shapes: ``draft_tokens`` (1, N+1); ``retrieve_indices`` (leaves, depth+1), -1 padded; ``tree_mask``
+(1, 1, N+1, N+1) float 0/1; ``tree_position_ids`` (N+1,) depths.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .drafter import EagleDrafter
+from .generation import choose_token
+from .tree import DraftTree
+from .verify import Sampler, prepare_logits_processor  # noqa: F401  (re-exported, reference name)
+
+TOPK = 10
+
+
+def _state(cache) -> dict:
+    if not hasattr(cache, "eagle_state"):
+        cache.eagle_state = {}
+    return cache.eagle_state
+
+
+def _sampler(logits_processor) -> Sampler | None:
+    if logits_processor is None or len(logits_processor) == 0:
+        return None
+    sampler = Sampler(0.0)
+    sampler.processors = logits_processor
+    return sampler
+
+
+def _outputs(tree: DraftTree):
+    return (tree.tokens[None], tree.retrieve_indices, tree.ancestor_mask.float()[None, None], tree.depths)
+
+
+@torch.no_grad()
+def initialize_tree(input_ids, model, past_key_values, logits_processor):
+    """Prefill the prompt (1, S) into ``past_key_values``, choose the first token and draft the first tree.
+
+    Returns ``(draft_tokens, retrieve_indices, tree_mask, tree_position_ids, logits (1, 1, V), features, root
+    (1, 1))``; the caller's ``input_ids`` still excludes the root."""
+    state = _state(past_key_values)
+    target = model._eagle_target
+    past_key_values.crop(0)
+    out = target.forward(input_ids, past_key_values, torch.arange(input_ids.shape[1]), last_logits_only=True)
+    root = choose_token(out.logits[-1], _sampler(logits_processor))
+    drafter = EagleDrafter(model.ea_layer, model.tree_settings)
+    next_tokens = torch.cat([input_ids[0, 1:], root.reshape(1)])[None]
+    tree = drafter.draft(out.features, next_tokens)
+    state.update(drafter=drafter, tree=tree)
+    return (*_outputs(tree), out.logits[None], out.features, root.reshape(1, 1))
+
+
+@torch.no_grad()
+def tree_decoding(model, tree_candidates, past_key_values, tree_position_ids, input_ids, retrieve_indices,
+                  tree_mask=None):
+    """Verify the tree: the target runs the N+1 tree tokens at positions ``len(input_ids) + depth``.
+
+    Returns ``(logits[retrieve_indices] (leaves, depth+1, V), features (1, N+1, F), logits (N+1, V))``; index -1
+    of ``retrieve_indices`` selects the last node (never used)."""
+    if tree_mask is None:
+        tree_mask = _state(past_key_values)["tree"].ancestor_mask
+    mask = tree_mask.reshape(tree_mask.shape[-2], tree_mask.shape[-1]).bool()
+    past_key_values.crop(input_ids.shape[1])
+    out = model._eagle_target.forward(tree_candidates, past_key_values, tree_position_ids.cpu() + input_ids.shape[1],
+                                      tree_mask=mask)
+    return out.logits[retrieve_indices], out.features, out.logits
+
+
+def evaluate_posterior(logits, candidates, logits_processor, generator: torch.Generator | None = None):
+    """Choose the accepted path from per-path logits ``(leaves, depth+1, V)`` and per-path tokens ``candidates``
+    ``(leaves, depth+1)`` (column 0 = root, -1 padding).
+
+    Returns ``(best path index, accept_length (int, tokens accepted after the root), distribution or logits for
+    the next token)``: greedy returns the raw logits after the last accepted node; sampling (recursive rejection,
+    lossless) returns the probability vector to draw the next token from."""
+    if logits_processor is None or len(logits_processor) == 0:
+        predicted = logits[:, :-1].argmax(dim=-1)
+        matches = (candidates[:, 1:] == predicted) & (candidates[:, 1:] >= 0)
+        accept = matches.long().cumprod(dim=1).sum(dim=1)
+        best = int(accept.argmax())
+        length = int(accept[best])
+        return torch.tensor(best), length, logits[best, length]
+    sampler = _sampler(logits_processor)
+    sampler.generator = generator
+    accepted = [int(candidates[0, 0])]
+    best, depth = 0, candidates.shape[1]
+    residual = None
+    for level in range(1, depth):
+        rows = [r for r in range(candidates.shape[0]) if candidates[r, :level].tolist() == accepted]
+        probs = sampler.probs(logits[rows[0], level - 1][None])[0]
+        residual, tried, chosen = probs, set(), None
+        for row in rows:
+            token = int(candidates[row, level])
+            if token < 0 or token in tried:
+                continue
+            tried.add(token)
+            if sampler.uniform(probs.device) < float(residual[token]):
+                chosen = row
+                break
+            residual = residual.clone()
+            residual[token] = 0.0
+            residual = residual / residual.sum()
+        if chosen is None:
+            return torch.tensor(best), len(accepted) - 1, residual
+        accepted.append(int(candidates[chosen, level]))
+        best = chosen
+    return torch.tensor(best), len(accepted) - 1, sampler.probs(logits[best, len(accepted) - 1][None])[0]
+
+
+@torch.no_grad()
+def update_inference_inputs(input_ids, candidates, best_candidate, accept_length, retrieve_indices, logits_processor,
+                            new_token, past_key_values_data_list, current_length_data, model, hidden_state_new,
+                            sample_p, past_key_values=None):
+    """Commit the accepted path (root + ``accept_length`` tokens), keep its KV entries, choose the next root from
+    ``sample_p`` and draft the next tree. ``past_key_values`` is the cache (the reference found it on ``model``).
+
+    Returns ``(input_ids, draft_tokens, retrieve_indices, tree_mask, tree_position_ids, new_token, None, root)``."""
+    cache = past_key_values if past_key_values is not None else model._cache
+    state = _state(cache)
+    prefix = input_ids.shape[1]
+    best = int(best_candidate)
+    path = retrieve_indices[best, : accept_length + 1]
+    input_ids = torch.cat([input_ids, candidates[None, best, : accept_length + 1].to(input_ids.device)], dim=-1)
+    cache.keep_path(path + prefix, prefix)
+    if current_length_data is not None:
+        current_length_data.fill_(prefix + accept_length + 1)
+    features = hidden_state_new[:, path]
+    if logits_processor is None or len(logits_processor) == 0:
+        root = sample_p.argmax()
+    else:
+        root = torch.multinomial(sample_p, 1)[0]
+    next_tokens = torch.cat([candidates[best, 1 : accept_length + 1], root.reshape(1)])[None]
+    tree = state["drafter"].draft(features, next_tokens)
+    state["tree"] = tree
+    return (input_ids, *_outputs(tree), new_token + accept_length + 1, None, root.reshape(1, 1))
+
+
+def reset_tree_mode(model) -> None:
+    """Kept for compatibility: trees are passed explicitly here, so there is nothing to reset."""
