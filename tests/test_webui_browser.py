@@ -294,3 +294,44 @@ def _wait_for(condition, what: str, timeout: float = WAIT_S):
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what}")
         time.sleep(0.05)
+
+
+def test_demo_py_serves_the_chat_on_localhost_only(real_app, tiny_pair):
+    import subprocess
+    import sys
+    import urllib.request
+
+    from gradio_client import Client
+
+    _, expected = real_app
+    base_dir, head_dir = tiny_pair
+    port = _free_port()
+    env = dict(os.environ, OMP_NUM_THREADS="1", GRADIO_ANALYTICS_ENABLED="False")
+    log = ARTIFACTS / "demo_py.log"
+    ARTIFACTS.mkdir(exist_ok=True)
+    with open(log, "w") as out:
+        server = subprocess.Popen([sys.executable, "demo.py", "--base-model", str(base_dir), "--eagle-model",
+                                   str(head_dir), "--port", str(port), "--total-token", "8",
+                                   "--max-new-token", str(MAX_NEW)],
+                                  cwd=Path(__file__).resolve().parents[1], env=env, stdout=out,
+                                  stderr=subprocess.STDOUT)
+    try:
+        url = f"http://127.0.0.1:{port}/"
+
+        def up():
+            if server.poll() is not None:
+                raise AssertionError(f"demo.py exited with {server.returncode}: {log.read_text()[-2000:]}")
+            try:
+                return urllib.request.urlopen(url, timeout=2).status == 200
+            except OSError:
+                return False
+
+        _wait_for(up, "demo.py to serve", timeout=150)
+        client = Client(url, verbose=False, analytics_enabled=False, download_files=False)
+        final = client.predict(PROMPTS[0], [], "eagle", 0.0, 0.0, 0, MAX_NEW, api_name="/generate")
+        assert final["text"] == expected[PROMPTS[0]]
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+    output = log.read_text()
+    assert f"http://127.0.0.1:{port}" in output and "gradio.live" not in output
