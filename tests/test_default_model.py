@@ -46,9 +46,8 @@ def test_default_pair_is_lossless_and_accepted(default_model):
         emitted += new_tokens
         forwards += steps + 1
     mean_tokens_per_forward = emitted / forwards
-    # The issue asks for > 2; the head shipped now reaches ~1.7-1.9 (see README), clearly above an untrained
-    # head (~1.0). This bound checks the shipped head is really trained.
-    assert mean_tokens_per_forward > 1.4, mean_tokens_per_forward
+    # The shipped head gives 2.13 on these prompts with the default tree (16/2/8); an untrained head gives ~1.0.
+    assert mean_tokens_per_forward > 2.0, mean_tokens_per_forward
 
 
 def test_python_m_eagle_help_lists_the_flags():

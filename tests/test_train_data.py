@@ -263,3 +263,30 @@ def test_gguf_base_paths_resolve_to_a_directory_and_file(tmp_path):
     hf_dir.mkdir()
     (hf_dir / "config.json").write_text("{}")
     assert resolve_gguf(str(hf_dir)) == (str(hf_dir), None)
+
+
+def test_cached_target_outputs_survive_a_restart(tiny_target, tmp_path):
+    """--cache_target: a second run (a restart) reads the target's outputs from disk without running the target,
+    and gets what the first run trained on: the same features (float16) and top-k distribution."""
+    from eagle.model.cnets import Model
+    from eagle.model.configs import EConfig
+    from eagle.traineagle3.data import Sample, collate
+    from eagle.traineagle3.target_outputs import TargetOutputs
+
+    directory, model = tiny_target
+    config = EConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+                     num_key_value_heads=2, draft_vocab_size=32)
+    head = Model(config)
+    used = torch.arange(0, 128, 4)
+    head.d2t.copy_(used - torch.arange(32))
+    head.t2d[used] = True
+    batch = collate([Sample(torch.randint(6, 100, (9,)), torch.ones(9, dtype=torch.long), 0),
+                     Sample(torch.randint(6, 100, (5,)), torch.ones(5, dtype=torch.long), 1)])
+    first = TargetOutputs(model, head, [2, 3, 3], cache_top_k=4, cache_dir=str(tmp_path / "cache"))
+    features, probs, in_draft = first(batch, "cpu")
+    assert features.shape == (2, 9, 192) and probs.shape == (2, 9, 32) and in_draft.shape == (2, 9)
+    assert torch.allclose(probs[0].sum(-1), torch.ones(9), atol=1e-2) and int((probs[0] > 0).sum(-1).max()) <= 4
+    restarted = TargetOutputs(None, head, [2, 3, 3], cache_top_k=4, cache_dir=str(tmp_path / "cache"))
+    again = restarted(batch, "cpu")  # would fail if it tried to run the (absent) target
+    for before, after in zip((features, probs, in_draft), again):
+        assert torch.equal(before, after)

@@ -122,6 +122,16 @@ def test_train_under_the_deepspeed_launcher_then_resume_and_load_into_eamodel(wo
     assert "continuing at epoch 5" in resumed.stderr
     assert (savedir / "state_5" / "model.safetensors").is_file()
 
+    # The checkpoint exports to the same head the trainer saved at that epoch's end.
+    from safetensors.torch import load_file as read_weights
+
+    exported = run([sys.executable, "-m", "eagle.traineagle3.export", "--savedir", str(savedir), "--output",
+                    str(root / "exported")])
+    assert exported.returncode == 0, exported.stderr[-3000:]
+    saved, again = read_weights(str(savedir / "state_5" / "model.safetensors")), read_weights(str(root / "exported" / "model.safetensors"))
+    assert saved.keys() == again.keys() and all(torch.equal(saved[k], again[k]) for k in saved)
+    assert json.loads((root / "exported" / "config.json").read_text())["draft_vocab_size"] == 64
+
     # An untrained head with the same vocabulary map, saved the same way.
     from eagle.model.cnets import Model
     from eagle.model.configs import EConfig

@@ -14,17 +14,24 @@ logger = logging.getLogger(__name__)
 
 
 def split_gguf_path(path: str) -> tuple[str, str | None]:
-    """``(directory or repo id, gguf file name or None)`` for a ``.gguf`` file or a directory holding one."""
-    if path.endswith(".gguf"):
-        if not os.path.isfile(path):
-            raise FileNotFoundError(f"GGUF file {path} does not exist.")
+    """``(directory or repo id, gguf file name or None)`` for ``from_pretrained``.
+
+    A ``.gguf`` file, or a directory that holds exactly one ``.gguf`` and no ``config.json``, is read through
+    transformers' GGUF support (``from_pretrained(directory, gguf_file=name)``); anything else is passed on as a
+    model directory or Hub id."""
+    if path.endswith(".gguf") and not os.path.isfile(path):
+        raise FileNotFoundError(f"GGUF file {path} does not exist.")
+    if os.path.isfile(path):
+        if not path.endswith(".gguf"):
+            raise ValueError(f"{path} is a file but not a .gguf file; pass a model directory, a Hub id or a .gguf file.")
         return os.path.dirname(os.path.abspath(path)), os.path.basename(path)
     if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "config.json")):
         ggufs = sorted(f for f in os.listdir(path) if f.endswith(".gguf"))
         if len(ggufs) == 1:
             return path, ggufs[0]
         if len(ggufs) > 1:
-            raise ValueError(f"{path} holds several GGUF files ({', '.join(ggufs)}); pass the path of the one to use.")
+            raise ValueError(f"{path} holds several .gguf files ({', '.join(ggufs)}); pass the path of the one to use.")
+        raise FileNotFoundError(f"{path} has neither a config.json nor a .gguf file: it is not a model directory.")
     return path, None
 
 

@@ -67,9 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
     add("--batch_size", type=int, default=None, help="Micro batch per process (overrides the DeepSpeed config).")
     add("--grad_accum", type=int, default=None, help="Gradient accumulation steps (overrides the DeepSpeed config).")
     add("--max_steps", type=int, default=None, help="Stop each epoch after this many micro batches (smoke tests).")
-    add("--lm_head_init", default="target", choices=["target", "random"], help="Initial draft LM head: the "
+    add("--lm_head_init", default="random", choices=["target", "random"], help="Initial draft LM head: the "
         "target's output-embedding rows of the draft vocabulary and its final norm weight (a head that learns to "
-        "produce target-like hidden states starts with a useful decoder), or random.")
+        "produce target-like hidden states starts with a decoder; untested benefit), or random (the reference).")
     add("--init_head", default=None, help="Start from the weights and draft vocabulary of a saved head "
         "(e.g. savedir/state_N of an earlier run on other data) instead of a random head.")
     add("--vocab_cache_dir", default=None, help="Where draft vocabulary maps are cached (default "
@@ -79,9 +79,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="Resume from savedir/checkpoints (error if there is none). Default: resume when one exists.")
     add("--no-resume", "--no_resume", dest="resume", action="store_false", help="Start from scratch.")
     add("--cache_target", action="store_true", help="Keep the target's outputs (features in float16, the top "
-        "--cache_top_k draft tokens of its distribution) in memory after the first epoch, so later epochs skip the "
-        "target. Worth it on a CPU; needs about 7 bytes x 3 x hidden size per training token of RAM.")
+        "--cache_top_k draft tokens of its distribution) after the first epoch, in memory and in "
+        "savedir/target_cache/, so later epochs (and restarted runs) skip the target. Worth it on a CPU; needs "
+        "about 6 bytes x 3 x hidden size per training token of RAM and disk.")
     add("--cache_top_k", type=int, default=16, help="Draft tokens kept per position by --cache_target.")
+    add("--checkpoint_every", type=int, default=0, help="Also save a resumable DeepSpeed checkpoint every N "
+        "optimizer steps within an epoch (0 = at epoch ends only); a restarted run continues from it.")
     add("--num_workers", type=int, default=0, help="DataLoader workers.")
     add("--wandb", action="store_true", help="Log to Weights & Biases (needs `wandb`, and `wandb login`).")
     add("--wandb_project", default="eagle3", help="W&B project name.")
@@ -228,6 +231,16 @@ def save_head(head, config, directory: str, dtype: torch.dtype, extra: dict | No
     if extra:
         with open(os.path.join(directory, "training_args.json"), "w") as f:
             json.dump(extra, f, indent=2, sort_keys=True)
+
+
+def target_cache_dir(savedir: str, data_path: str, key: list) -> str:
+    """savedir/target_cache/<hash of the data file, target, feature layers, precision, top-k, draft vocabulary>."""
+    import hashlib
+
+    from eagle.traineagle3.data import file_fingerprint
+
+    digest = hashlib.sha256(json.dumps([file_fingerprint(data_path), *key]).encode()).hexdigest()[:24]
+    return os.path.join(savedir, "target_cache", digest)
 
 
 def load_init_head(directory: str, vocab_size: int) -> dict[str, torch.Tensor]:
@@ -389,6 +402,9 @@ def main(argv: list[str] | None = None) -> int:
             d2t, t2d = load_or_build_vocab_map(train_set, tokenizer, vocab, args.draft_vocab_size, args.max_len, cache_dir)
 
     config = head_config(target, args.draft_vocab_size, layer_ids)
+    if is_main:  # lets `python -m eagle.traineagle3.export` turn any checkpoint of this run into a head directory
+        os.makedirs(args.savedir, exist_ok=True)
+        config.to_json_file(os.path.join(args.savedir, "config.json"))
     head = Model(config)
     with torch.no_grad():
         head.embed_tokens.weight.copy_(target.get_input_embeddings().weight.float())
@@ -404,8 +420,12 @@ def main(argv: list[str] | None = None) -> int:
         logger.info("Initialised the head from %s", args.init_head)
     head.embed_tokens.weight.requires_grad_(False)
     model = Eagle3TTTModel(head, length=args.ttt_length, decay=args.ttt_decay)
-    train_outputs = TargetOutputs(target, head, layer_ids, args.cache_top_k if args.cache_target else None)
-    test_outputs = TargetOutputs(target, head, layer_ids, args.cache_top_k if args.cache_target else None)
+    top_k = args.cache_top_k if args.cache_target else None
+    cache_key = [args.basepath, layer_ids, str(half), top_k, d2t.tolist()]
+    train_outputs = TargetOutputs(target, head, layer_ids, top_k,
+                                  cache_dir=target_cache_dir(args.savedir, args.trainpath, cache_key) if top_k else None)
+    test_outputs = TargetOutputs(target, head, layer_ids, top_k,
+                                 cache_dir=target_cache_dir(args.savedir, args.testpath, cache_key) if top_k and args.testpath else None)
 
     micro = ds_config["train_micro_batch_size_per_gpu"]
     accum = ds_config["gradient_accumulation_steps"]
@@ -433,13 +453,18 @@ def main(argv: list[str] | None = None) -> int:
     has_checkpoint = os.path.isfile(os.path.join(checkpoint_dir, "latest"))
     if args.resume and not has_checkpoint:
         raise SystemExit(f"--resume: no DeepSpeed checkpoint in {checkpoint_dir}.")
+    skip_batches = 0
     if has_checkpoint and args.resume is not False:
         _, client = engine.load_checkpoint(checkpoint_dir)
-        start_epoch = int(client["epoch"]) + 1
         if not torch.equal(engine.module.head.d2t.cpu(), d2t):
             raise SystemExit(f"The checkpoint in {checkpoint_dir} was trained with another draft vocabulary (other data or "
                              "--draft_vocab_size); use another --savedir or --no-resume.")
-        logger.info("Resumed from %s: continuing at epoch %d.", checkpoint_dir, start_epoch)
+        if client.get("batch"):  # saved within an epoch
+            start_epoch, skip_batches = int(client["epoch"]), int(client["batch"])
+            logger.info("Resumed from %s: continuing epoch %d after batch %d.", checkpoint_dir, start_epoch, skip_batches)
+        else:
+            start_epoch = int(client["epoch"]) + 1
+            logger.info("Resumed from %s: continuing at epoch %d.", checkpoint_dir, start_epoch)
     if start_epoch >= args.epochs:
         logger.info("Already trained for %d epochs in %s.", args.epochs, args.savedir)
 
@@ -462,10 +487,17 @@ def main(argv: list[str] | None = None) -> int:
         for index, batch in enumerate(bar):
             if index >= batches_per_epoch:
                 break
+            if index < skip_batches:  # done before the restart (same order: the sampler is seeded per epoch)
+                continue
             out = run_batch(engine, train_outputs, batch, device)
             engine.backward(out.loss)
             engine.step()
             stats.add(out)
+            if args.checkpoint_every and (index + 1) % (accum * args.checkpoint_every) == 0 and index + 1 < batches_per_epoch:
+                tag = f"epoch_{epoch}_batch_{index + 1}"
+                engine.save_checkpoint(checkpoint_dir, tag=tag, client_state={"epoch": epoch, "batch": index + 1})
+                if is_main:
+                    _drop_old_checkpoints(checkpoint_dir, keep=tag)
             tokens += int(batch["attention_mask"].sum())
             if is_main:
                 acc = stats.accuracy()
@@ -477,7 +509,8 @@ def main(argv: list[str] | None = None) -> int:
                     log.update({f"train/acc_{k}": float(c) / max(1.0, float(n)) for k, (c, n) in enumerate(zip(out.correct, out.counted))})
                     wandb_run.log(log)
         bar.close()
-        elapsed = time.time() - started
+        skip_batches = 0
+        elapsed = max(time.time() - started, 1e-6)
         stats.reduce()
         test_stats = None
         if test_loader is not None:
@@ -500,7 +533,7 @@ def main(argv: list[str] | None = None) -> int:
                          test_acc=test_stats.accuracy() if test_stats else None, tokens_per_s=tokens * world / elapsed)
             save_head(engine.module.head, config, state_dir, getattr(torch, args.save_dtype), extra)
             logger.info("Saved the head to %s", state_dir)
-        engine.save_checkpoint(checkpoint_dir, tag=f"epoch_{epoch}", client_state={"epoch": epoch})
+        engine.save_checkpoint(checkpoint_dir, tag=f"epoch_{epoch}", client_state={"epoch": epoch, "batch": None})
         dist.barrier()
         if is_main:
             _drop_old_checkpoints(checkpoint_dir, keep=f"epoch_{epoch}")

@@ -4,7 +4,6 @@ EAGLE-3 features from it."""
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 
@@ -12,22 +11,11 @@ logger = logging.getLogger(__name__)
 
 
 def resolve_gguf(basepath: str) -> tuple[str, str | None]:
-    """``(directory_or_id, gguf_file_name or None)`` for ``from_pretrained``.
+    """``(directory_or_id, gguf_file_name or None)``: the inference engine's rule (a ``.gguf`` file, or a directory
+    holding exactly one and no ``config.json``), so the trainer and ``EaModel`` accept the same paths."""
+    from eagle.model.loading import split_gguf_path
 
-    A ``.gguf`` file, or a directory that holds exactly one ``.gguf`` and no ``config.json``, is read through
-    transformers' GGUF support (``from_pretrained(dir, gguf_file=name)``)."""
-    if os.path.isfile(basepath):
-        if not basepath.endswith(".gguf"):
-            raise ValueError(f"--basepath {basepath} is a file but not a .gguf file; pass a model directory or a .gguf.")
-        return os.path.dirname(os.path.abspath(basepath)), os.path.basename(basepath)
-    if os.path.isdir(basepath) and not os.path.isfile(os.path.join(basepath, "config.json")):
-        ggufs = sorted(name for name in os.listdir(basepath) if name.endswith(".gguf"))
-        if len(ggufs) == 1:
-            return basepath, ggufs[0]
-        if len(ggufs) > 1:
-            raise ValueError(f"{basepath} holds several .gguf files ({', '.join(ggufs)}); pass the one to use.")
-        raise FileNotFoundError(f"{basepath} has neither a config.json nor a .gguf file: not a model directory.")
-    return basepath, None
+    return split_gguf_path(basepath)
 
 
 def load_tokenizer(basepath: str):

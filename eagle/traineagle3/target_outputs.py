@@ -2,13 +2,16 @@
 distribution over the draft vocabulary, computed in the loop under no_grad, or kept from the first epoch
 (``--cache_target``) so that later epochs skip the target entirely.
 
-The cache keeps, per sample, the features in half precision and the ``top_k`` most probable draft tokens of
+The cache keeps, per sample (in memory, and in ``cache_dir`` when given, so a restarted run reuses it), the
+features in half precision and the ``top_k`` most probable draft tokens of
 the target's distribution (renormalised over them). That is what makes training on a CPU affordable: the
 target's forward pass is a large part of each step, and it is the same in every epoch. On GPUs the forward pass
 is cheap and the cache is not needed.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -33,8 +36,10 @@ class TargetOutputs:
     """Features (B, S, F), draft-vocabulary target distribution (B, S, Vd) and whether the target's top token is
     in the draft vocabulary (B, S), for one batch, from the target or from the cache."""
 
-    def __init__(self, target, head, layer_ids: list[int], cache_top_k: int | None = None, feature_dtype=torch.float16):
+    def __init__(self, target, head, layer_ids: list[int], cache_top_k: int | None = None, feature_dtype=torch.float16,
+                 cache_dir: str | None = None):
         self.target = target
+        self.cache_dir = cache_dir
         self.head = head
         self.layer_ids = layer_ids
         self.cache_top_k = cache_top_k
@@ -51,7 +56,7 @@ class TargetOutputs:
     @torch.no_grad()
     def __call__(self, batch: dict[str, torch.Tensor], device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         indices = batch["index"].tolist()
-        if self.caching and all(index in self._cache for index in indices):
+        if self.caching and all(self._lookup(index) for index in indices):
             return self._from_cache(indices, batch["input_ids"].shape[1], device)
         input_ids = batch["input_ids"].to(device)
         attention_mask = batch["attention_mask"].to(device)
@@ -72,8 +77,35 @@ class TargetOutputs:
                 values[row, :length].to("cpu", torch.float16),
                 in_draft[row, :length].cpu(),
             )
+            self._save(index)
         # Train on exactly what later epochs will read back.
         return self._from_cache(indices, input_ids.shape[1], device)
+
+    def _path(self, index: int) -> str:
+        return os.path.join(self.cache_dir, f"{index}.safetensors")
+
+    def _lookup(self, index: int) -> bool:
+        """Whether sample ``index`` is cached (reading it from disk into memory when it is only there)."""
+        if index in self._cache:
+            return True
+        if self.cache_dir is None or not os.path.isfile(self._path(index)):
+            return False
+        from safetensors.torch import load_file
+
+        stored = load_file(self._path(index))
+        self._cache[index] = (stored["features"], stored["ids"], stored["values"], stored["in_draft"].bool())
+        return True
+
+    def _save(self, index: int) -> None:
+        if self.cache_dir is None:
+            return
+        from safetensors.torch import save_file
+
+        os.makedirs(self.cache_dir, exist_ok=True)
+        features, ids, values, in_draft = self._cache[index]
+        tmp = self._path(index) + f".tmp{os.getpid()}"
+        save_file({"features": features, "ids": ids, "values": values, "in_draft": in_draft.to(torch.uint8)}, tmp)
+        os.replace(tmp, self._path(index))
 
     def _from_cache(self, indices: list[int], width: int, device):
         entries = [self._cache[index] for index in indices]
