@@ -59,29 +59,21 @@ def read_module_state(checkpoint_dir: str, tag: str | None) -> tuple[str, dict[s
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from safetensors.torch import save_file
-
     from eagle.model.configs import EConfig
 
-    from .main import HEAD_KEYS_EXCLUDED
+    from .main import save_head_state
 
     config_path = args.config or os.path.join(args.savedir, "config.json")
     if not os.path.isfile(config_path):
         raise SystemExit(f"No head config at {config_path}: pass --config (the config.json of the head being trained).")
-    tag, head = read_module_state(os.path.join(args.savedir, "checkpoints"), args.tag)
-    dtype = getattr(torch, args.dtype)
-    state = {name: (tensor.to(dtype) if tensor.is_floating_point() else tensor).contiguous()
-             for name, tensor in head.items() if name not in HEAD_KEYS_EXCLUDED}
+    tag, state = read_module_state(os.path.join(args.savedir, "checkpoints"), args.tag)
     with open(config_path) as f:
         config = EConfig(**json.load(f))
     if "d2t" in state and state["d2t"].shape[0] != config.draft_vocab_size:
         raise SystemExit(f"{config_path} says draft_vocab_size={config.draft_vocab_size} but the checkpoint's d2t "
                          f"has {state['d2t'].shape[0]} entries: not this run's config.")
-    os.makedirs(args.output, exist_ok=True)
-    config.dtype = args.dtype
-    config.save_pretrained(args.output)
-    save_file(state, os.path.join(args.output, "model.safetensors"), metadata={"format": "pt"})
-    logger.info("Exported %d tensors of checkpoint %s to %s", len(state), tag, args.output)
+    save_head_state(state, config, args.output, getattr(torch, args.dtype))
+    logger.info("Exported the head of checkpoint %s to %s", tag, args.output)
     return 0
 
 

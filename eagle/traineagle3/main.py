@@ -212,11 +212,17 @@ def head_config(target, draft_vocab_size: int, layer_ids: list[int]):
 
 def save_head(head, config, directory: str, dtype: torch.dtype, extra: dict | None = None) -> None:
     """``config.json`` + ``model.safetensors`` (published EAGLE-3 keys, no embedding; d2t/t2d included)."""
+    save_head_state(head.state_dict(), config, directory, dtype, extra)
+
+
+def save_head_state(head_state: dict[str, torch.Tensor], config, directory: str, dtype: torch.dtype,
+                    extra: dict | None = None) -> None:
+    """:func:`save_head` for a head's state dict (e.g. read back from a DeepSpeed checkpoint)."""
     from safetensors.torch import save_file
 
     os.makedirs(directory, exist_ok=True)
     state = {}
-    for name, tensor in head.state_dict().items():
+    for name, tensor in head_state.items():
         if name in HEAD_KEYS_EXCLUDED:
             continue
         tensor = tensor.detach().to("cpu")
