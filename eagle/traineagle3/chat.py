@@ -176,6 +176,17 @@ def user_turn_prefix(tokenizer, history: list[Message]) -> str:
     return text[:position]
 
 
+def _first_special_after(tokenizer, messages: list[dict], sentinel: str) -> int | None:
+    """The first special token the template writes after ``sentinel`` (the last message's text), or None."""
+    text = render(tokenizer, messages)
+    tail = text[text.rfind(sentinel) + len(sentinel):]
+    specials = _special_ids(tokenizer)
+    for token_id in tokenizer(tail, add_special_tokens=False)["input_ids"]:
+        if token_id in specials:
+            return int(token_id)
+    return None
+
+
 def end_of_turn_ids(tokenizer) -> list[int]:
     """Token ids that end an assistant turn under this template: the first special token the template writes
     after an answer (e.g. ``<|im_end|>``, ``<|eot_id|>``, ``<end_of_turn>``), plus the tokenizer's EOS."""
@@ -184,14 +195,10 @@ def end_of_turn_ids(tokenizer) -> list[int]:
         ids.append(int(tokenizer.eos_token_id))
     try:
         sentinel = "SENTINELANSWER"
-        messages = [{"role": USER, "content": "hi"}, {"role": ASSISTANT, "content": sentinel}]
-        text = render(tokenizer, messages)
-        tail = text[text.rfind(sentinel) + len(sentinel):]
-        specials = _special_ids(tokenizer)
-        for token_id in tokenizer(tail, add_special_tokens=False)["input_ids"]:
-            if token_id in specials:
-                ids.append(int(token_id))
-                break
+        end = _first_special_after(tokenizer, [{"role": USER, "content": "hi"}, {"role": ASSISTANT, "content": sentinel}],
+                                   sentinel)
+        if end is not None:
+            ids.append(end)
     except ChatTemplateError:
         pass
     return list(dict.fromkeys(ids))
@@ -201,13 +208,9 @@ def user_end_ids(tokenizer) -> list[int]:
     """Token ids that end a user turn under this template (the first special token after the user's text)."""
     ids = []
     sentinel = "SENTINELQUESTION"
-    text = render(tokenizer, [{"role": USER, "content": sentinel}])
-    tail = text[text.rfind(sentinel) + len(sentinel):]
-    specials = _special_ids(tokenizer)
-    for token_id in tokenizer(tail, add_special_tokens=False)["input_ids"]:
-        if token_id in specials:
-            ids.append(int(token_id))
-            break
+    end = _first_special_after(tokenizer, [{"role": USER, "content": sentinel}], sentinel)
+    if end is not None:
+        ids.append(end)
     if tokenizer.eos_token_id is not None:
         ids.append(int(tokenizer.eos_token_id))
     return list(dict.fromkeys(ids))
