@@ -157,3 +157,61 @@ def test_abandoned_stream_and_failed_call_leave_model_usable(family_dirs):
     long_prompt = torch.randint(6, 128, (1, 300))
     out = model.eagenerate(long_prompt, max_new_tokens=4, max_length=400)
     assert out.shape[1] == 304
+
+
+def _count_projected_rows(model, monkeypatch) -> list[int]:
+    """Record how many rows each lazy projection through the LM head computes."""
+    target = model._eagle_target
+    counts: list[int] = []
+    project = target.project
+
+    def counting(hidden):
+        counts.append(hidden.shape[0])
+        return project(hidden)
+
+    monkeypatch.setattr(target, "project", counting)
+    return counts
+
+
+def test_cpu_verification_projects_only_the_accepted_path(trained_pairs, monkeypatch):
+    """On a CPU the LM head runs only for the tree rows verification reads (the accepted path), and the output is
+    still exactly HF greedy decoding."""
+    base, head, eagle3, prompts = trained_pairs["eagle3-full"]
+    reference = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
+    model = EaModel.from_pretrained(use_eagle3=eagle3, base_model_path=str(base), ea_model_path=str(head),
+                                    total_token=16, depth=4, top_k=4, dtype=torch.float32)
+    counts = _count_projected_rows(model, monkeypatch)
+    ids = prompts[0][None]
+    steps = list(model.generate_steps(ids, max_new_tokens=40))
+    got = torch.cat([ids[0]] + [s.tokens for s in steps])
+    assert got.tolist() == reference.generate(ids, max_new_tokens=40, do_sample=False)[0].tolist()
+    assert model._eagle_target._lazy_logits is True
+    counts = counts[1:]  # the first call is the prefill's check that the LM head alone gives the logits
+    accepted = sum(s.accepted for s in steps)
+    assert accepted > len(steps) - 1  # the head is really accepted, so whole paths were walked
+    # one row per accepted draft (the last step may be cut by the budget), never the whole 16-node tree
+    assert accepted <= sum(counts) <= accepted + 4 and all(c == 1 for c in counts)
+
+
+def test_logits_that_are_not_the_lm_head_alone_are_never_computed_lazily(tmp_path, monkeypatch):
+    """A model whose logits are post-processed (Granite divides them by ``logits_scaling``) verifies full trees; so
+    does one whose logits fail the numerical check. Both stay equal to HF greedy decoding."""
+    from eagle.model.target import Target
+
+    model = make_target(tmp_path / "base", "granite", seed=2, logits_scaling=4.0)
+    make_head(tmp_path / "head", model, eagle3=True, seed=3)
+    prompt = torch.tensor([PROMPTS[1]])
+    expected = model.generate(prompt, max_new_tokens=MAX_NEW, do_sample=False).tolist()
+    capped = EaModel.from_pretrained(base_model_path=str(tmp_path / "base"), ea_model_path=str(tmp_path / "head"),
+                                     total_token=8, depth=3, top_k=3, dtype=torch.float32)
+    assert capped._eagle_target._lazy_logits is False
+    assert capped.eagenerate(prompt, max_new_tokens=MAX_NEW).tolist() == expected
+
+    base = make_target(tmp_path / "llama", "llama", seed=2)
+    make_head(tmp_path / "llama-head", base, eagle3=True, seed=3)
+    monkeypatch.setattr(Target, "project", lambda self, hidden: self.model.get_output_embeddings()(hidden) * 2.0)
+    scaled = EaModel.from_pretrained(base_model_path=str(tmp_path / "llama"), ea_model_path=str(tmp_path / "llama-head"),
+                                     total_token=8, depth=3, top_k=3, dtype=torch.float32)
+    expected = base.generate(prompt, max_new_tokens=MAX_NEW, do_sample=False).tolist()
+    assert scaled.eagenerate(prompt, max_new_tokens=MAX_NEW).tolist() == expected
+    assert scaled._eagle_target._lazy_logits is False

@@ -110,7 +110,7 @@ def test_biased_verifier_would_be_caught(sampling_pair, monkeypatch):
 
     eagle, reference, prompt = sampling_pair
     monkeypatch.setattr(generation, "verify_sampling",
-                        lambda tree, logits, sampler: (tree.retrieve_indices[0][:2], sampler.draw(sampler.probs(logits[:1])[0])))
+                        lambda tree, logits, sampler: (tree.retrieve_indices[0][:2], sampler.draw(sampler.probs(logits[0][None])[0])))
     processors = prepare_logits_processor(1.0)
     expected = exact_distribution(reference, prompt, processors, 2)
     torch.manual_seed(99)

@@ -41,11 +41,15 @@ def choose_token(logits: torch.Tensor, sampler: Sampler | None) -> torch.Tensor:
     return sampler.draw(sampler.probs(logits[None])[0])
 
 
-def verify_tree(target: Target, tree: DraftTree, cache):
-    """Target forward over the tree at positions prefix + depth. Returns (logits (N+1, V), features or None)."""
+def verify_tree(target: Target, tree: DraftTree, cache, lazy_logits: bool = False):
+    """Target forward over the tree at positions prefix + depth. Returns (logits (N+1, V), features or None).
+
+    ``lazy_logits``: where the target allows it, the logits are :class:`~eagle.model.target.LazyLogits`, whose rows
+    are projected when read (verification reads only the accepted path's)."""
     positions = tree.depths + cache.length
     tree_mask = tree.ancestor_mask if tree.size > 1 else None
-    out = target.forward(tree.tokens[None], cache, positions.cpu(), tree_mask=tree_mask)
+    out = target.forward(tree.tokens[None], cache, positions.cpu(), tree_mask=tree_mask,
+                         lazy_logits=lazy_logits and tree.size > 1)
     return out.logits, out.features
 
 
@@ -100,7 +104,7 @@ def speculative_decode(
             return
         tree = drafter.draft(features, next_tokens)  # rooted at the last emitted token
         prefix_length = cache.length
-        logits, tree_features = verify_tree(target, tree, cache)
+        logits, tree_features = verify_tree(target, tree, cache, lazy_logits=True)
         path, bonus = evaluate(tree, logits, sampler)
         commit(cache, prefix_length, path)
         drafted = tree.tokens[path[1:]]

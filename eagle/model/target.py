@@ -39,9 +39,43 @@ def check_target_model(model) -> None:
         )
 
 
+# Config fields of families whose logits are not just the LM head applied to the last hidden state.
+LOGIT_POSTPROCESSING = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier")
+
+
+class LazyLogits:
+    """Logits after each of T new positions, each row projected through the LM head when first read.
+
+    On a CPU the LM head (hidden x vocabulary, e.g. 576 x 49,152) costs as much as several layers for every row of
+    a draft tree, and verification reads only the rows on the accepted path: projecting those alone saves most of
+    that cost. Row 0 (the tree root, always read) comes from the model's own forward pass.
+    """
+
+    def __init__(self, first_row: torch.Tensor, last_hidden: torch.Tensor, project):
+        self._rows = {0: first_row}
+        self._hidden = last_hidden  # (T, H)
+        self._project = project
+
+    def __len__(self) -> int:
+        return self._hidden.shape[0]
+
+    @property
+    def rows_computed(self) -> int:
+        return len(self._rows)
+
+    def __getitem__(self, index) -> torch.Tensor:
+        index = int(index)
+        if index < 0:
+            index += len(self)
+        row = self._rows.get(index)
+        if row is None:
+            row = self._rows[index] = self._project(self._hidden[index : index + 1])[0]
+        return row
+
+
 @dataclass
 class TargetOutput:
-    logits: torch.Tensor  # (T', V) float: every position, or only the last one for a prefill
+    logits: torch.Tensor | LazyLogits  # (T', V) float: every position, or only the last one for a prefill
     features: torch.Tensor | None  # (1, T, F) hidden states EAGLE reads, or None when not asked for
 
 
@@ -67,6 +101,11 @@ class Target:
             self.all_sliding = self.window is not None
         self.device = model.get_input_embeddings().weight.device
         self.dtype = model.get_input_embeddings().weight.dtype
+        # Lazy tree logits (see LazyLogits): on a CPU only (on an accelerator the whole tree's rows cost no more than
+        # one), for models whose logits are the LM head of the last hidden state: known post-processing rules it
+        # out, and the first prefill checks it numerically (None until then).
+        postprocessed = any(getattr(self.config, name, None) not in (None, 1, 1.0) for name in LOGIT_POSTPROCESSING)
+        self._lazy_logits: bool | None = None if self.device.type == "cpu" and not postprocessed else False
 
     def new_cache(self, capacity: int) -> TreeKVCache:
         return TreeKVCache(self.num_layers, capacity)
@@ -108,10 +147,19 @@ class Target:
         position_ids: torch.Tensor,
         tree_mask: torch.Tensor | None = None,
         last_logits_only: bool = False,
+        lazy_logits: bool = False,
     ) -> TargetOutput:
         """input_ids: (1, T) new tokens, written to the cache after its ``cache.length`` committed positions;
-        position_ids: (T,) their RoPE positions (tree depth + prefix length for a tree)."""
+        position_ids: (T,) their RoPE positions (tree depth + prefix length for a tree).
+
+        ``lazy_logits``: the caller reads only some rows (tree verification); when this target allows it, the
+        logits come back as :class:`LazyLogits`."""
         past = cache.length
+        lazy = lazy_logits and self._lazy_logits is True and self.feature_layers is not None
+        if lazy:
+            logits_to_keep = torch.zeros(1, dtype=torch.long, device=self.device)
+        else:
+            logits_to_keep = 1 if last_logits_only else 0
         outputs = self.model(
             input_ids=input_ids.to(self.device),
             attention_mask=self.attention_mask(past, position_ids, tree_mask),
@@ -119,11 +167,27 @@ class Target:
             cache=cache,
             use_cache=True,
             output_hidden_states=self.feature_layers is not None,
-            logits_to_keep=1 if last_logits_only else 0,
+            logits_to_keep=logits_to_keep,
         )
         features = None
         if self.feature_layers is not None:
             states = outputs.hidden_states
             home = states[self.feature_layers[0]].device  # layers may live on several devices
             features = torch.cat([states[i].to(home) for i in self.feature_layers], dim=-1)
-        return TargetOutput(logits=outputs.logits[0].float(), features=features)
+        logits = outputs.logits[0].float()
+        if lazy:
+            return TargetOutput(logits=LazyLogits(logits[0], outputs.hidden_states[-1][0], self.project), features=features)
+        if self._lazy_logits is None and self.feature_layers is not None:
+            self._lazy_logits = self._projection_matches(outputs.hidden_states[-1][0, -logits.shape[0]:], logits)
+        return TargetOutput(logits=logits, features=features)
+
+    def project(self, hidden: torch.Tensor) -> torch.Tensor:
+        """(n, H) last hidden states -> (n, V) float logits, through the LM head alone."""
+        head = self.model.get_output_embeddings()
+        return head(hidden.to(head.weight.device)).float()
+
+    def _projection_matches(self, hidden: torch.Tensor, logits: torch.Tensor) -> bool:
+        """Whether the model's logits are its LM head applied to its last hidden state (what LazyLogits assumes)."""
+        projected = self.project(hidden)
+        scale = float(logits.abs().max()) if logits.numel() else 0.0
+        return projected.shape == logits.shape and bool(((projected - logits).abs() <= 1e-4 * scale + 1e-6).all())

@@ -52,24 +52,37 @@ class Sampler:
         return float(torch.rand((), generator=self.generator, device=self.generator.device if self.generator else device))
 
 
-def verify_greedy(tree: DraftTree, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits: (N+1, V) target logits after each node. Returns the accepted node ids (acc+1,), root first, and the
-    bonus token: the target's argmax after the last accepted node."""
-    predicted = logits.argmax(dim=-1)  # (N+1,)
-    paths = tree.retrieve_indices  # (leaves, depth+1)
-    valid = paths[:, 1:] >= 0
-    tokens_on_path = tree.tokens[paths[:, 1:].clamp(min=0)]
-    predicted_on_path = predicted[paths[:, :-1].clamp(min=0)]
-    matches = (tokens_on_path == predicted_on_path) & valid
-    accept = matches.long().cumprod(dim=1).sum(dim=1)  # leading matches per path
-    best = int(accept.argmax())  # the first path with the longest accepted prefix
-    path = paths[best, : int(accept[best]) + 1]
-    return path, predicted[path[-1]]
+def children_by_token(tree: DraftTree) -> dict[int, dict[int, int]]:
+    """node -> {draft token: child node}. Siblings carry distinct tokens (each level is a top-k); were two equal,
+    the first (smaller node id) would be kept."""
+    children: dict[int, dict[int, int]] = {}
+    for node, (parent, token) in enumerate(zip(tree.parents.tolist(), tree.tokens.tolist())):
+        if parent >= 0:
+            children.setdefault(parent, {}).setdefault(token, node)
+    return children
 
 
-def verify_sampling(tree: DraftTree, logits: torch.Tensor, sampler: Sampler) -> tuple[torch.Tensor, torch.Tensor]:
-    """Lossless recursive rejection over the tree. Returns (accepted node ids root first, bonus token)."""
-    probs = sampler.probs(logits)  # (N+1, V)
+def verify_greedy(tree: DraftTree, logits) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits: target logits after each node, indexable by node id (a (N+1, V) tensor, or
+    :class:`~eagle.model.target.LazyLogits`, which projects only the rows read here). Returns the accepted node ids
+    (acc+1,), root first, and the bonus token: the target's argmax after the last accepted node.
+
+    Walks down from the root: a child is accepted when its token is the target's argmax after its parent. Only the
+    rows of the accepted path are read (accepted + 1 of them)."""
+    children = children_by_token(tree)
+    node, path = 0, [0]
+    while True:
+        predicted = logits[node].argmax()
+        child = children.get(node, {}).get(int(predicted))
+        if child is None:
+            return torch.tensor(path, device=tree.tokens.device), predicted.to(tree.tokens.device)
+        node = child
+        path.append(node)
+
+
+def verify_sampling(tree: DraftTree, logits, sampler: Sampler) -> tuple[torch.Tensor, torch.Tensor]:
+    """Lossless recursive rejection over the tree. Returns (accepted node ids root first, bonus token).
+    ``logits`` as in :func:`verify_greedy`: only the rows of the visited nodes are read."""
     parents = tree.parents.tolist()
     order = torch.argsort(tree.scores, descending=True, stable=True).tolist()
     children: dict[int, list[int]] = {}
@@ -80,10 +93,11 @@ def verify_sampling(tree: DraftTree, logits: torch.Tensor, sampler: Sampler) -> 
 
     node, path = 0, [0]
     while True:
+        probs = sampler.probs(logits[node][None])[0]
         kids = children.get(node)
         if not kids:
-            return torch.tensor(path, device=tree.tokens.device), sampler.draw(probs[node])
-        residual = probs[node]
+            return torch.tensor(path, device=tree.tokens.device), sampler.draw(probs)
+        residual = probs
         accepted = None
         for child in kids:
             token = tokens[child]
@@ -94,7 +108,7 @@ def verify_sampling(tree: DraftTree, logits: torch.Tensor, sampler: Sampler) -> 
             residual[token] = 0.0
             total = residual.sum()
             if float(total) <= 0.0:  # nothing left but numerical dust; the target's own distribution decides
-                residual = probs[node]
+                residual = probs
                 break
             residual = residual / total
         if accepted is None:
