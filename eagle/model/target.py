@@ -59,10 +59,6 @@ class LazyLogits:
     def __len__(self) -> int:
         return self._hidden.shape[0]
 
-    @property
-    def rows_computed(self) -> int:
-        return len(self._rows)
-
     def __getitem__(self, index) -> torch.Tensor:
         index = int(index)
         if index < 0:
