@@ -245,24 +245,24 @@ def test_vocab_map_cache_is_keyed_by_data_tokenizer_and_size(tmp_path):
 
 
 def test_gguf_base_paths_resolve_to_a_directory_and_file(tmp_path):
-    from eagle.traineagle3.target import resolve_gguf
+    from eagle.model.loading import split_gguf_path  # the trainer loads --basepath through it too
 
     one = tmp_path / "one"
     one.mkdir()
     (one / "model.Q4.gguf").write_bytes(b"")
-    assert resolve_gguf(str(one)) == (str(one), "model.Q4.gguf")
-    assert resolve_gguf(str(one / "model.Q4.gguf")) == (str(one), "model.Q4.gguf")
+    assert split_gguf_path(str(one)) == (str(one), "model.Q4.gguf")
+    assert split_gguf_path(str(one / "model.Q4.gguf")) == (str(one), "model.Q4.gguf")
     (one / "other.gguf").write_bytes(b"")
     with pytest.raises(ValueError, match="several .gguf"):
-        resolve_gguf(str(one))
+        split_gguf_path(str(one))
     empty = tmp_path / "empty"
     empty.mkdir()
     with pytest.raises(FileNotFoundError, match="neither a config.json nor a .gguf"):
-        resolve_gguf(str(empty))
+        split_gguf_path(str(empty))
     hf_dir = tmp_path / "hf"
     hf_dir.mkdir()
     (hf_dir / "config.json").write_text("{}")
-    assert resolve_gguf(str(hf_dir)) == (str(hf_dir), None)
+    assert split_gguf_path(str(hf_dir)) == (str(hf_dir), None)
 
 
 def test_cached_target_outputs_survive_a_restart(tiny_target, tmp_path):

@@ -7,21 +7,15 @@ import logging
 
 import torch
 
+from eagle.model.loading import split_gguf_path  # the trainer and EaModel accept the same base model paths
+
 logger = logging.getLogger(__name__)
-
-
-def resolve_gguf(basepath: str) -> tuple[str, str | None]:
-    """``(directory_or_id, gguf_file_name or None)``: the inference engine's rule (a ``.gguf`` file, or a directory
-    holding exactly one and no ``config.json``), so the trainer and ``EaModel`` accept the same paths."""
-    from eagle.model.loading import split_gguf_path
-
-    return split_gguf_path(basepath)
 
 
 def load_tokenizer(basepath: str):
     from transformers import AutoTokenizer
 
-    directory, gguf_file = resolve_gguf(basepath)
+    directory, gguf_file = split_gguf_path(basepath)
     kwargs = {"gguf_file": gguf_file} if gguf_file else {}
     return AutoTokenizer.from_pretrained(directory, **kwargs)
 
@@ -30,7 +24,7 @@ def load_target(basepath: str, dtype: torch.dtype = torch.float32, device: str |
     """The frozen target (``AutoModelForCausalLM``, eval mode, no gradients) and its tokenizer."""
     from transformers import AutoModelForCausalLM
 
-    directory, gguf_file = resolve_gguf(basepath)
+    directory, gguf_file = split_gguf_path(basepath)
     kwargs = {"gguf_file": gguf_file} if gguf_file else {}
     logger.info("Loading the target model from %s%s", directory, f" ({gguf_file})" if gguf_file else "")
     model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype, **kwargs)
