@@ -56,13 +56,8 @@ class LazyLogits:
         self._hidden = last_hidden  # (T, H)
         self._project = project
 
-    def __len__(self) -> int:
-        return self._hidden.shape[0]
-
     def __getitem__(self, index) -> torch.Tensor:
         index = int(index)
-        if index < 0:
-            index += len(self)
         row = self._rows.get(index)
         if row is None:
             row = self._rows[index] = self._project(self._hidden[index : index + 1])[0]
@@ -151,7 +146,7 @@ class Target:
         ``lazy_logits``: the caller reads only some rows (tree verification); when this target allows it, the
         logits come back as :class:`LazyLogits`."""
         past = cache.length
-        lazy = lazy_logits and self._lazy_logits is True and self.feature_layers is not None
+        lazy = lazy_logits and self._lazy_logits is True  # only ever True for a target that returns features
         if lazy:
             logits_to_keep = torch.zeros(1, dtype=torch.long, device=self.device)
         else:
