@@ -140,6 +140,22 @@ def test_hf_style_generate(family_dirs):
     assert out.tolist() == reference.generate(**inputs, max_new_tokens=10, do_sample=False).tolist()
 
 
+def test_hf_style_generate_honours_eos_and_refuses_what_it_cannot_do(family_dirs):
+    base, heads = family_dirs["llama"]
+    model = EaModel.from_pretrained(base_model_path=str(base), ea_model_path=str(heads["eagle3-full"]))
+    reference = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
+    inputs = model.tokenizer("Hello", return_tensors="pt")
+    start = inputs["input_ids"].shape[1]
+    full = model.generate(**inputs, max_new_tokens=10, num_beams=1, pad_token_id=0, use_cache=True)
+    stop = int(full[0, start + 3])
+    out = model.generate(**inputs, max_new_tokens=10, eos_token_id=stop)
+    assert out.tolist() == reference.generate(**inputs, max_new_tokens=10, do_sample=False, eos_token_id=stop).tolist()
+    assert out.shape[1] <= start + 4 and int(out[0, -1]) == stop
+    for bad in (dict(num_beams=2), dict(repetition_penalty=1.3), dict(streamer=object())):
+        with pytest.raises(ValueError, match=f"cannot honour {next(iter(bad))}"):
+            model.generate(**inputs, max_new_tokens=4, **bad)
+
+
 def test_abandoned_stream_and_failed_call_leave_model_usable(family_dirs):
     base, heads = family_dirs["llama"]
     model = EaModel.from_pretrained(base_model_path=str(base), ea_model_path=str(heads["eagle3-full"]),

@@ -22,6 +22,29 @@ from .verify import Sampler
 logger = logging.getLogger(__name__)
 
 
+# Hugging Face ``generate`` arguments that change nothing here: dropped silently.
+_HARMLESS_GENERATE_ARGS = {"token_type_ids", "pad_token_id", "bos_token_id", "use_cache"}
+# Arguments honoured only at their neutral value (a different one would be silently ignored otherwise).
+_NEUTRAL_GENERATE_ARGS = {"num_beams": 1, "num_return_sequences": 1, "repetition_penalty": 1.0, "min_new_tokens": 0,
+                          "return_dict_in_generate": False, "output_scores": False, "output_logits": False,
+                          "output_attentions": False, "output_hidden_states": False}
+
+
+def _check_generate_extras(extras: dict) -> None:
+    """Refuse ``generate`` arguments that would be silently ignored, saying what is supported instead."""
+    refused = sorted(
+        name for name, value in extras.items()
+        if name not in _HARMLESS_GENERATE_ARGS and value is not None
+        and not (name in _NEUTRAL_GENERATE_ARGS and value == _NEUTRAL_GENERATE_ARGS[name])
+    )
+    if refused:
+        raise ValueError(
+            f"EaModel.generate() cannot honour {', '.join(refused)}. It supports input_ids, attention_mask (no "
+            "padding), max_new_tokens, max_length, do_sample, temperature, top_p, top_k and use_eagle; for streaming "
+            "use ea_generate(), for anything else the base model's own generate() (model.base_model)."
+        )
+
+
 class EaModel(nn.Module):
     """A base model (``base_model``), its draft head (``ea_layer``) and tokenizer (``tokenizer``).
 
@@ -173,7 +196,7 @@ class EaModel(nn.Module):
                            generator)[1]
 
     def _start(self, input_ids, temperature, top_p, top_k, max_new_tokens, max_length, is_llama3, use_eagle,
-               generator=None):
+               generator=None, stop_ids: set[int] | None = None):
         prompt = self._check_request(input_ids, temperature, top_p, top_k, max_new_tokens, max_length)
         sampler = Sampler(temperature, top_p, int(top_k), generator) if temperature > 1e-5 else None
         if use_eagle:
@@ -181,7 +204,7 @@ class EaModel(nn.Module):
         else:
             target, drafter = self._plain_target, NoDrafter()
         steps = speculative_decode(target, drafter, self._cache_for(max_length), prompt, sampler, max_new_tokens,
-                                   max_length, self.stop_token_ids(is_llama3))
+                                   max_length, self.stop_token_ids(is_llama3) if stop_ids is None else stop_ids)
         return prompt, steps
 
     def _stream_ids(self, input_ids, use_eagle, temperature, top_p, top_k, max_new_tokens, max_length, is_llama3):
@@ -190,9 +213,10 @@ class EaModel(nn.Module):
             ids = torch.cat([ids, step.tokens[None].to(ids.device)], dim=1)
             yield ids
 
-    def _run(self, input_ids, use_eagle, log, temperature, top_p, top_k, max_new_tokens, max_length, is_llama3=False):
+    def _run(self, input_ids, use_eagle, log, temperature, top_p, top_k, max_new_tokens, max_length, is_llama3=False,
+             stop_ids: set[int] | None = None):
         prompt, steps = self._start(input_ids, temperature, top_p, top_k, max_new_tokens, max_length, is_llama3,
-                                    use_eagle)
+                                    use_eagle, stop_ids=stop_ids)
         pieces = [step.tokens.to(prompt.device) for step in steps]
         new = torch.cat(pieces) if pieces else prompt.new_zeros(0)
         ids = torch.cat([prompt, new[None]], dim=1)
@@ -232,20 +256,24 @@ class EaModel(nn.Module):
     @torch.no_grad()
     def generate(self, input_ids=None, attention_mask=None, max_new_tokens: int = 20, do_sample: bool = False,
                  temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, max_length: int | None = None,
-                 use_eagle: bool = True, **ignored):
+                 use_eagle: bool = True, eos_token_id: int | list[int] | None = None, **extras):
         """Hugging Face style: ``model.generate(**tokenizer(text, return_tensors="pt"), max_new_tokens=...)``.
-        Greedy unless ``do_sample``; ``top_p=1`` and ``top_k=0`` mean off. Returns ids (1, S + n)."""
+        Greedy unless ``do_sample``; ``top_p=1`` and ``top_k=0`` mean off; ``eos_token_id`` replaces the model's
+        stop tokens, as in Hugging Face. Arguments it cannot honour (beam search, repetition penalty...) raise a
+        ``ValueError``. Returns ids (1, S + n)."""
         if input_ids is None:
             raise ValueError("generate() needs input_ids.")
         if attention_mask is not None and not bool(torch.as_tensor(attention_mask).bool().all()):
             raise ValueError("attention_mask contains padding; EaModel generates one unpadded sequence at a time.")
-        ignored.pop("token_type_ids", None)
-        if ignored:
-            logger.debug("generate() ignores %s", sorted(ignored))
+        _check_generate_extras(extras)
         if max_length is None:
             max_length = input_ids.shape[-1] + max_new_tokens + 1
         if do_sample and temperature <= 1e-5:
             raise ValueError("do_sample=True needs temperature > 0.")
         kwargs = dict(temperature=temperature if do_sample else 0.0, top_p=top_p if do_sample else 0.0,
                       top_k=top_k if do_sample else 0, max_new_tokens=max_new_tokens, max_length=max_length)
-        return self._run(input_ids, use_eagle, False, **kwargs)
+        stop_ids = None
+        if eos_token_id is not None:
+            values = list(eos_token_id) if isinstance(eos_token_id, set) else eos_token_id
+            stop_ids = {int(i) for i in torch.as_tensor(values).flatten().tolist()}
+        return self._run(input_ids, use_eagle, False, stop_ids=stop_ids, **kwargs)
