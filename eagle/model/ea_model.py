@@ -45,6 +45,13 @@ def _check_generate_extras(extras: dict) -> None:
         )
 
 
+def _token_id_set(value) -> set[int]:
+    """One token id or a collection of them (int, list, tuple, set, tensor) as a set of ints."""
+    if isinstance(value, (set, frozenset)):
+        value = list(value)
+    return {int(i) for i in torch.as_tensor(value).flatten().tolist()}
+
+
 class EaModel(nn.Module):
     """A base model (``base_model``), its draft head (``ea_layer``) and tokenizer (``tokenizer``).
 
@@ -138,7 +145,7 @@ class EaModel(nn.Module):
         for value in (generation_eos, getattr(self.tokenizer, "eos_token_id", None), getattr(self.config, "eos_token_id", None)):
             if value is None:
                 continue
-            ids.update(value if isinstance(value, (list, tuple)) else [value])
+            ids.update(_token_id_set(value))
         if self.tokenizer is not None:
             eot = self.tokenizer.convert_tokens_to_ids("<|eot_id|>")
             unk = getattr(self.tokenizer, "unk_token_id", None)
@@ -146,7 +153,7 @@ class EaModel(nn.Module):
                 ids.add(eot)
             elif is_llama3:
                 raise ValueError("is_llama3=True but the tokenizer has no <|eot_id|> token.")
-        return {int(i) for i in ids}
+        return ids
 
     def _check_request(self, input_ids, temperature, top_p, top_k, max_new_tokens, max_length) -> torch.Tensor:
         if not isinstance(input_ids, torch.Tensor):
@@ -272,8 +279,5 @@ class EaModel(nn.Module):
             raise ValueError("do_sample=True needs temperature > 0.")
         kwargs = dict(temperature=temperature if do_sample else 0.0, top_p=top_p if do_sample else 0.0,
                       top_k=top_k if do_sample else 0, max_new_tokens=max_new_tokens, max_length=max_length)
-        stop_ids = None
-        if eos_token_id is not None:
-            values = list(eos_token_id) if isinstance(eos_token_id, set) else eos_token_id
-            stop_ids = {int(i) for i in torch.as_tensor(values).flatten().tolist()}
+        stop_ids = None if eos_token_id is None else _token_id_set(eos_token_id)
         return self._run(input_ids, use_eagle, False, stop_ids=stop_ids, **kwargs)
