@@ -244,6 +244,24 @@ def test_stop_keeps_the_partial_answer_and_the_model_keeps_working(slow_fake_app
     assert len(plain_answers) == 1 and not _by_css(browser, "#eagle-plain-chat mark")
     browser.save_screenshot(str(ARTIFACTS / "webui_compare.png"))
 
+    # Clear while an answer streams: the chat empties and stays empty, with no error shown; the next answer works.
+    _choose_mode(browser, "Plain decoding")
+    model.delay = 0.2  # slow enough (8 s in all) to be still streaming when Clear is pressed, even on a busy machine
+    try:
+        _send(browser, "Say a lot")
+        _wait(browser, lambda: len(_bot_messages(browser)) == 4, "the next answer to start")
+        assert _busy(browser)
+        _click(browser, "eagle-clear")
+    finally:
+        model.delay = 0.03
+    _wait(browser, lambda: not _busy(browser) and not _bot_messages(browser), "the chat cleared while streaming")
+    time.sleep(0.3)
+    assert not _bot_messages(browser) and not _by_css(browser, "#eagle-chat .error")
+    _send(browser, "After clearing")
+    _wait_answer(browser, 1, "an answer after Clear")
+    assert _bot_messages(browser)[-1].startswith("Hello!") and _bot_messages(browser)[-1].endswith(
+        "and more words")  # the whole answer (rendered as Markdown, so not compared exactly)
+
 
 def test_gradio_client_streams_greedy_answers_equal_to_plain_decoding(real_app):
     from gradio_client import Client

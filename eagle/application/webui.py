@@ -5,11 +5,13 @@ loaded model and returns the ``gr.Blocks`` app; :func:`main` parses flags, loads
 127.0.0.1, with no public share link unless ``--share``).
 
 Every event that runs the model shares one queue slot (``concurrency_id="eagle-model"``, limit 1): two browser
-tabs or API clients wait for each other instead of interleaving on the model's KV cache. Stop cancels the running
-answer; what was generated so far stays in the chat and the model stays usable.
-"""
+tabs or API clients wait for each other instead of interleaving on the model's KV cache.
 
-from __future__ import annotations
+Stop and Clear do not cancel the running event (a Gradio cancel racing a streamed update can leave the chat showing
+"Error"): they flag the session, and its answer ends after the step in progress like a finished one. After Stop the
+partial answer stays in the chat (and in the prompt of the next turn); after Clear the answer's last update is an
+empty chat, so that an update already on its way cannot bring the old conversation back.
+"""
 
 import argparse
 import logging
@@ -28,6 +30,8 @@ MODES = {MODE_EAGLE: [EAGLE], MODE_PLAIN: [PLAIN], MODE_COMPARE: [EAGLE, PLAIN]}
 #: Least time between two screen updates while streaming (the last update of an answer is always sent).
 UPDATE_INTERVAL_S = 0.05
 EMPTY_ANSWER = "*(empty answer)*"
+STOPPED_EMPTY = "*(stopped before the first token)*"
+STOP, CLEAR = "stop", "clear"
 
 # A conversation in session state: [user message, plain answer or None while pending, answer as displayed].
 HistoryEntry = list
@@ -76,8 +80,18 @@ def build_demo(model, model_type: str | None = None, max_new_tokens: int = 512, 
     described = f"**Model:** {os.path.basename(os.path.normpath(str(name)))}"
     described += f" with an {head}; prompt format: {runner.model_type.name}; context: {runner.max_length} tokens."
 
-    def submit(message: str, history: list[HistoryEntry]):
+    # session hash -> STOP or CLEAR: the session's answer (running, or still queued) ends at its next step.
+    stop_requests: dict[str, str] = {}
+
+    def request_stop(request: gr.Request):
+        stop_requests[request.session_hash] = STOP
+
+    def forget_session(request: gr.Request):
+        stop_requests.pop(request.session_hash, None)
+
+    def submit(message: str, history: list[HistoryEntry], request: gr.Request):
         """Add the message to the chat, answer pending; a refused message stays in the box, with a warning."""
+        stop_requests.pop(request.session_hash, None)  # a Stop pressed while idle does not stop the next answer
         try:
             runner.prompt(_turns(history), message)
         except PromptError as err:
@@ -86,7 +100,8 @@ def build_demo(model, model_type: str | None = None, max_new_tokens: int = 512, 
         history = history + [[message, None, None]]
         return gr.update(value="", interactive=False), history, _chat_messages(history), *_inputs(False)[1:]
 
-    def prepare_regenerate(history: list[HistoryEntry]):
+    def prepare_regenerate(history: list[HistoryEntry], request: gr.Request):
+        stop_requests.pop(request.session_hash, None)
         if not history:
             gr.Warning("Nothing to regenerate yet: send a message first.", title="Nothing to regenerate")
             return history, gr.update(), gr.update(), gr.update(), gr.update()
@@ -94,10 +109,12 @@ def build_demo(model, model_type: str | None = None, max_new_tokens: int = 512, 
         return history, _chat_messages(history), *_inputs(False)
 
     def respond(history: list[HistoryEntry], mode: str, highlight: bool, temperature: float, top_p: float,
-                top_k: float, max_new_tokens: float):
-        """Stream the answer to the last (pending) message; yields updates for ``answer_outputs``."""
+                top_k: float, max_new_tokens: float, request: gr.Request):
+        """Stream the answer to the last (pending) message; yields updates for ``answer_outputs``. Ends early,
+        keeping what it has, when the session asks to stop."""
         if not history or history[-1][1] is not None:
             return  # nothing pending: the message was refused
+        session = request.session_hash
         user = history[-1][0]
         try:
             prompt = runner.prompt(_turns(history[:-1]), user)
@@ -109,21 +126,32 @@ def build_demo(model, model_type: str | None = None, max_new_tokens: int = 512, 
         plain_panel = gr.update()
         for decoding in MODES[mode]:
             last_update = 0.0
-            for progress in runner.stream(prompt, decoding, temperature, top_p, int(top_k), int(max_new_tokens)):
-                results[decoding] = progress
-                done = progress.finished or progress.interrupted
-                if not done and time.perf_counter() - last_update < UPDATE_INTERVAL_S:
-                    continue
-                last_update = time.perf_counter()
-                shown = runner.render(progress, highlight) or (EMPTY_ANSWER if done else "")
-                if decoding == first:  # a stopped answer stays in the chat, and in the prompt of the next turn
-                    history[-1][1:] = [progress.text, shown]
-                else:
-                    plain_panel = gr.update(
-                        value=[{"role": "user", "content": user}, {"role": "assistant", "content": shown}],
-                        label=f"Plain decoding: {progress.tokens_per_second:.2f} tokens/s")
-                yield (history, _chat_messages(history), *_speed_figures(results[first]),
-                       _comparison(results.get(EAGLE), results.get(PLAIN), mode == MODE_COMPARE), plain_panel)
+            stream = runner.stream(prompt, decoding, temperature, top_p, int(top_k), int(max_new_tokens))
+            try:
+                for progress in stream:
+                    results[decoding] = progress
+                    stop = stop_requests.pop(session, None)
+                    if stop == CLEAR:  # an update sent before Clear may reach the page after it: clear again, last
+                        yield cleared_answer()
+                        return
+                    done = progress.finished or progress.interrupted or stop == STOP
+                    if not done and time.perf_counter() - last_update < UPDATE_INTERVAL_S:
+                        continue
+                    last_update = time.perf_counter()
+                    shown = runner.render(progress, highlight) or (
+                        (STOPPED_EMPTY if stop else EMPTY_ANSWER) if done else "")
+                    if decoding == first:  # a stopped answer stays in the chat, and in the prompt of the next turn
+                        history[-1][1:] = [progress.text, shown]
+                    else:
+                        plain_panel = gr.update(
+                            value=[{"role": "user", "content": user}, {"role": "assistant", "content": shown}],
+                            label=f"Plain decoding: {progress.tokens_per_second:.2f} tokens/s")
+                    yield (history, _chat_messages(history), *_speed_figures(results[first]),
+                           _comparison(results.get(EAGLE), results.get(PLAIN), mode == MODE_COMPARE), plain_panel)
+                    if stop:
+                        return  # Stop: the comparison's second answer is not started either
+            finally:
+                stream.close()
 
     def _inputs(enabled: bool):
         """Updates for (message box, Send, Regenerate): one answer at a time per chat."""
@@ -132,9 +160,14 @@ def build_demo(model, model_type: str | None = None, max_new_tokens: int = 512, 
     def unlock():
         return _inputs(True)
 
-    def clear():
-        return (gr.update(value="", interactive=True), [], [], "", "", "", f"choose '{MODE_COMPARE}' to measure",
-                gr.update(value=[], label="Plain decoding (same prompt)"), *_inputs(True)[1:])
+    def cleared_answer():
+        """``answer_outputs`` of an empty chat."""
+        return ([], [], "", "", "", f"choose '{MODE_COMPARE}' to measure",
+                gr.update(value=[], label="Plain decoding (same prompt)"))
+
+    def clear(request: gr.Request):
+        stop_requests[request.session_hash] = CLEAR  # a running answer ends, and clears the chat once more
+        return gr.update(value="", interactive=True), *cleared_answer(), *_inputs(True)[1:]
 
     def show_compare_panel(mode: str):
         return gr.update(visible=mode == MODE_COMPARE)
@@ -209,10 +242,11 @@ def build_demo(model, model_type: str | None = None, max_new_tokens: int = 512, 
             .success(respond, answer_inputs, answer_outputs, api_visibility="private", **model_events))
         for event in answering:
             event.then(unlock, None, inputs, **light)
-        stop.click(unlock, None, inputs, cancels=answering, **light)  # a cancelled answer runs no .then()
+        stop.click(request_stop, None, None, **light)  # the answer ends at its next step, then .then(unlock)
         cleared = [message, history, chatbot, speed, per_step, accepted, speedup, plain_chat, send, regenerate]
-        clear_button.click(clear, None, cleared, cancels=answering, **light)
-        chatbot.clear(clear, None, cleared, cancels=answering, **light)  # the chat's own trash button
+        clear_button.click(clear, None, cleared, **light)
+        chatbot.clear(clear, None, cleared, **light)  # the chat's own trash button
+        demo.unload(forget_session)
         mode.change(show_compare_panel, [mode], [plain_chat], **light)
         gr.api(api_generate, api_name="generate", **model_events)
     return demo
