@@ -131,6 +131,26 @@ def test_streaming_matches_and_chunks_are_steps(family_dirs):
     assert naive == list(range(prompt.shape[1] + 1, final.shape[1] + 1))
 
 
+def test_generation_runs_without_autograd_and_leaves_the_callers_grad_mode_alone(family_dirs):
+    base, heads = family_dirs["llama"]
+    model = EaModel.from_pretrained(base_model_path=str(base), ea_model_path=str(heads["eagle3-full"]),
+                                    total_token=8, depth=3, top_k=3)
+    prompt = torch.tensor([PROMPTS[0]])
+    assert torch.is_grad_enabled()
+    # A training loop that streams samples between its own steps must keep its grad mode between chunks.
+    for stream in (model.ea_generate(prompt, max_new_tokens=12), model.naive_generate(prompt, max_new_tokens=4)):
+        modes = [torch.is_grad_enabled() for _ in stream]
+        assert modes and all(modes)
+    # ... and nothing the loop computes records an autograd graph, at temperature 0 or above.
+    projected = []
+    model.base_model.lm_head.register_forward_hook(lambda module, args, out: projected.append(out.requires_grad))
+    for temperature in (0.0, 1.0):
+        steps = list(model.generate_steps(prompt, temperature=temperature, max_new_tokens=12))
+        assert steps and not any(step.tokens.requires_grad for step in steps)
+    assert projected and not any(projected)
+    assert torch.is_grad_enabled()
+
+
 def test_hf_style_generate(family_dirs):
     base, heads = family_dirs["llama"]
     model = EaModel.from_pretrained(base_model_path=str(base), ea_model_path=str(heads["eagle3-full"]))

@@ -249,16 +249,14 @@ class EaModel(nn.Module):
     def ea_generate(self, input_ids, temperature=0.0, top_p=0.0, top_k=0.0, max_new_tokens=512, max_length=2048,
                     log=False, is_llama3=False):
         """Streaming :meth:`eagenerate`: yields the whole ids (1, S + n so far) after each step."""
-        with torch.no_grad():
-            yield from self._stream_ids(input_ids, True, temperature=temperature, top_p=top_p, top_k=top_k,
-                                        max_new_tokens=max_new_tokens, max_length=max_length, is_llama3=is_llama3)
+        yield from self._stream_ids(input_ids, True, temperature=temperature, top_p=top_p, top_k=top_k,
+                                    max_new_tokens=max_new_tokens, max_length=max_length, is_llama3=is_llama3)
 
     def naive_generate(self, input_ids, temperature=0.0, top_p=0.0, top_k=0.0, max_new_tokens=512, max_length=2048,
                        log=False, is_llama3=False):
         """Streaming :meth:`naivegenerate`: yields the whole ids after each token."""
-        with torch.no_grad():
-            yield from self._stream_ids(input_ids, False, temperature=temperature, top_p=top_p, top_k=top_k,
-                                        max_new_tokens=max_new_tokens, max_length=max_length, is_llama3=is_llama3)
+        yield from self._stream_ids(input_ids, False, temperature=temperature, top_p=top_p, top_k=top_k,
+                                    max_new_tokens=max_new_tokens, max_length=max_length, is_llama3=is_llama3)
 
     @torch.no_grad()
     def generate(self, input_ids=None, attention_mask=None, max_new_tokens: int = 20, do_sample: bool = False,

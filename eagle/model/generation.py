@@ -70,6 +70,7 @@ def commit(cache, prefix_length: int, path: torch.Tensor) -> None:
         cache.keep_path(path + prefix_length, prefix_length)
 
 
+@torch.no_grad()  # on a generator: entered around each resumption, so the caller's grad mode is left alone
 def speculative_decode(
     target: Target,
     drafter,
