@@ -246,14 +246,14 @@ def test_stop_keeps_the_partial_answer_and_the_model_keeps_working(slow_fake_app
 
     # Clear while an answer streams: the chat empties and stays empty, with no error shown; the next answer works.
     _choose_mode(browser, "Plain decoding")
-    model.delay = 0.2  # slow enough (8 s in all) to be still streaming when Clear is pressed, even on a busy machine
+    delay, model.delay = model.delay, 0.2  # 8 s in all: still streaming when Clear is pressed, even on a busy machine
     try:
         _send(browser, "Say a lot")
         _wait(browser, lambda: len(_bot_messages(browser)) == 4, "the next answer to start")
         assert _busy(browser)
         _click(browser, "eagle-clear")
     finally:
-        model.delay = 0.03
+        model.delay = delay
     _wait(browser, lambda: not _busy(browser) and not _bot_messages(browser), "the chat cleared while streaming")
     time.sleep(0.3)
     assert not _bot_messages(browser) and not _by_css(browser, "#eagle-chat .error")
