@@ -15,6 +15,9 @@ DEFAULT_PROMPT = "Explain in a few sentences why the sky is blue, then give one 
 logger = logging.getLogger("eagle")
 
 
+PACKING = {"auto": "auto", "on": True, "off": False}  # --pack-cpu-weights -> EaModel.from_pretrained(pack_cpu_weights)
+
+
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(
         prog="python -m eagle",
@@ -36,6 +39,9 @@ def parse_args(argv=None):
     parser.add_argument("--depth", type=int, default=None, help="draft depth (default: tuned, else 7)")
     parser.add_argument("--top-k", type=int, default=None, help="draft top-k (default: tuned, else 10)")
     parser.add_argument("--seed", type=int, default=0, help="torch seed for sampling (default: 0)")
+    parser.add_argument("--pack-cpu-weights", choices=["auto", "on", "off"], default="auto",
+                        help="pack float32 CPU linear weights for oneDNN: faster tree verification, a second copy "
+                        "of those weights in memory (default: auto = float32 CPU models up to 2 GiB of linear weights)")
     return parser.parse_args(argv)
 
 
@@ -49,7 +55,8 @@ def main(argv=None) -> int:
 
     logger.info("Loading the models...")
     model = load_default_model(args.base_model_path, args.ea_model_path, use_eagle3=not args.no_eagle3,
-                               total_token=args.total_token, depth=args.depth, top_k=args.top_k)
+                               total_token=args.total_token, depth=args.depth, top_k=args.top_k,
+                               pack_cpu_weights=PACKING[args.pack_cpu_weights])
     tokenizer = model.tokenizer
     messages = [{"role": "user", "content": args.prompt}]
     if getattr(tokenizer, "chat_template", None):

@@ -47,7 +47,7 @@ def default_tree_settings() -> dict:
 
 
 def load_default_model(base_model_path: str | None = None, ea_model_path: str | None = None, use_eagle3: bool = True,
-                       **tree_overrides):
+                       pack_cpu_weights: bool | str = "auto", **tree_overrides):
     """``EaModel`` for the given paths, falling back to the embedded default pair (and its tuned tree) for
     whatever is not given. Tree settings given as keyword arguments (``total_token``, ``depth``, ``top_k``) win."""
     from eagle.model.ea_model import EaModel
@@ -58,5 +58,6 @@ def load_default_model(base_model_path: str | None = None, ea_model_path: str | 
         use_eagle3=use_eagle3,
         base_model_path=base_model_path or default_base_model_path(),
         ea_model_path=ea_model_path or default_ea_model_path(),
+        pack_cpu_weights=pack_cpu_weights,
         **tree,
     )

@@ -307,3 +307,28 @@ def test_benchmark_writes_report_plots_and_json(tmp_path, tiny_pair):
         assert heading in report
     assert "equal plain decoding's on all 2 questions" in report
     assert results["greedy_check"]["identical"] == 2
+
+
+def test_benchmark_compares_with_hugging_face_on_unpacked_weights(tmp_path, tiny_pair, monkeypatch):
+    from eagle.model.cpu_linear import packed_layer_count
+
+    seen = []
+    real = benchmark.hf_generate
+
+    def spy(hf_model, input_ids, config, stop_ids):
+        seen.append((config.prompt_lookup_num_tokens, packed_layer_count(hf_model)))
+        return real(hf_model, input_ids, config, stop_ids)
+
+    monkeypatch.setattr(benchmark, "hf_generate", spy)
+    out = tmp_path / "bench"
+    common = ["--base-model-path", str(tiny_pair[0]), "--ea-model-path", str(tiny_pair[1]), "--question-file",
+              str(MT_BENCH), "--num-questions", "1", "--max-new-tokens", "6", "--warmup", "0", "--output-dir", str(out)]
+    results = benchmark.main(common + ["--methods", "eagle,hf_generate_unpacked,prompt_lookup_unpacked,hf_generate"])
+    packed = results["settings"]["packed_cpu_linear_layers"]
+    assert packed > 0
+    # Both unpacked methods ran with no packed layer; hf_generate, run after them, found its layers packed again.
+    assert sorted((lookup or 0, count > 0) for lookup, count in seen) == [(0, False), (0, True), (10, False)]
+    assert results["methods"]["eagle"]["speedup_vs_hf_generate_unpacked"] > 0
+    assert "speed-up vs HF generate, unpacked weights" in (out / "report.md").read_text()
+    with pytest.raises(SystemExit, match="compare with packed CPU weights, but this model has none"):
+        benchmark.main(common + ["--methods", "eagle,hf_generate_unpacked", "--pack-cpu-weights", "off"])

@@ -286,6 +286,9 @@ def parse_args(argv: list[str] | None = None, prog: str = "python -m eagle.appli
                               help="quantise the base model to 4 bits (needs CUDA and bitsandbytes)")
     parser.add_argument("--dtype", choices=["auto", "float16", "bfloat16", "float32"], default="auto",
                         help="weights dtype; auto: float16 on an accelerator, float32 on the CPU")
+    parser.add_argument("--pack-cpu-weights", choices=["auto", "on", "off"], default="auto",
+                        help="pack float32 CPU linear weights for oneDNN: faster tree verification, a second copy "
+                        "of those weights in memory (default: auto = float32 CPU models up to 2 GiB of linear weights)")
     parser.add_argument("--host", default="127.0.0.1",
                         help="address to bind (default 127.0.0.1; 0.0.0.0 exposes the UI to your network)")
     parser.add_argument("--port", type=int, default=None, help="port (default: Gradio's, 7860 or the next free)")
@@ -348,7 +351,9 @@ def load_model(args: argparse.Namespace):
         if accelerator:
             kwargs["device_map"] = "auto"
     return EaModel.from_pretrained(use_eagle3=not args.no_eagle3, base_model_path=args.base_model_path,
-                                   ea_model_path=args.ea_model_path, total_token=args.total_token, **kwargs)
+                                   ea_model_path=args.ea_model_path, total_token=args.total_token,
+                                   pack_cpu_weights={"auto": "auto", "on": True, "off": False}[args.pack_cpu_weights],
+                                   **kwargs)
 
 
 def warm_up(runner: ChatRunner) -> None:

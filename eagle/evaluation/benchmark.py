@@ -12,6 +12,12 @@ drifts of the machine (other jobs, clocks, heat) hit every method alike and the 
 - ``hf_generate``: Hugging Face ``generate`` on the same target weights;
 - ``prompt_lookup``: Hugging Face prompt-lookup decoding (``generate(prompt_lookup_num_tokens=N)``).
 
+On a CPU the loader packs float32 linear weights for oneDNN (``EaModel.from_pretrained(pack_cpu_weights=...)``,
+``--pack-cpu-weights``), and the four methods above all run on those packed layers. Two more methods, asked for
+with ``--methods``, run Hugging Face's code on the layers as transformers loads them (packing turned off for the
+call, outside the timed region), i.e. what a user of transformers alone gets: ``hf_generate_unpacked`` and
+``prompt_lookup_unpacked``.
+
 How it measures: every method first runs ``--warmup`` times on the first question with the full settings
 (untimed, discarded), so none pays a first-call cost; the device is synchronised before and after every
 timed call (``eagle.utils.device.synchronize``); each timed call is preceded by
@@ -35,6 +41,8 @@ from collections import Counter
 import torch
 from tqdm import tqdm
 
+from eagle.model.cpu_linear import packed_layer_count
+
 from .alpha import alpha_from_accept_lengths
 from .methods import (
     Generation, eagle_generate, engine_stop_ids, hf_generate, hf_generation_config, load_ea_model, model_device, plain_generate,
@@ -46,11 +54,14 @@ from .templates import TEMPLATES, encode_prompt, get_template
 logger = logging.getLogger(__name__)
 
 METHODS = ("eagle", "plain", "hf_generate", "prompt_lookup")
+UNPACKED_METHODS = ("hf_generate_unpacked", "prompt_lookup_unpacked")
 LABELS = {
     "eagle": "EAGLE (eagenerate)",
     "plain": "plain decoding (naivegenerate)",
     "hf_generate": "HF generate",
     "prompt_lookup": "HF prompt lookup",
+    "hf_generate_unpacked": "HF generate, unpacked weights",
+    "prompt_lookup_unpacked": "HF prompt lookup, unpacked weights",
 }
 OVERALL = "overall"
 
@@ -86,7 +97,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--prompt-lookup-num-tokens", type=int, default=10,
                         help="Candidate tokens per step for prompt-lookup decoding.")
     parser.add_argument("--methods", default=",".join(METHODS),
-                        help=f"Comma-separated subset of {', '.join(METHODS)}.")
+                        help=f"Comma-separated subset of {', '.join(METHODS + UNPACKED_METHODS)} (the last two run "
+                        "Hugging Face generate with the CPU weight packing turned off; they need packed weights).")
+    parser.add_argument("--pack-cpu-weights", choices=["auto", "on", "off"], default="auto",
+                        help="Pack float32 CPU linear weights for oneDNN (EaModel.from_pretrained's pack_cpu_weights; "
+                        "auto = float32 CPU models up to 2 GiB of linear weights).")
     parser.add_argument("--template", default="auto", choices=sorted(TEMPLATES),
                         help="Prompt template ('auto' = the tokenizer's chat template).")
     parser.add_argument("--warmup", type=int, default=1, help="Untimed runs of every method before timing.")
@@ -101,9 +116,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def parse_methods(text: str) -> list[str]:
     methods = [m.strip() for m in text.split(",") if m.strip()]
-    unknown = [m for m in methods if m not in METHODS]
+    unknown = [m for m in methods if m not in METHODS + UNPACKED_METHODS]
     if unknown or not methods:
-        raise SystemExit(f"--methods: unknown {unknown or 'empty list'}; choose from {', '.join(METHODS)}.")
+        raise SystemExit(f"--methods: unknown {unknown or 'empty list'}; choose from "
+                         f"{', '.join(METHODS + UNPACKED_METHODS)}.")
     return list(dict.fromkeys(methods))
 
 
@@ -131,6 +147,13 @@ class Runner:
             return eagle_generate(self.model, input_ids, **options)
         if method == "plain":
             return plain_generate(self.model, input_ids, **options)
+        if method in UNPACKED_METHODS:
+            self.model.set_cpu_weight_packing(False)
+            try:
+                return hf_generate(self.hf_model, input_ids, self.hf_configs[method.removesuffix("_unpacked")],
+                                   self.stop_ids)
+            finally:
+                self.model.set_cpu_weight_packing(True)
         return hf_generate(self.hf_model, input_ids, self.hf_configs[method], self.stop_ids)
 
 
@@ -158,9 +181,10 @@ def summarise(per_question: list[dict], methods: list[str]) -> dict:
         }
     for method in methods:
         totals[method]["speedup_vs_" + reference] = _ratio(totals[method]["tokens_per_s"], totals[reference]["tokens_per_s"])
-        if "hf_generate" in methods:
-            totals[method]["speedup_vs_hf_generate"] = _ratio(
-                totals[method]["tokens_per_s"], totals["hf_generate"]["tokens_per_s"])
+        for baseline in ("hf_generate", "hf_generate_unpacked"):
+            if baseline in methods:
+                totals[method]["speedup_vs_" + baseline] = _ratio(
+                    totals[method]["tokens_per_s"], totals[baseline]["tokens_per_s"])
 
     categories: dict[str, list[dict]] = {}
     for q in per_question:
@@ -235,6 +259,7 @@ def _settings(args, model, device, dtype, questions) -> dict:
         "warmup": args.warmup,
         "seed": args.seed,
         "device": str(device),
+        "packed_cpu_linear_layers": packed_layer_count(model),
         "dtype": str(dtype).replace("torch.", ""),
         "torch_threads": torch.get_num_threads(),
         "torch_version": torch.__version__,
@@ -274,9 +299,15 @@ def run(args: argparse.Namespace) -> dict:
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
     torch.manual_seed(args.seed)
+    pack = {"auto": "auto", "on": True, "off": False}[args.pack_cpu_weights]
     model = load_ea_model(args.base_model_path, args.ea_model_path, use_eagle3=args.use_eagle3,
-                          total_token=args.total_token, depth=args.depth, top_k=args.top_k, dtype=dtype, device=device)
+                          total_token=args.total_token, depth=args.depth, top_k=args.top_k, dtype=dtype, device=device,
+                          pack_cpu_weights=pack)
     device = model_device(model)
+    if any(m in UNPACKED_METHODS for m in methods) and not packed_layer_count(model):
+        raise SystemExit(f"--methods {', '.join(m for m in methods if m in UNPACKED_METHODS)} compare with packed CPU "
+                         "weights, but this model has none (packing needs float32 weights on a CPU and "
+                         "--pack-cpu-weights auto or on).")
     template = get_template(args.template)
     tokenizer = model.tokenizer
     stop_ids = engine_stop_ids(tokenizer, model.base_model, model, template.is_llama3)  # HF stops where EAGLE does

@@ -115,22 +115,26 @@ def markdown_report(results: dict, files: dict) -> str:
         "|---|---|",
     ]
     for key in ("base_model_path", "ea_model_path", "use_eagle3", "total_token", "depth", "top_k",
-                "prompt_lookup_num_tokens", "template", "warmup", "seed", "torch_version", "transformers_version"):
-        lines.append(f"| {key} | `{s[key]}` |")
+                "prompt_lookup_num_tokens", "template", "warmup", "seed", "torch_version", "transformers_version",
+                "packed_cpu_linear_layers"):
+        lines.append(f"| {key} | `{s.get(key)}` |")
+    unpacked = "hf_generate_unpacked" in methods
     lines += [
         "",
         "## Overall",
         "",
         f"| method | tokens | seconds | tokens/s | speed-up vs {results['methods'][reference]['label']} "
-        "| speed-up vs HF generate | tokens per target forward |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        "| speed-up vs HF generate | " + ("speed-up vs HF generate, unpacked weights | " if unpacked else "")
+        + "tokens per target forward |",
+        "|---|---:|---:|---:|---:|---:|" + ("---:|" if unpacked else "") + "---:|",
     ]
     for method in methods:
         row = results["methods"][method]
         lines.append(
             f"| {row['label']} | {row['new_tokens']} | {_f(row['wall_time'])} | {_f(row['tokens_per_s'])} | "
             f"{_f(row.get('speedup_vs_' + reference), 2, 'x')} | {_f(row.get('speedup_vs_hf_generate'), 2, 'x')} | "
-            f"{_f(row['tokens_per_forward'])} |"
+            + (f"{_f(row.get('speedup_vs_hf_generate_unpacked'), 2, 'x')} | " if unpacked else "")
+            + f"{_f(row['tokens_per_forward'])} |"
         )
     others = [m for m in methods if m != reference]
     lines += ["", f"## Per category (speed-up over {results['methods'][reference]['label']})", ""]
@@ -204,9 +208,9 @@ def _md(text: str) -> str:
 def summary_lines(results: dict) -> list[str]:
     """A short plain-text summary for the terminal."""
     reference = results["reference_method"]
-    lines = [f"{'method':<32}{'tokens/s':>10}{'speed-up':>10}"]
+    lines = [f"{'method':<36}{'tokens/s':>10}{'speed-up':>10}"]
     for method, row in results["methods"].items():
-        lines.append(f"{row['label']:<32}{_f(row['tokens_per_s']):>10}{_f(row.get('speedup_vs_' + reference), 2, 'x'):>10}")
+        lines.append(f"{row['label']:<36}{_f(row['tokens_per_s']):>10}{_f(row.get('speedup_vs_' + reference), 2, 'x'):>10}")
     acceptance = results.get("acceptance")
     if acceptance and acceptance["steps"]:
         lines.append(f"EAGLE mean accepted length {acceptance['mean_accept_length']:.3f}, tau {acceptance['tau']:.3f}")

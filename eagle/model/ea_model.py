@@ -13,6 +13,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
+from .cpu_linear import pack_linear_layers, should_auto_pack, unpack_linear_layers
 from .drafter import EagleDrafter, NoDrafter, TreeSettings
 from .generation import Step, speculative_decode
 from .loading import load_base_model, load_ea_layer
@@ -83,12 +84,20 @@ class EaModel(nn.Module):
     # ------------------------------------------------------------------ loading
     @classmethod
     def from_pretrained(cls, use_eagle3: bool = True, base_model_path: str | None = None, ea_model_path: str | None = None,
-                        total_token: int = 60, depth: int = 7, top_k: int = 10, threshold: float = 1.0, **kwargs):
+                        total_token: int = 60, depth: int = 7, top_k: int = 10, threshold: float = 1.0,
+                        pack_cpu_weights: bool | str = "auto", **kwargs):
         """Load the base model (a local directory, a Hub id, or a ``.gguf`` file / directory holding one) and the
         head (``config.json`` + ``model.safetensors`` or ``pytorch_model.bin``). ``eagle_model_path`` is accepted
         as another name for ``ea_model_path``. Other keyword arguments go to the base model's ``from_pretrained``
         (``dtype``/``torch_dtype``, ``device_map``, ``low_cpu_mem_usage``...). ``total_token=-1`` chooses the
-        tree size by timing verification on the actual device."""
+        tree size by timing verification on the actual device.
+
+        ``pack_cpu_weights``: pack the linear layers' float32 CPU weights into oneDNN's layout (see
+        :mod:`eagle.model.cpu_linear`; it makes verifying a draft tree much cheaper on a CPU, and costs a second copy
+        of those weights in memory). ``"auto"`` (default) packs float32 CPU models whose linear weights take at most
+        2 GiB; ``True`` packs whatever can be packed; ``False`` leaves the layers alone."""
+        if pack_cpu_weights not in (True, False, "auto"):
+            raise ValueError(f"pack_cpu_weights must be True, False or 'auto', not {pack_cpu_weights!r}.")
         if "eagle_model_path" in kwargs:
             alias = kwargs.pop("eagle_model_path")
             if ea_model_path is not None and ea_model_path != alias:
@@ -102,6 +111,8 @@ class EaModel(nn.Module):
                                  top_k, threshold)
         model = cls(base_model, ea_layer, tokenizer, 60 if auto_tune else total_token, depth, top_k, threshold,
                     base_model_name_or_path=base_model_path, use_eagle3=use_eagle3)
+        if pack_cpu_weights is True or (pack_cpu_weights == "auto" and should_auto_pack(base_model)):
+            model.set_cpu_weight_packing(True)
         if auto_tune:
             from .autotune import choose_total_token
 
@@ -113,6 +124,15 @@ class EaModel(nn.Module):
         """Change the draft tree settings (nodes verified per step including the root, depth, top-k)."""
         self.tree_settings = TreeSettings(total_token=total_token, depth=depth, top_k=top_k)
         self.ea_layer.total_tokens, self.ea_layer.depth, self.ea_layer.top_k = total_token - 1, depth, top_k
+
+    def set_cpu_weight_packing(self, enabled: bool) -> int:
+        """Pack (or unpack) the float32 CPU weights of the base model's and the head's linear layers in place (see
+        :mod:`eagle.model.cpu_linear`); the base model's own ``generate`` uses them too. Returns how many layers
+        changed. Outputs agree with unpacked layers to float32 rounding."""
+        change = pack_linear_layers if enabled else unpack_linear_layers
+        count = change(self.base_model) + change(self.ea_layer)
+        logger.info("%s %d linear layers", "Packed the CPU weights of" if enabled else "Unpacked", count)
+        return count
 
     @property
     def total_token(self) -> int:

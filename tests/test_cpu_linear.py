@@ -1,0 +1,113 @@
+"""Packed CPU linear layers: same results as nn.Linear, never stale, invisible to training, state_dict and copies."""
+
+from __future__ import annotations
+
+import copy
+import pickle
+
+import pytest
+import torch
+from torch import nn
+
+from eagle.model import EaModel, cpu_linear
+from eagle.model.cpu_linear import PackedLinear, pack_linear_layers, unpack_linear_layers
+from tiny_models import make_tiny_pair
+
+pytestmark = pytest.mark.skipif(not cpu_linear.packing_available(), reason="this torch build cannot pack weights")
+
+
+def _net(bias: bool = True) -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(24, 40, bias=bias), nn.ReLU(), nn.Linear(40, 8, bias=False))
+
+
+@pytest.mark.parametrize("shape", [(1, 24), (9, 24), (2, 5, 24), (0, 24)])
+@pytest.mark.parametrize("bias", [True, False])
+def test_packed_layers_compute_what_nn_linear_computes(shape, bias):
+    net = _net(bias)
+    x = torch.randn(*shape)
+    with torch.no_grad():
+        expected = net(x)
+        assert pack_linear_layers(net) == 2
+        assert all(type(layer) is PackedLinear for layer in (net[0], net[2]))
+        torch.testing.assert_close(net(x), expected, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(net(x.transpose(-1, -2).contiguous().transpose(-1, -2)), expected,
+                                   rtol=1e-5, atol=1e-5)  # a non-contiguous input
+    assert unpack_linear_layers(net) == 2
+    assert type(net[0]) is nn.Linear and not hasattr(net[0], "_packed")
+
+
+def test_a_weight_changed_after_packing_is_used_not_the_stale_copy():
+    net = _net()
+    pack_linear_layers(net)
+    x = torch.randn(3, 24)
+    with torch.no_grad():
+        net(x)
+        net[0].weight.mul_(2)  # in place
+        expected = torch.relu(x @ net[0].weight.T + net[0].bias) @ net[2].weight.T
+        torch.testing.assert_close(net(x), expected, rtol=1e-5, atol=1e-5)
+        fresh = _net()
+        fresh[2].weight.copy_(torch.randn(8, 40))
+        net.load_state_dict(fresh.state_dict())  # what loading a checkpoint does
+        assert set(net.state_dict()) == {"0.weight", "0.bias", "2.weight"}
+        torch.testing.assert_close(net(x), fresh(x), rtol=1e-5, atol=1e-5)
+        net[2].weight = nn.Parameter(torch.zeros(8, 40))  # replaced outright
+        assert torch.count_nonzero(net(x)) == 0
+
+
+def test_training_other_dtypes_and_copies_take_the_ordinary_path():
+    net, reference = _net(), _net()
+    pack_linear_layers(net)
+    x = torch.randn(4, 24)
+    net(x).square().sum().backward()
+    reference(x).square().sum().backward()
+    torch.testing.assert_close(net[0].weight.grad, reference[0].weight.grad)
+
+    double = copy.deepcopy(net).double()
+    assert double(x.double()).dtype == torch.float64
+    with torch.no_grad():
+        torch.testing.assert_close(double(x.double()).float(), reference(x), rtol=1e-5, atol=1e-5)
+        clone = copy.deepcopy(net)
+        assert type(clone[0]) is PackedLinear
+        torch.testing.assert_close(clone(x), reference(x), rtol=1e-5, atol=1e-5)
+        restored = pickle.loads(pickle.dumps(net))
+        torch.testing.assert_close(restored(x), reference(x), rtol=1e-5, atol=1e-5)
+
+
+def test_a_build_without_onednn_leaves_the_layers_alone(monkeypatch):
+    monkeypatch.setattr(cpu_linear, "packing_available", lambda: False)
+    net = _net()
+    assert pack_linear_layers(net) == 0
+    assert type(net[0]) is nn.Linear
+
+
+def test_from_pretrained_packs_a_float32_cpu_model_and_stays_lossless(tmp_path):
+    base, head = make_tiny_pair(tmp_path, "llama", eagle3=True)
+    packed = EaModel.from_pretrained(base_model_path=str(base), ea_model_path=str(head), total_token=8, depth=3,
+                                     top_k=4)
+    plain = EaModel.from_pretrained(base_model_path=str(base), ea_model_path=str(head), total_token=8, depth=3,
+                                    top_k=4, pack_cpu_weights=False)
+    layers = [m for m in packed.base_model.modules() if isinstance(m, nn.Linear)]
+    assert layers and all(type(m) is PackedLinear for m in layers)
+    assert all(type(m) is PackedLinear for m in packed.ea_layer.modules() if isinstance(m, nn.Linear))
+    assert not any(type(m) is PackedLinear for m in plain.modules())
+    assert set(packed.state_dict()) == set(plain.state_dict())
+    for prompt in ([1, 44, 45, 46, 47], [1, 30, 31, 60, 61, 62]):
+        input_ids = torch.tensor([prompt])
+        ea = packed.eagenerate(input_ids, max_new_tokens=24)
+        assert torch.equal(ea, packed.naivegenerate(input_ids, max_new_tokens=24))
+        assert torch.equal(ea, plain.naivegenerate(input_ids, max_new_tokens=24))
+    assert packed.set_cpu_weight_packing(False) == len(layers) + sum(
+        isinstance(m, nn.Linear) for m in packed.ea_layer.modules())
+    assert not any(type(m) is PackedLinear for m in packed.modules())
+    with pytest.raises(ValueError, match="pack_cpu_weights must be True, False or 'auto'"):
+        EaModel.from_pretrained(base_model_path=str(base), ea_model_path=str(head), pack_cpu_weights="yes")
+
+
+def test_auto_packing_skips_models_too_big_to_double(tmp_path, monkeypatch):
+    base, head = make_tiny_pair(tmp_path, "qwen2", eagle3=True)
+    monkeypatch.setattr(cpu_linear, "AUTO_PACK_LIMIT_BYTES", 1024)
+    model = EaModel.from_pretrained(base_model_path=str(base), ea_model_path=str(head))
+    assert not any(type(m) is PackedLinear for m in model.modules())
+    forced = EaModel.from_pretrained(base_model_path=str(base), ea_model_path=str(head), pack_cpu_weights=True)
+    assert any(type(m) is PackedLinear for m in forced.base_model.modules())
