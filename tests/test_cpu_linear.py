@@ -53,6 +53,9 @@ def test_a_weight_changed_after_packing_is_used_not_the_stale_copy():
         torch.testing.assert_close(net(x), fresh(x), rtol=1e-5, atol=1e-5)
         net[2].weight = nn.Parameter(torch.zeros(8, 40))  # replaced outright
         assert torch.count_nonzero(net(x)) == 0
+        net[2].weight.data.fill_(1.0)  # .data has its own version counter: invisible until packed again
+        assert pack_linear_layers(net) == 2
+        torch.testing.assert_close(net(x), torch.relu(net[0](x)).sum(-1, keepdim=True).expand(3, 8))
 
 
 def test_training_other_dtypes_and_copies_take_the_ordinary_path():

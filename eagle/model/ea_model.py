@@ -112,7 +112,8 @@ class EaModel(nn.Module):
         model = cls(base_model, ea_layer, tokenizer, 60 if auto_tune else total_token, depth, top_k, threshold,
                     base_model_name_or_path=base_model_path, use_eagle3=use_eagle3)
         if pack_cpu_weights is True or (pack_cpu_weights == "auto" and should_auto_pack(base_model)):
-            model.set_cpu_weight_packing(True)
+            logger.info("Packed the float32 CPU weights of %d linear layers for oneDNN (pack_cpu_weights=%r)",
+                        model.set_cpu_weight_packing(True), pack_cpu_weights)
         if auto_tune:
             from .autotune import choose_total_token
 
@@ -131,7 +132,7 @@ class EaModel(nn.Module):
         changed. Outputs agree with unpacked layers to float32 rounding."""
         change = pack_linear_layers if enabled else unpack_linear_layers
         count = change(self.base_model) + change(self.ea_layer)
-        logger.info("%s %d linear layers", "Packed the CPU weights of" if enabled else "Unpacked", count)
+        logger.debug("%s %d linear layers", "Packed the CPU weights of" if enabled else "Unpacked", count)
         return count
 
     @property

@@ -7,6 +7,7 @@ import logging
 
 import torch
 
+from eagle.model.cpu_linear import pack_linear_layers, should_auto_pack
 from eagle.model.loading import split_gguf_path  # the trainer and EaModel accept the same base model paths
 
 logger = logging.getLogger(__name__)
@@ -31,6 +32,8 @@ def load_target(basepath: str, dtype: torch.dtype = torch.float32, device: str |
     model.to(device)
     model.eval()
     model.requires_grad_(False)
+    if should_auto_pack(model):  # the target only ever runs without gradients: packed CPU weights are faster
+        pack_linear_layers(model)
     tokenizer = load_tokenizer(basepath)
     return model, tokenizer
 
