@@ -15,9 +15,6 @@ DEFAULT_PROMPT = "Explain in a few sentences why the sky is blue, then give one 
 logger = logging.getLogger("eagle")
 
 
-PACKING = {"auto": "auto", "on": True, "off": False}  # --pack-cpu-weights -> EaModel.from_pretrained(pack_cpu_weights)
-
-
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(
         prog="python -m eagle",
@@ -51,12 +48,13 @@ def main(argv=None) -> int:
     import torch
 
     from eagle.defaults import load_default_model
+    from eagle.model.cpu_linear import PACK_FLAG_VALUES
     from eagle.utils.device import synchronize
 
     logger.info("Loading the models...")
     model = load_default_model(args.base_model_path, args.ea_model_path, use_eagle3=not args.no_eagle3,
                                total_token=args.total_token, depth=args.depth, top_k=args.top_k,
-                               pack_cpu_weights=PACKING[args.pack_cpu_weights])
+                               pack_cpu_weights=PACK_FLAG_VALUES[args.pack_cpu_weights])
     tokenizer = model.tokenizer
     messages = [{"role": "user", "content": args.prompt}]
     if getattr(tokenizer, "chat_template", None):

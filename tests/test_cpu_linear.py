@@ -114,3 +114,10 @@ def test_auto_packing_skips_models_too_big_to_double(tmp_path, monkeypatch):
     assert not any(type(m) is PackedLinear for m in model.modules())
     forced = EaModel.from_pretrained(base_model_path=str(base), ea_model_path=str(head), pack_cpu_weights=True)
     assert any(type(m) is PackedLinear for m in forced.base_model.modules())
+
+
+def test_a_copy_that_never_ran_can_be_unpacked():
+    net = _net()
+    pack_linear_layers(net)
+    clone = copy.deepcopy(net)
+    assert unpack_linear_layers(clone) == 2 and type(clone[0]) is nn.Linear

@@ -328,6 +328,7 @@ def load_model(args: argparse.Namespace):
     """Load the ``EaModel`` the flags describe (the embedded default when no paths are given)."""
     import torch
 
+    from ..model.cpu_linear import PACK_FLAG_VALUES
     from ..model.ea_model import EaModel
 
     if (args.base_model_path is None) != (args.ea_model_path is None):
@@ -352,7 +353,7 @@ def load_model(args: argparse.Namespace):
             kwargs["device_map"] = "auto"
     return EaModel.from_pretrained(use_eagle3=not args.no_eagle3, base_model_path=args.base_model_path,
                                    ea_model_path=args.ea_model_path, total_token=args.total_token,
-                                   pack_cpu_weights={"auto": "auto", "on": True, "off": False}[args.pack_cpu_weights],
+                                   pack_cpu_weights=PACK_FLAG_VALUES[args.pack_cpu_weights],
                                    **kwargs)
 
 

@@ -41,7 +41,7 @@ from collections import Counter
 import torch
 from tqdm import tqdm
 
-from eagle.model.cpu_linear import packed_layer_count
+from eagle.model.cpu_linear import PACK_FLAG_VALUES, packed_layer_count
 
 from .alpha import alpha_from_accept_lengths
 from .methods import (
@@ -299,10 +299,9 @@ def run(args: argparse.Namespace) -> dict:
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
     torch.manual_seed(args.seed)
-    pack = {"auto": "auto", "on": True, "off": False}[args.pack_cpu_weights]
     model = load_ea_model(args.base_model_path, args.ea_model_path, use_eagle3=args.use_eagle3,
                           total_token=args.total_token, depth=args.depth, top_k=args.top_k, dtype=dtype, device=device,
-                          pack_cpu_weights=pack)
+                          pack_cpu_weights=PACK_FLAG_VALUES[args.pack_cpu_weights])
     device = model_device(model)
     if any(m in UNPACKED_METHODS for m in methods) and not packed_layer_count(model):
         raise SystemExit(f"--methods {', '.join(m for m in methods if m in UNPACKED_METHODS)} compare with packed CPU "

@@ -4,14 +4,16 @@ On a CPU, ``F.linear`` hands each call to a GEMM that first repacks the whole we
 For one row (plain decoding) that hardly matters, but for the handful of rows of a draft tree it nearly doubles the
 cost: on this project's 2-core CPU the 210 matrices of SmolLM2-135M's decoder layers took 43 ms for 1 row and 82 ms
 for 9 rows through ``F.linear``, and 37 / 46 ms with the weights packed once, ahead of time, into oneDNN's layout
-(the same kernels torch's own inductor uses for frozen CPU models). Multi-token verification is what speculative decoding buys its
-speed with, so this makes the difference between EAGLE losing and winning on a CPU.
+(the same kernels torch's own inductor uses for frozen CPU models). Multi-token verification is what speculative
+decoding buys its speed with, so this makes the difference between EAGLE losing and winning on a CPU.
 
 :func:`pack_linear_layers` turns every plain ``nn.Linear`` of a module into a :class:`PackedLinear` in place: the
 same parameters and ``state_dict`` (the original weight stays where it was), plus a packed copy used when no
-gradient is needed and the input is a float32 CPU tensor. Anything else (training, another device or dtype, a
-weight changed in place since packing) goes through ``F.linear`` or repacks first, so the packed copy can never be
-stale. The cost is memory: the packed copy doubles the linear layers' footprint.
+gradient is needed and the input is a float32 CPU tensor. Anything else (training, another device or dtype) goes
+through ``F.linear``, and a weight replaced or changed in place since packing is repacked before use. The one change
+a layer cannot notice is one made through ``weight.data`` (it has its own version counter): call
+:func:`pack_linear_layers` again after such a change. The cost is memory: the packed copy doubles the linear layers'
+footprint.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ logger = logging.getLogger(__name__)
 
 # Rows the packed layout is tuned for (oneDNN's batch-size hint): a draft tree's verification. Any row count works.
 PACKING_ROWS_HINT = 8
+# The command-line choice (``--pack-cpu-weights``) -> ``EaModel.from_pretrained(pack_cpu_weights=...)``.
+PACK_FLAG_VALUES = {"auto": "auto", "on": True, "off": False}
 # ``pack="auto"`` packs models whose linear weights take at most this much memory (the packed copy doubles it).
 AUTO_PACK_LIMIT_BYTES = 2 * 1024**3
 
@@ -123,7 +127,8 @@ def unpack_linear_layers(module: nn.Module) -> int:
     count = 0
     for layer in module.modules():
         if type(layer) is PackedLinear:
-            del layer._packed, layer._packed_from
+            layer.__dict__.pop("_packed", None)  # a copy that never ran has none
+            layer.__dict__.pop("_packed_from", None)
             layer.__class__ = nn.Linear
             count += 1
     return count
