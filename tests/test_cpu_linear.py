@@ -21,7 +21,7 @@ def _net(bias: bool = True) -> nn.Sequential:
     return nn.Sequential(nn.Linear(24, 40, bias=bias), nn.ReLU(), nn.Linear(40, 8, bias=False))
 
 
-@pytest.mark.parametrize("shape", [(1, 24), (9, 24), (2, 5, 24), (0, 24)])
+@pytest.mark.parametrize("shape", [(1, 24), (9, 24), (2, 5, 24), (0, 24), (130, 24)])
 @pytest.mark.parametrize("bias", [True, False])
 def test_packed_layers_compute_what_nn_linear_computes(shape, bias):
     net = _net(bias)

@@ -1,19 +1,19 @@
 """Pre-packed float32 linear layers for inference on a CPU.
 
-On a CPU, ``F.linear`` hands each call to a GEMM that first repacks the whole weight matrix into its blocked layout.
-For one row (plain decoding) that hardly matters, but for the handful of rows of a draft tree it nearly doubles the
-cost: on this project's 2-core CPU the 210 matrices of SmolLM2-135M's decoder layers took 43 ms for 1 row and 82 ms
-for 9 rows through ``F.linear``, and 37 / 46 ms with the weights packed once, ahead of time, into oneDNN's layout
-(the same kernels torch's own inductor uses for frozen CPU models). Multi-token verification is what speculative
-decoding buys its speed with, so this makes the difference between EAGLE losing and winning on a CPU.
+On a CPU, ``F.linear`` hands each call to a general GEMM that works on the weights as stored. For one row (plain
+decoding) that costs little more than weights packed ahead of time into oneDNN's blocked layout (the kernels torch's
+own inductor uses for frozen CPU models), but for the handful of rows of a draft tree it costs nearly twice as much:
+on this project's 2-core CPU the 210 matrices of SmolLM2-135M's decoder layers took 43 ms for 1 row and 82 ms for
+9 rows through ``F.linear``, against 37 and 46 ms packed. Multi-token verification is what speculative decoding
+buys its speed with, so this makes the difference between EAGLE losing and winning on a CPU.
 
 :func:`pack_linear_layers` turns every plain ``nn.Linear`` of a module into a :class:`PackedLinear` in place: the
 same parameters and ``state_dict`` (the original weight stays where it was), plus a packed copy used when no
-gradient is needed and the input is a float32 CPU tensor. Anything else (training, another device or dtype) goes
-through ``F.linear``, and a weight replaced or changed in place since packing is repacked before use. The one change
-a layer cannot notice is one made through ``weight.data`` (it has its own version counter): call
-:func:`pack_linear_layers` again after such a change. The cost is memory: the packed copy doubles the linear layers'
-footprint.
+gradient is needed and the input is a float32 CPU tensor of at most :data:`PACKED_MAX_ROWS` rows. Anything else
+(training, a long prefill, another device or dtype) goes through ``F.linear``, and a weight replaced or changed in
+place since packing is repacked before use. The one change a layer cannot notice is one made through
+``weight.data`` (it has its own version counter): call :func:`pack_linear_layers` again after such a change. The
+cost is memory: the packed copy doubles the linear layers' footprint.
 """
 
 from __future__ import annotations
@@ -29,6 +29,10 @@ logger = logging.getLogger(__name__)
 
 # Rows the packed layout is tuned for (oneDNN's batch-size hint): a draft tree's verification. Any row count works.
 PACKING_ROWS_HINT = 8
+# Calls with more rows than this go through ``F.linear``: past about 128 rows (a long prompt's prefill, a training
+# batch) the packed kernel is no faster and on one thread slower (SmolLM2's decoder matrices, one thread: 362 vs
+# 367 ms at 128 rows, 1,273 vs 1,438 ms at 512; at 64 rows 211 vs 203 ms, two threads 149 vs 114 ms).
+PACKED_MAX_ROWS = 64
 # The command-line choice (``--pack-cpu-weights``) -> ``EaModel.from_pretrained(pack_cpu_weights=...)``.
 PACK_FLAG_VALUES = {"auto": "auto", "on": True, "off": False}
 # ``pack="auto"`` packs models whose linear weights take at most this much memory (the packed copy doubles it).
@@ -65,7 +69,9 @@ class PackedLinear(nn.Linear):
         return torch.ops.mkldnn._linear_pointwise(input, self._packed, self.bias, "none", [], "")
 
     def _packed_call(self, input: torch.Tensor) -> bool:
-        """Whether this call can use the packed copy: float32 CPU tensors, and no gradient to record."""
+        """Whether this call can use the packed copy: a few rows of float32 CPU tensors, and no gradient to record."""
+        if input.numel() > PACKED_MAX_ROWS * self.in_features:
+            return False
         tensors = (input, self.weight) if self.bias is None else (input, self.weight, self.bias)
         if any(t.device.type != "cpu" or t.dtype != torch.float32 for t in tensors):
             return False
