@@ -16,6 +16,8 @@ logger = logging.getLogger("eagle")
 
 
 def parse_args(argv=None):
+    from eagle.model.cpu_linear import add_pack_cpu_weights_argument
+
     parser = argparse.ArgumentParser(
         prog="python -m eagle",
         description="Answer one prompt twice, with EAGLE speculative decoding and with plain decoding, and print "
@@ -36,9 +38,7 @@ def parse_args(argv=None):
     parser.add_argument("--depth", type=int, default=None, help="draft depth (default: tuned, else 7)")
     parser.add_argument("--top-k", type=int, default=None, help="draft top-k (default: tuned, else 10)")
     parser.add_argument("--seed", type=int, default=0, help="torch seed for sampling (default: 0)")
-    parser.add_argument("--pack-cpu-weights", choices=["auto", "on", "off"], default="auto",
-                        help="pack float32 CPU linear weights for oneDNN: faster tree verification, a second copy "
-                        "of those weights in memory (default: auto = float32 CPU models up to 2 GiB of linear weights)")
+    add_pack_cpu_weights_argument(parser)
     return parser.parse_args(argv)
 
 

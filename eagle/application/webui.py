@@ -19,6 +19,7 @@ import os
 import time
 from collections.abc import Iterator
 
+from ..model.cpu_linear import PACK_FLAG_VALUES, add_pack_cpu_weights_argument
 from .prompts import MODEL_TYPES
 from .streaming import EAGLE, PLAIN, ChatRunner, PromptError, ReplyProgress
 
@@ -286,9 +287,7 @@ def parse_args(argv: list[str] | None = None, prog: str = "python -m eagle.appli
                               help="quantise the base model to 4 bits (needs CUDA and bitsandbytes)")
     parser.add_argument("--dtype", choices=["auto", "float16", "bfloat16", "float32"], default="auto",
                         help="weights dtype; auto: float16 on an accelerator, float32 on the CPU")
-    parser.add_argument("--pack-cpu-weights", choices=["auto", "on", "off"], default="auto",
-                        help="pack float32 CPU linear weights for oneDNN: faster tree verification, a second copy "
-                        "of those weights in memory (default: auto = float32 CPU models up to 2 GiB of linear weights)")
+    add_pack_cpu_weights_argument(parser)
     parser.add_argument("--host", default="127.0.0.1",
                         help="address to bind (default 127.0.0.1; 0.0.0.0 exposes the UI to your network)")
     parser.add_argument("--port", type=int, default=None, help="port (default: Gradio's, 7860 or the next free)")
@@ -328,7 +327,6 @@ def load_model(args: argparse.Namespace):
     """Load the ``EaModel`` the flags describe (the embedded default when no paths are given)."""
     import torch
 
-    from ..model.cpu_linear import PACK_FLAG_VALUES
     from ..model.ea_model import EaModel
 
     if (args.base_model_path is None) != (args.ea_model_path is None):

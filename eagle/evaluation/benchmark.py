@@ -41,7 +41,8 @@ from collections import Counter
 import torch
 from tqdm import tqdm
 
-from eagle.model.cpu_linear import PACK_FLAG_VALUES, packed_layer_count
+from eagle.model.cpu_linear import (PACK_FLAG_VALUES, add_pack_cpu_weights_argument, pack_linear_layers,
+                                    packed_layer_count, unpack_linear_layers)
 
 from .alpha import alpha_from_accept_lengths
 from .methods import (
@@ -99,9 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--methods", default=",".join(METHODS),
                         help=f"Comma-separated subset of {', '.join(METHODS + UNPACKED_METHODS)} (the last two run "
                         "Hugging Face generate with the CPU weight packing turned off; they need packed weights).")
-    parser.add_argument("--pack-cpu-weights", choices=["auto", "on", "off"], default="auto",
-                        help="Pack float32 CPU linear weights for oneDNN (EaModel.from_pretrained's pack_cpu_weights; "
-                        "auto = float32 CPU models up to 2 GiB of linear weights).")
+    add_pack_cpu_weights_argument(parser)
     parser.add_argument("--template", default="auto", choices=sorted(TEMPLATES),
                         help="Prompt template ('auto' = the tokenizer's chat template).")
     parser.add_argument("--warmup", type=int, default=1, help="Untimed runs of every method before timing.")
@@ -147,13 +146,13 @@ class Runner:
             return eagle_generate(self.model, input_ids, **options)
         if method == "plain":
             return plain_generate(self.model, input_ids, **options)
-        if method in UNPACKED_METHODS:
-            self.model.set_cpu_weight_packing(False)
+        if method in UNPACKED_METHODS:  # only the base model runs here: the head keeps its packed layers
+            unpack_linear_layers(self.hf_model)
             try:
                 return hf_generate(self.hf_model, input_ids, self.hf_configs[method.removesuffix("_unpacked")],
                                    self.stop_ids)
             finally:
-                self.model.set_cpu_weight_packing(True)
+                pack_linear_layers(self.hf_model)
         return hf_generate(self.hf_model, input_ids, self.hf_configs[method], self.stop_ids)
 
 

@@ -39,6 +39,14 @@ PACK_FLAG_VALUES = {"auto": "auto", "on": True, "off": False}
 AUTO_PACK_LIMIT_BYTES = 2 * 1024**3
 
 
+def add_pack_cpu_weights_argument(parser) -> None:
+    """``--pack-cpu-weights auto|on|off`` for a CLI; ``PACK_FLAG_VALUES[args.pack_cpu_weights]`` is the value for
+    ``EaModel.from_pretrained(pack_cpu_weights=...)``."""
+    parser.add_argument("--pack-cpu-weights", choices=list(PACK_FLAG_VALUES), default="auto",
+                        help="pack float32 CPU linear weights for oneDNN: faster tree verification, a second copy "
+                        "of those weights in memory (default: auto = float32 CPU models up to 2 GiB of linear weights)")
+
+
 def packing_available() -> bool:
     """Whether this torch build can pack linear weights (oneDNN on a CPU build that registers the ops)."""
     if not torch.backends.mkldnn.is_available():
@@ -120,7 +128,7 @@ def pack_linear_layers(module: nn.Module) -> int:
             try:
                 layer._pack()
             except RuntimeError as err:  # an unsupported shape or build: leave this layer alone
-                layer.__class__ = nn.Linear
+                _unpack(layer)
                 logger.info("Could not pack a %s linear layer (%s); it stays unpacked.", tuple(layer.weight.shape), err)
                 continue
             packed += 1
@@ -133,11 +141,15 @@ def unpack_linear_layers(module: nn.Module) -> int:
     count = 0
     for layer in module.modules():
         if type(layer) is PackedLinear:
-            layer.__dict__.pop("_packed", None)  # a copy that never ran has none
-            layer.__dict__.pop("_packed_from", None)
-            layer.__class__ = nn.Linear
+            _unpack(layer)
             count += 1
     return count
+
+
+def _unpack(layer: PackedLinear) -> None:
+    layer.__dict__.pop("_packed", None)  # a copy that never ran has none
+    layer.__dict__.pop("_packed_from", None)
+    layer.__class__ = nn.Linear
 
 
 def packed_layer_count(module: nn.Module) -> int:
