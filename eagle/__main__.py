@@ -37,9 +37,15 @@ def parse_args(argv=None):
                         "(default: tuned value for the embedded pair, else 60)")
     parser.add_argument("--depth", type=int, default=None, help="draft depth (default: tuned, else 7)")
     parser.add_argument("--top-k", type=int, default=None, help="draft top-k (default: tuned, else 10)")
+    parser.add_argument("--lookup-tokens", type=int, default=None,
+                        help="at most this many tokens copied from earlier in the context (prompt lookup) are "
+                        "grafted onto each draft tree; 0 = the head alone (default: tuned, else 0)")
     parser.add_argument("--seed", type=int, default=0, help="torch seed for sampling (default: 0)")
     add_pack_cpu_weights_argument(parser)
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.lookup_tokens is not None and args.lookup_tokens < 0:
+        parser.error(f"--lookup-tokens must be >= 0 (0 = off), got {args.lookup_tokens}")
+    return args
 
 
 def main(argv=None) -> int:
@@ -54,7 +60,7 @@ def main(argv=None) -> int:
     logger.info("Loading the models...")
     model = load_default_model(args.base_model_path, args.ea_model_path, use_eagle3=not args.no_eagle3,
                                total_token=args.total_token, depth=args.depth, top_k=args.top_k,
-                               pack_cpu_weights=PACK_FLAG_VALUES[args.pack_cpu_weights])
+                               lookup_tokens=args.lookup_tokens, pack_cpu_weights=PACK_FLAG_VALUES[args.pack_cpu_weights])
     tokenizer = model.tokenizer
     messages = [{"role": "user", "content": args.prompt}]
     if getattr(tokenizer, "chat_template", None):
@@ -64,7 +70,8 @@ def main(argv=None) -> int:
         input_ids = tokenizer(args.prompt, return_tensors="pt").input_ids
     input_ids = input_ids.to(model.device)
     settings = model.tree_settings
-    logger.info("Tree: total_token=%d depth=%d top_k=%d", settings.total_token, settings.depth, settings.top_k)
+    logger.info("Tree: total_token=%d depth=%d top_k=%d lookup_tokens=%d", settings.total_token, settings.depth,
+                settings.top_k, settings.lookup_tokens)
 
     model.eagenerate(input_ids, max_new_tokens=8)  # warm-up, both paths
     model.naivegenerate(input_ids, max_new_tokens=8)

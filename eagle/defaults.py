@@ -37,19 +37,21 @@ def default_ea_model_path() -> str:
     return str(DEFAULT_HEAD_DIR)
 
 # Tree settings tuned for the default pair on a 2-core CPU, where every verified tree token costs time
-# (see README, "Embedded default"). On a GPU, larger trees (the reference's 60/7/10) pay off.
-DEFAULT_TREE = {"total_token": 8, "depth": 2, "top_k": 4}
+# (see README, "Embedded default"). On a GPU, larger trees (the reference's 60/7/10) pay off. lookup_tokens: the
+# prompt-lookup branch grafted onto each tree (eagle/model/lookup.py); 0 would draft with the head alone.
+DEFAULT_TREE = {"total_token": 8, "depth": 2, "top_k": 4, "lookup_tokens": 8}
 
 
 def default_tree_settings() -> dict:
-    """``{"total_token", "depth", "top_k"}`` for the embedded default pair."""
+    """``{"total_token", "depth", "top_k", "lookup_tokens"}`` for the embedded default pair."""
     return dict(DEFAULT_TREE)
 
 
 def load_default_model(base_model_path: str | None = None, ea_model_path: str | None = None, use_eagle3: bool = True,
                        pack_cpu_weights: bool | str = "auto", **tree_overrides):
     """``EaModel`` for the given paths, falling back to the embedded default pair (and its tuned tree) for
-    whatever is not given. Tree settings given as keyword arguments (``total_token``, ``depth``, ``top_k``) win."""
+    whatever is not given. Tree settings given as keyword arguments (``total_token``, ``depth``, ``top_k``,
+    ``lookup_tokens``) win."""
     from eagle.model.ea_model import EaModel
 
     tree = default_tree_settings() if ea_model_path is None else {}

@@ -36,25 +36,32 @@ def test_default_paths_come_from_installed_packages():
 def test_default_pair_is_lossless_and_accepted(default_model):
     model = default_model
     assert model.use_eagle3 and model.base_model.config.num_hidden_layers == 30
+    settings = model.tree_settings
+    assert settings.lookup_tokens == defaults.default_tree_settings()["lookup_tokens"] > 0
     emitted = forwards = 0
     for prompt in PROMPTS:
         ids = model.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
                                                   return_tensors="pt", return_dict=True)["input_ids"]
-        eagle, new_tokens, steps = model.eagenerate(ids, max_new_tokens=64, log=True)
         plain = model.naivegenerate(ids, max_new_tokens=64)
+        assert model.eagenerate(ids, max_new_tokens=64).tolist() == plain.tolist(), prompt  # with the lookup branch
+        model.set_tree(settings.total_token, settings.depth, settings.top_k, lookup_tokens=0)  # the head alone
+        try:
+            eagle, new_tokens, steps = model.eagenerate(ids, max_new_tokens=64, log=True)
+        finally:
+            model.set_tree(settings.total_token, settings.depth, settings.top_k, settings.lookup_tokens)
         assert eagle.tolist() == plain.tolist(), prompt
         emitted += new_tokens
         forwards += steps + 1
     mean_tokens_per_forward = emitted / forwards
-    # The shipped head gives 2.23 on these prompts with the default tree (8/2/4), 2.31 with 16/2/8; an untrained
-    # head gives ~1.0.
+    # The shipped head alone gives 2.23 on these prompts with the default tree (8/2/4), 2.31 with 16/2/8; an
+    # untrained head gives ~1.0.
     assert mean_tokens_per_forward > 2.0, mean_tokens_per_forward
 
 
 def test_python_m_eagle_help_lists_the_flags():
     out = subprocess.run([sys.executable, "-m", "eagle", "--help"], capture_output=True, text=True, check=True).stdout
     for flag in ("--prompt", "--max-new-tokens", "--temperature", "--base-model-path", "--ea-model-path",
-                 "--no-eagle3"):
+                 "--no-eagle3", "--lookup-tokens"):
         assert flag in out
 
 

@@ -305,7 +305,7 @@ def test_benchmark_writes_report_plots_and_json(tmp_path, tiny_pair):
     report = (out / "report.md").read_text()
     for heading in ("## Overall", "## Per category", "## Acceptance", "## Greedy check", "speedup_by_category.png"):
         assert heading in report
-    assert "equal plain decoding's on all 2 questions" in report
+    assert "equal plain decoding's in all 2 runs" in report
     assert results["greedy_check"]["identical"] == 2
 
 
@@ -332,3 +332,25 @@ def test_benchmark_compares_with_hugging_face_on_unpacked_weights(tmp_path, tiny
     assert "speed-up vs HF generate, unpacked weights" in (out / "report.md").read_text()
     with pytest.raises(SystemExit, match="compare with packed CPU weights, but this model has none"):
         benchmark.main(common + ["--methods", "eagle,hf_generate_unpacked", "--pack-cpu-weights", "off"])
+
+
+def test_benchmark_runs_eagle_without_the_lookup_branch_side_by_side(tmp_path, tiny_pair, monkeypatch):
+    seen = []
+    real = benchmark.eagle_generate
+
+    def spy(model, input_ids, **options):
+        seen.append(model.tree_settings.lookup_tokens)
+        return real(model, input_ids, **options)
+
+    monkeypatch.setattr(benchmark, "eagle_generate", spy)
+    out = tmp_path / "bench"
+    common = ["--base-model-path", str(tiny_pair[0]), "--ea-model-path", str(tiny_pair[1]), "--question-file",
+              str(MT_BENCH), "--num-questions", "2", "--max-new-tokens", "6", "--warmup", "0", "--output-dir", str(out)]
+    results = benchmark.main(common + ["--methods", "eagle,eagle_no_lookup,plain", "--lookup-tokens", "5"])
+    assert sorted(seen) == [0, 0, 5, 5]  # eagle_no_lookup ran with the branch off, eagle with it
+    assert results["settings"]["lookup_tokens"] == 5
+    # both EAGLE methods checked against plain decoding, on both questions
+    assert results["greedy_check"] == {"checked": 4, "identical": 4, "mismatches": []}
+    assert all(q["methods"]["eagle_no_lookup"]["accept_lengths"] for q in results["per_question"])
+    with pytest.raises(SystemExit, match="eagle_no_lookup compares with the lookup branch, but it is off"):
+        benchmark.main(common + ["--methods", "eagle,eagle_no_lookup"])

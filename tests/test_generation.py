@@ -11,7 +11,7 @@ from eagle.model.ea_model import EaModel
 from tiny_models import FAMILIES, make_head, make_target, train_head_quickly
 
 HEAD_KINDS = {"eagle3-full": (True, None), "eagle3-reduced": (True, 48), "eagle1": (False, None)}
-TREES = [(16, 3, 4), (7, 5, 2)]
+TREES = [(16, 3, 4, 0), (7, 5, 2, 0), (8, 2, 4, 6)]  # total_token, depth, top_k, lookup_tokens
 PROMPTS = [[1, 40, 41, 42], [1, 70, 71, 72, 73, 74, 75, 76, 77, 20], [1, 100]]
 MAX_NEW = 24
 
@@ -54,12 +54,12 @@ def test_greedy_equals_hf_generate(family, kind, family_dirs, hf_reference):
     eagle3, _ = HEAD_KINDS[kind]
     model = EaModel.from_pretrained(use_eagle3=eagle3, base_model_path=str(base), ea_model_path=str(heads[kind]),
                                     dtype=torch.float32)
-    for total_token, depth, top_k in TREES:
-        model.set_tree(total_token, depth, top_k)
+    for total_token, depth, top_k, lookup_tokens in TREES:
+        model.set_tree(total_token, depth, top_k, lookup_tokens)
         for index, prompt in enumerate(PROMPTS):
             expected = hf_reference(family, index)
             got = model.eagenerate(torch.tensor([prompt]), max_new_tokens=MAX_NEW)
-            assert got.tolist() == expected.tolist(), (family, kind, total_token, depth, top_k, prompt)
+            assert got.tolist() == expected.tolist(), (family, kind, total_token, depth, top_k, lookup_tokens, prompt)
             assert model.naivegenerate(torch.tensor([prompt]), max_new_tokens=MAX_NEW).tolist() == expected.tolist()
 
 

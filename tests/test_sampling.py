@@ -65,12 +65,30 @@ def chi_square_p_value(observed: dict, expected: dict, runs: int) -> float:
 
 
 @pytest.mark.parametrize(
-    "temperature,top_p,top_k,length",
-    [(0.6, 0.0, 0, 2), (0.8, 0.0, 3, NEW_TOKENS), (0.8, 0.6, 0, 2)],
-    ids=["temperature", "top-k", "top-p"],
+    "temperature,top_p,top_k,length,lookup_tokens",
+    [(0.6, 0.0, 0, 2, 0), (0.8, 0.0, 3, NEW_TOKENS, 0), (0.8, 0.6, 0, 2, 0), (0.8, 0.0, 0, 2, 4)],
+    ids=["temperature", "top-k", "top-p", "lookup-branch"],
 )
-def test_speculative_sampling_matches_target_distribution(sampling_pair, temperature, top_p, top_k, length):
+def test_speculative_sampling_matches_target_distribution(sampling_pair, temperature, top_p, top_k, length,
+                                                          lookup_tokens, monkeypatch):
     eagle, reference, prompt = sampling_pair
+    grafted = []
+    if lookup_tokens:
+        # A lookup "match" that is always there and often right: the target's own greedy continuation of the
+        # context, so grafted nodes (merged into the head's where they coincide) are verified and accepted often.
+        import eagle.model.drafter as drafter_module
+
+        real_graft = drafter_module.graft_chain
+
+        def greedy_chain(history, max_tokens):
+            ids = torch.cat([prompt[0, :1], history])[None]
+            with torch.no_grad():
+                return reference.generate(ids, max_new_tokens=max_tokens, do_sample=False)[0, ids.shape[1]:]
+
+        monkeypatch.setattr(drafter_module, "find_continuation", greedy_chain)
+        monkeypatch.setattr(drafter_module, "graft_chain",
+                            lambda tree, chain: grafted.append(chain.numel()) or real_graft(tree, chain))
+    eagle.set_tree(10, 3, 4, lookup_tokens)
     processors = prepare_logits_processor(temperature, top_p=top_p, top_k=top_k)
     expected = exact_distribution(reference, prompt, processors, length)
     torch.manual_seed(1234)
@@ -84,6 +102,7 @@ def test_speculative_sampling_matches_target_distribution(sampling_pair, tempera
         observed[tokens] = observed.get(tokens, 0) + 1
     # speculation really happened: drafts were accepted in a good share of the runs
     assert accepted_drafts > RUNS * 0.15, accepted_drafts
+    assert bool(grafted) == bool(lookup_tokens)
     p_value = chi_square_p_value(observed, expected, RUNS)
     assert p_value > 1e-3, (p_value, sorted(observed.items(), key=lambda kv: -kv[1])[:8])
 

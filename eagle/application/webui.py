@@ -273,8 +273,12 @@ def parse_args(argv: list[str] | None = None, prog: str = "python -m eagle.appli
                         help="EAGLE draft head directory (default: the embedded default head)")
     parser.add_argument("--model-type", choices=list(MODEL_TYPES), default=None,
                         help="prompt format; default: the tokenizer's own chat template")
-    parser.add_argument("--total-token", type=int, default=60,
-                        help="draft tree size verified per step, root included (-1: tune for this device)")
+    parser.add_argument("--total-token", type=int, default=None,
+                        help="draft tree size verified per step, root included (-1: tune for this device; default: "
+                        "the tuned tree of the embedded pair, else 60)")
+    parser.add_argument("--lookup-tokens", type=int, default=None,
+                        help="tokens copied from earlier in the context (prompt lookup) grafted onto each draft "
+                        "tree; 0 = the head alone (default: the tuned value for the embedded pair, else 0)")
     parser.add_argument("--max-new-token", type=int, default=512, help="initial 'max new tokens' setting")
     parser.add_argument("--max-length", type=int, default=2048,
                         help="context length for prompt plus answer, in tokens (capped by the model's limit)")
@@ -296,8 +300,10 @@ def parse_args(argv: list[str] | None = None, prog: str = "python -m eagle.appli
     args = parser.parse_args(argv)
     if args.max_new_token < 1:
         parser.error(f"--max-new-token must be at least 1, got {args.max_new_token}")
-    if args.total_token == 0 or args.total_token < -1:
+    if args.total_token is not None and (args.total_token == 0 or args.total_token < -1):
         parser.error(f"--total-token must be a positive tree size or -1 (auto), got {args.total_token}")
+    if args.lookup_tokens is not None and args.lookup_tokens < 0:
+        parser.error(f"--lookup-tokens must be >= 0 (0 = off), got {args.lookup_tokens}")
     return args
 
 
@@ -332,11 +338,15 @@ def load_model(args: argparse.Namespace):
     if (args.base_model_path is None) != (args.ea_model_path is None):
         raise SystemExit("error: pass both --base-model-path and --ea-model-path, or neither (for the embedded "
                          "default model).")
+    tree = {}
     if args.base_model_path is None:
         from .. import defaults
 
         args.base_model_path, args.ea_model_path = defaults.default_base_model_path(), defaults.default_ea_model_path()
         logger.info("no model given: using the embedded default %s", args.base_model_path)
+        tree = defaults.default_tree_settings()  # the tree tuned for the embedded pair
+    tree.update({key: value for key, value in (("total_token", args.total_token),
+                                                ("lookup_tokens", args.lookup_tokens)) if value is not None})
     for flag, path in (("--base-model-path", args.base_model_path), ("--ea-model-path", args.ea_model_path)):
         looks_local = os.path.isabs(path) or path.startswith((".", "~"))
         if looks_local and not os.path.exists(os.path.expanduser(path)):
@@ -350,9 +360,9 @@ def load_model(args: argparse.Namespace):
         if accelerator:
             kwargs["device_map"] = "auto"
     return EaModel.from_pretrained(use_eagle3=not args.no_eagle3, base_model_path=args.base_model_path,
-                                   ea_model_path=args.ea_model_path, total_token=args.total_token,
+                                   ea_model_path=args.ea_model_path,
                                    pack_cpu_weights=PACK_FLAG_VALUES[args.pack_cpu_weights],
-                                   **kwargs)
+                                   **tree, **kwargs)
 
 
 def warm_up(runner: ChatRunner) -> None:

@@ -18,6 +18,10 @@ with ``--methods``, run Hugging Face's code on the layers as transformers loads 
 call, outside the timed region), i.e. what a user of transformers alone gets: ``hf_generate_unpacked`` and
 ``prompt_lookup_unpacked``.
 
+When the tree grafts a prompt-lookup branch (``--lookup-tokens``, on for the embedded pair), the method
+``eagle_no_lookup`` runs EAGLE with the head's tree alone (``lookup_tokens=0`` for the call), to show what each
+part brings.
+
 How it measures: every method first runs ``--warmup`` times on the first question with the full settings
 (untimed, discarded), so none pays a first-call cost; the device is synchronised before and after every
 timed call (``eagle.utils.device.synchronize``); each timed call is preceded by
@@ -56,8 +60,11 @@ logger = logging.getLogger(__name__)
 
 METHODS = ("eagle", "plain", "hf_generate", "prompt_lookup")
 UNPACKED_METHODS = ("hf_generate_unpacked", "prompt_lookup_unpacked")
+EXTRA_METHODS = UNPACKED_METHODS + ("eagle_no_lookup",)
+EAGLE_METHODS = ("eagle", "eagle_no_lookup")
 LABELS = {
     "eagle": "EAGLE (eagenerate)",
+    "eagle_no_lookup": "EAGLE, head's tree alone (no lookup branch)",
     "plain": "plain decoding (naivegenerate)",
     "hf_generate": "HF generate",
     "prompt_lookup": "HF prompt lookup",
@@ -93,13 +100,17 @@ def build_parser() -> argparse.ArgumentParser:
                         "None = EaModel.from_pretrained's own default.")
     parser.add_argument("--depth", type=int, default=None, help="Draft tree depth; None = the loader's own default.")
     parser.add_argument("--top-k", type=int, default=None, help="Draft top-k per expanded node; None = the loader's own default.")
+    parser.add_argument("--lookup-tokens", type=int, default=None,
+                        help="Tokens copied from earlier in the context (prompt lookup) grafted onto each draft tree; "
+                        "0 = the head alone; None = the tuned value for the embedded pair, else 0.")
     parser.add_argument("--temperature", type=float, default=0.0,
                         help="0 = greedy (then EAGLE's answers are checked against plain decoding's).")
     parser.add_argument("--prompt-lookup-num-tokens", type=int, default=10,
                         help="Candidate tokens per step for prompt-lookup decoding.")
     parser.add_argument("--methods", default=",".join(METHODS),
-                        help=f"Comma-separated subset of {', '.join(METHODS + UNPACKED_METHODS)} (the last two run "
-                        "Hugging Face generate with the CPU weight packing turned off; they need packed weights).")
+                        help=f"Comma-separated subset of {', '.join(METHODS + EXTRA_METHODS)} (the *_unpacked ones "
+                        "run Hugging Face generate with the CPU weight packing turned off and need packed weights; "
+                        "eagle_no_lookup runs EAGLE without the lookup branch and needs --lookup-tokens > 0).")
     add_pack_cpu_weights_argument(parser)
     parser.add_argument("--template", default="auto", choices=sorted(TEMPLATES),
                         help="Prompt template ('auto' = the tokenizer's chat template).")
@@ -115,10 +126,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def parse_methods(text: str) -> list[str]:
     methods = [m.strip() for m in text.split(",") if m.strip()]
-    unknown = [m for m in methods if m not in METHODS + UNPACKED_METHODS]
+    unknown = [m for m in methods if m not in METHODS + EXTRA_METHODS]
     if unknown or not methods:
         raise SystemExit(f"--methods: unknown {unknown or 'empty list'}; choose from "
-                         f"{', '.join(METHODS + UNPACKED_METHODS)}.")
+                         f"{', '.join(METHODS + EXTRA_METHODS)}.")
     return list(dict.fromkeys(methods))
 
 
@@ -144,6 +155,13 @@ class Runner:
                        is_llama3=self.template.is_llama3)
         if method == "eagle":
             return eagle_generate(self.model, input_ids, **options)
+        if method == "eagle_no_lookup":
+            settings = self.model.tree_settings
+            self.model.set_tree(settings.total_token, settings.depth, settings.top_k, lookup_tokens=0)
+            try:
+                return eagle_generate(self.model, input_ids, **options)
+            finally:
+                self.model.set_tree(settings.total_token, settings.depth, settings.top_k, settings.lookup_tokens)
         if method == "plain":
             return plain_generate(self.model, input_ids, **options)
         if method in UNPACKED_METHODS:  # only the base model runs here: the head keeps its packed layers
@@ -217,22 +235,27 @@ def summarise(per_question: list[dict], methods: list[str]) -> dict:
 
 
 def greedy_check(per_question: list[dict], outputs: dict, tokenizer) -> dict:
-    """Compare EAGLE's tokens with plain decoding's for every question; list the differences."""
+    """Compare the tokens of each EAGLE method run (``eagle``, ``eagle_no_lookup``) with plain decoding's for every
+    question; list the differences."""
     mismatches = []
-    for q in per_question:
-        eagle_ids, plain_ids = outputs[q["question_id"]]["eagle"], outputs[q["question_id"]]["plain"]
+    checked = 0
+    pairs = [(q, method) for q in per_question for method in EAGLE_METHODS if method in outputs[q["question_id"]]]
+    for q, method in pairs:
+        checked += 1
+        eagle_ids, plain_ids = outputs[q["question_id"]][method], outputs[q["question_id"]]["plain"]
         if eagle_ids == plain_ids:
             continue
         first = next((i for i, (a, b) in enumerate(zip(eagle_ids, plain_ids)) if a != b), min(len(eagle_ids), len(plain_ids)))
         mismatches.append({
             "question_id": q["question_id"],
+            "method": method,
             "first_difference": first,
             "eagle_tokens": len(eagle_ids),
             "plain_tokens": len(plain_ids),
             "eagle_text": tokenizer.decode(eagle_ids[max(0, first - 8): first + 16]),
             "plain_text": tokenizer.decode(plain_ids[max(0, first - 8): first + 16]),
         })
-    return {"checked": len(per_question), "identical": len(per_question) - len(mismatches), "mismatches": mismatches}
+    return {"checked": checked, "identical": checked - len(mismatches), "mismatches": mismatches}
 
 
 def _settings(args, model, device, dtype, questions) -> dict:
@@ -247,6 +270,7 @@ def _settings(args, model, device, dtype, questions) -> dict:
         "total_token": (total_tokens + 1) if isinstance(total_tokens, int) else args.total_token,
         "depth": getattr(head, "depth", args.depth),
         "top_k": getattr(head, "top_k", args.top_k),
+        "lookup_tokens": model.tree_settings.lookup_tokens,
         "temperature": args.temperature,
         "max_new_tokens": args.max_new_tokens,
         "prompt_lookup_num_tokens": args.prompt_lookup_num_tokens,
@@ -290,6 +314,8 @@ def run(args: argparse.Namespace) -> dict:
         raise SystemExit(f"--max-new-tokens must be positive, got {args.max_new_tokens}.")
     if args.num_questions <= 0:
         raise SystemExit(f"--num-questions must be positive, got {args.num_questions}.")
+    if args.lookup_tokens is not None and args.lookup_tokens < 0:
+        raise SystemExit(f"--lookup-tokens must be >= 0 (0 = off), got {args.lookup_tokens}.")
     try:
         questions = spread_over_categories(load_questions(args.bench_name, args.question_file), args.num_questions)
         _resolve_models(args)
@@ -299,13 +325,17 @@ def run(args: argparse.Namespace) -> dict:
     dtype = resolve_dtype(args.dtype, device)
     torch.manual_seed(args.seed)
     model = load_ea_model(args.base_model_path, args.ea_model_path, use_eagle3=args.use_eagle3,
-                          total_token=args.total_token, depth=args.depth, top_k=args.top_k, dtype=dtype, device=device,
+                          total_token=args.total_token, depth=args.depth, top_k=args.top_k,
+                          lookup_tokens=args.lookup_tokens, dtype=dtype, device=device,
                           pack_cpu_weights=PACK_FLAG_VALUES[args.pack_cpu_weights])
     device = model_device(model)
     if any(m in UNPACKED_METHODS for m in methods) and not packed_layer_count(model):
         raise SystemExit(f"--methods {', '.join(m for m in methods if m in UNPACKED_METHODS)} compare with packed CPU "
                          "weights, but this model has none (packing needs float32 weights on a CPU and "
                          "--pack-cpu-weights auto or on).")
+    if "eagle_no_lookup" in methods and not model.tree_settings.lookup_tokens:
+        raise SystemExit("--methods eagle_no_lookup compares with the lookup branch, but it is off (--lookup-tokens 0 "
+                         "or a head other than the embedded one): pass --lookup-tokens N.")
     template = get_template(args.template)
     tokenizer = model.tokenizer
     stop_ids = engine_stop_ids(tokenizer, model.base_model, model, template.is_llama3)  # HF stops where EAGLE does
@@ -337,7 +367,7 @@ def run(args: argparse.Namespace) -> dict:
                 "wall_time": result.wall_time,
                 "tokens_per_s": _rate(result.new_tokens, result.wall_time),
                 "forward_passes": result.forward_passes,
-                "accept_lengths": result.accept_lengths if method == "eagle" else [],
+                "accept_lengths": result.accept_lengths if method in EAGLE_METHODS else [],
             }
         record["methods"] = {m: record["methods"][m] for m in methods}
         per_question.append(record)
@@ -359,8 +389,8 @@ def run(args: argparse.Namespace) -> dict:
     if args.temperature <= 1e-5 and "eagle" in methods and "plain" in methods:
         results["greedy_check"] = greedy_check(per_question, outputs, tokenizer)
         for mismatch in results["greedy_check"]["mismatches"]:
-            logger.warning("Question %s: EAGLE differs from plain decoding at new token %d: %r vs %r",
-                           mismatch["question_id"], mismatch["first_difference"], mismatch["eagle_text"],
+            logger.warning("Question %s: %s differs from plain decoding at new token %d: %r vs %r",
+                           mismatch["question_id"], mismatch["method"], mismatch["first_difference"], mismatch["eagle_text"],
                            mismatch["plain_text"])
 
     from .benchmark_report import write_outputs  # matplotlib is imported only here

@@ -114,7 +114,7 @@ def markdown_report(results: dict, files: dict) -> str:
         "| setting | value |",
         "|---|---|",
     ]
-    for key in ("base_model_path", "ea_model_path", "use_eagle3", "total_token", "depth", "top_k",
+    for key in ("base_model_path", "ea_model_path", "use_eagle3", "total_token", "depth", "top_k", "lookup_tokens",
                 "prompt_lookup_num_tokens", "template", "warmup", "seed", "torch_version", "transformers_version",
                 "packed_cpu_linear_layers"):
         lines.append(f"| {key} | `{s.get(key)}` |")
@@ -170,14 +170,15 @@ def markdown_report(results: dict, files: dict) -> str:
     if check is None:
         lines.append("Not run (sampling, or EAGLE/plain decoding not both measured).")
     elif not check["mismatches"]:
-        lines.append(f"EAGLE's tokens equal plain decoding's on all {check['checked']} questions.")
+        lines.append(f"EAGLE's tokens equal plain decoding's in all {check['checked']} runs (questions x EAGLE methods).")
     else:
-        lines.append(f"EAGLE's tokens differ from plain decoding's on {len(check['mismatches'])} of "
-                     f"{check['checked']} questions:")
-        lines += ["", "| question | first different token | EAGLE tokens | plain tokens | EAGLE text | plain text |",
-                  "|---:|---:|---:|---:|---|---|"]
+        lines.append(f"EAGLE's tokens differ from plain decoding's in {len(check['mismatches'])} of "
+                     f"{check['checked']} runs (questions x EAGLE methods):")
+        lines += ["", "| question | method | first different token | EAGLE tokens | plain tokens | EAGLE text | plain text |",
+                  "|---:|---|---:|---:|---:|---|---|"]
         for m in check["mismatches"]:
-            lines.append(f"| {m['question_id']} | {m['first_difference']} | {m['eagle_tokens']} | {m['plain_tokens']} "
+            lines.append(f"| {m['question_id']} | {m.get('method', 'eagle')} | {m['first_difference']} | "
+                         f"{m['eagle_tokens']} | {m['plain_tokens']} "
                          f"| {_md(m['eagle_text'])} | {_md(m['plain_text'])} |")
 
     lines += ["", "## Plots", ""]

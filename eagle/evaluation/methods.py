@@ -212,7 +212,8 @@ def head_version_hint(ea_model_path: str | None) -> int | None:
 
 
 def load_ea_model(base_model_path: str, ea_model_path: str, *, use_eagle3: bool, total_token: int | None = None,
-                  depth: int | None = None, top_k: int | None = None, dtype: torch.dtype = torch.float32,
+                  depth: int | None = None, top_k: int | None = None, lookup_tokens: int | None = None,
+                  dtype: torch.dtype = torch.float32,
                   device: torch.device | None = None, **hf_kwargs):
     """``EaModel.from_pretrained`` with the given tree settings (None = the loader's own default), on
     ``device``. Warns when the head's config looks like the other EAGLE version than ``use_eagle3`` says."""
@@ -228,8 +229,8 @@ def load_ea_model(base_model_path: str, ea_model_path: str, *, use_eagle3: bool,
             "--use-eagle3" if hint == 3 else "--no-eagle3",
         )
     logger.info("Loading base model %s and EAGLE-%d head %s", base_model_path, wanted, ea_model_path)
-    tree = {name: value for name, value in (("total_token", total_token), ("depth", depth), ("top_k", top_k))
-            if value is not None}
+    tree = {name: value for name, value in (("total_token", total_token), ("depth", depth), ("top_k", top_k),
+                                            ("lookup_tokens", lookup_tokens)) if value is not None}
     device = device or torch.device("cpu")
     if device.type != "cpu" and "device_map" not in hf_kwargs:
         hf_kwargs["device_map"] = str(device)

@@ -117,6 +117,9 @@ def build_parser(defaults: ScriptDefaults, prog: str | None = None) -> argparse.
                         "unset: the loader's default).")
     parser.add_argument("--depth", type=int, default=defaults.depth, help="Draft tree depth.")
     parser.add_argument("--top-k", type=int, default=defaults.top_k, help="Draft top-k per expanded node.")
+    parser.add_argument("--lookup-tokens", type=int, default=None,
+                        help="Tokens copied from earlier in the context (prompt lookup) grafted onto each draft "
+                        "tree; 0 = the head alone. Default: the tuned value for the embedded pair, else 0.")
     parser.add_argument("--num-choices", type=int, default=1, help="Answers per question (seeded 0, 1, ...).")
     parser.add_argument("--num-gpus-per-model", type=int, default=1,
                         help="Devices per model; more than 1 spreads the model with device_map='auto'.")
@@ -163,7 +166,8 @@ class AnswerGenerator:
         if self.method == "eagle" or args.ea_model_path:
             self.ea_model = load_ea_model(
                 args.base_model_path, args.ea_model_path, use_eagle3=args.use_eagle3,
-                total_token=args.total_token, depth=args.depth, top_k=args.top_k, dtype=dtype,
+                total_token=args.total_token, depth=args.depth, top_k=args.top_k,
+                lookup_tokens=args.lookup_tokens, dtype=dtype,
                 device=self.device, **hf_kwargs,
             )
             self.tokenizer = self.ea_model.tokenizer
@@ -273,6 +277,8 @@ def run(args: argparse.Namespace, defaults: ScriptDefaults) -> str:
         )
     if args.max_new_token <= 0:
         raise SystemExit(f"--max-new-token must be positive, got {args.max_new_token}.")
+    if args.lookup_tokens is not None and args.lookup_tokens < 0:
+        raise SystemExit(f"--lookup-tokens must be >= 0 (0 = off), got {args.lookup_tokens}.")
     if args.tree_choices != DEFAULT_TREE_CHOICES:
         logger.warning("--tree-choices is ignored: the draft tree is built dynamically (EAGLE-2/3).")
     template = get_template(args.template)

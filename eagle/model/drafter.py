@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from .draft_layers import KVPair
+from .lookup import find_continuation, graft_chain
 from .tree import DraftTree, root_only_tree, select_tree
 
 
@@ -25,18 +26,27 @@ from .tree import DraftTree, root_only_tree, select_tree
 class TreeSettings:
     """total_token: nodes verified per step including the root (N + 1); depth: draft expansion steps after the
     first (the tree has up to depth + 1 draft levels); top_k: children kept per expanded node and nodes expanded
-    per level."""
+    per level; lookup_tokens: at most this many tokens copied from earlier in the context are grafted onto the
+    tree (see :mod:`eagle.model.lookup`; 0 = off, the reference's behaviour), so a step may verify up to
+    ``total_token + lookup_tokens`` nodes."""
 
     total_token: int = 60
     depth: int = 7
     top_k: int = 10
+    lookup_tokens: int = 0
 
     def __post_init__(self):
-        if self.total_token < 1 or self.depth < 0 or self.top_k < 1:
+        if self.total_token < 1 or self.depth < 0 or self.top_k < 1 or self.lookup_tokens < 0:
             raise ValueError(
-                f"Invalid tree settings total_token={self.total_token}, depth={self.depth}, top_k={self.top_k}: "
-                "expected total_token >= 1 (or -1 to auto-tune), depth >= 0, top_k >= 1."
+                f"Invalid tree settings total_token={self.total_token}, depth={self.depth}, top_k={self.top_k}, "
+                f"lookup_tokens={self.lookup_tokens}: expected total_token >= 1 (or -1 to auto-tune), depth >= 0, "
+                "top_k >= 1, lookup_tokens >= 0."
             )
+
+    @property
+    def max_tree_size(self) -> int:
+        """The most nodes one step verifies (root included)."""
+        return self.total_token + self.lookup_tokens
 
 
 class NoDrafter:
@@ -55,7 +65,8 @@ class EagleDrafter:
     """EAGLE-2 dynamic tree drafting with an EAGLE head.
 
     State: the head's KV cache over the committed (feature, next token) pairs; it only ever holds committed
-    positions, so a rejected tree needs no rollback.
+    positions, so a rejected tree needs no rollback. With ``settings.lookup_tokens``, also the committed tokens
+    (the prompt without its first token, then everything emitted), where the lookup branch is searched.
     """
 
     needs_features = True
@@ -64,9 +75,11 @@ class EagleDrafter:
         self.head = head
         self.settings = settings
         self.committed_kv: list[KVPair] | None = None
+        self.history: torch.Tensor | None = None
 
     def reset(self) -> None:
         self.committed_kv = None
+        self.history = None
 
     @property
     def committed_length(self) -> int:
@@ -118,10 +131,17 @@ class EagleDrafter:
                 ancestors = torch.cat([ancestors[parent_slot], torch.eye(k, dtype=torch.bool, device=device)], dim=1)
             offset += k * k
 
-        return select_tree(
+        tree = select_tree(
             root,
             torch.cat(cand_tokens),
             torch.cat(cand_scores),
             torch.cat(cand_parents),
             self.settings.total_token - 1,
         )
+        if self.settings.lookup_tokens:
+            new = next_tokens[0]
+            self.history = new if self.history is None else torch.cat([self.history, new.to(self.history.device)])
+            chain = find_continuation(self.history, self.settings.lookup_tokens)
+            if chain.numel():
+                tree = graft_chain(tree, chain)
+        return tree

@@ -60,7 +60,8 @@ class EaModel(nn.Module):
     """
 
     def __init__(self, base_model, ea_layer, tokenizer=None, total_token: int = 60, depth: int = 7, top_k: int = 10,
-                 threshold: float = 1.0, base_model_name_or_path: str | None = None, use_eagle3: bool | None = None):
+                 threshold: float = 1.0, base_model_name_or_path: str | None = None, use_eagle3: bool | None = None,
+                 lookup_tokens: int = 0):
         super().__init__()
         self.base_model = base_model
         self.ea_layer = ea_layer
@@ -79,18 +80,21 @@ class EaModel(nn.Module):
         self._eagle_target = Target(base_model, feature_layers=list(layer_ids))
         self._plain_target = Target(base_model, feature_layers=None)
         self._cache = None
-        self.set_tree(total_token, depth, top_k)
+        self.set_tree(total_token, depth, top_k, lookup_tokens)
 
     # ------------------------------------------------------------------ loading
     @classmethod
     def from_pretrained(cls, use_eagle3: bool = True, base_model_path: str | None = None, ea_model_path: str | None = None,
                         total_token: int = 60, depth: int = 7, top_k: int = 10, threshold: float = 1.0,
-                        pack_cpu_weights: bool | str = "auto", **kwargs):
+                        pack_cpu_weights: bool | str = "auto", lookup_tokens: int = 0, **kwargs):
         """Load the base model (a local directory, a Hub id, or a ``.gguf`` file / directory holding one) and the
         head (``config.json`` + ``model.safetensors`` or ``pytorch_model.bin``). ``eagle_model_path`` is accepted
         as another name for ``ea_model_path``. Other keyword arguments go to the base model's ``from_pretrained``
         (``dtype``/``torch_dtype``, ``device_map``, ``low_cpu_mem_usage``...). ``total_token=-1`` chooses the
         tree size by timing verification on the actual device.
+
+        ``lookup_tokens``: graft up to this many tokens copied from earlier in the context onto each draft tree
+        (prompt lookup, see :mod:`eagle.model.lookup`); 0 (default) drafts with the head alone, as the reference.
 
         ``pack_cpu_weights``: pack the linear layers' float32 CPU weights into oneDNN's layout (see
         :mod:`eagle.model.cpu_linear`; it makes verifying a draft tree much cheaper on a CPU, and costs a second copy
@@ -110,7 +114,7 @@ class EaModel(nn.Module):
         ea_layer = load_ea_layer(ea_model_path, base_model, use_eagle3, 60 if auto_tune else total_token, depth,
                                  top_k, threshold)
         model = cls(base_model, ea_layer, tokenizer, 60 if auto_tune else total_token, depth, top_k, threshold,
-                    base_model_name_or_path=base_model_path, use_eagle3=use_eagle3)
+                    base_model_name_or_path=base_model_path, use_eagle3=use_eagle3, lookup_tokens=lookup_tokens)
         if pack_cpu_weights is True or (pack_cpu_weights == "auto" and should_auto_pack(base_model)):
             logger.info("Packed the float32 CPU weights of %d linear layers for oneDNN (pack_cpu_weights=%r)",
                         model.set_cpu_weight_packing(True), pack_cpu_weights)
@@ -121,9 +125,13 @@ class EaModel(nn.Module):
             logger.info("total_token=-1: chose a tree of %d tokens for this device", model.total_token)
         return model
 
-    def set_tree(self, total_token: int, depth: int, top_k: int) -> None:
-        """Change the draft tree settings (nodes verified per step including the root, depth, top-k)."""
-        self.tree_settings = TreeSettings(total_token=total_token, depth=depth, top_k=top_k)
+    def set_tree(self, total_token: int, depth: int, top_k: int, lookup_tokens: int | None = None) -> None:
+        """Change the draft tree settings (nodes verified per step including the root, depth, top-k, and the most
+        prompt-lookup tokens grafted per step; None keeps the current value)."""
+        if lookup_tokens is None:
+            lookup_tokens = self.tree_settings.lookup_tokens if hasattr(self, "tree_settings") else 0
+        self.tree_settings = TreeSettings(total_token=total_token, depth=depth, top_k=top_k,
+                                          lookup_tokens=lookup_tokens)
         self.ea_layer.total_tokens, self.ea_layer.depth, self.ea_layer.top_k = total_token - 1, depth, top_k
 
     def set_cpu_weight_packing(self, enabled: bool) -> int:
@@ -211,7 +219,7 @@ class EaModel(nn.Module):
         return input_ids.long().to(self.device)
 
     def _cache_for(self, max_length: int):
-        capacity = max_length + self.tree_settings.total_token
+        capacity = max_length + self.tree_settings.max_tree_size
         if self._cache is None or self._cache.capacity < capacity:
             self._cache = self._eagle_target.new_cache(capacity)  # grown for this call; reused by later ones
         return self._cache

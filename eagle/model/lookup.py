@@ -1,0 +1,73 @@
+"""Prompt-lookup branch: a chain of tokens copied from earlier in the context, grafted onto the EAGLE draft tree.
+
+Text often repeats what came before it (a rewritten paragraph, a list that restates the question, code that
+reuses names, a small model repeating itself). When the last few tokens occurred earlier in the context, the
+tokens that followed them then are a cheap guess for what follows now: that is prompt-lookup decoding
+(transformers' ``prompt_lookup_num_tokens``). The EAGLE head proposes at most ``depth + 1`` tokens per step; a
+lookup chain can be longer, and costs nothing to draft.
+
+The chain joins the tree from the root: where its first tokens are already nodes of the tree it follows them,
+then hangs the rest as new nodes. Siblings stay distinct, so verification (greedy or sampling) treats the grafted
+nodes like any other draft token and stays lossless; only the number of tokens verified per step grows (by at
+most ``lookup_tokens``, and only when the context holds a match).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .tree import DraftTree, tree_from_parents
+
+MAX_NGRAM = 3
+MIN_NGRAM = 1
+# Cumulative draft score given to a grafted node: its parent's plus this (log 1e-3). Scores only order siblings in
+# sampling verification, so a grafted node is tried after the head's own proposals for the same parent.
+GRAFT_LOG_PROB = -6.9
+
+
+def find_continuation(history: torch.Tensor, max_tokens: int, max_ngram: int = MAX_NGRAM,
+                      min_ngram: int = MIN_NGRAM) -> torch.Tensor:
+    """The tokens that followed the most recent earlier occurrence of the context's last ``n`` tokens.
+
+    history: (T,) token ids, the last one being the token the next step starts from. Tries ``n = max_ngram`` down
+    to ``min_ngram`` and returns at most ``max_tokens`` tokens (an empty tensor when nothing matches)."""
+    length = history.shape[0]
+    for n in range(max_ngram, min_ngram - 1, -1):
+        if length <= n:
+            continue
+        windows = history[:-1].unfold(0, n, 1)  # every earlier n-gram that has at least one token after it
+        starts = (windows == history[-n:]).all(dim=1).nonzero()
+        if starts.numel():
+            begin = int(starts[-1]) + n
+            return history[begin : begin + max_tokens]
+    return history[:0]
+
+
+def graft_chain(tree: DraftTree, chain: torch.Tensor) -> DraftTree:
+    """The tree with ``chain`` (k,) hung below the root: followed through existing nodes while they match, then
+    added as new nodes, each the child of the one before. Returns ``tree`` itself when nothing is added."""
+    tokens = tree.tokens.tolist()
+    parents = tree.parents.tolist()
+    children: dict[tuple[int, int], int] = {(p, t): node for node, (p, t) in enumerate(zip(parents, tokens)) if p >= 0}
+    node, added = 0, 0
+    new_tokens, new_parents, new_scores = [], [], []
+    scores = tree.scores.tolist()
+    for token in chain.tolist():
+        child = children.get((node, token))
+        if child is None:
+            child = len(tokens) + added
+            new_tokens.append(token)
+            new_parents.append(node)
+            parent_score = scores[node] if node < len(scores) else new_scores[node - len(scores)]
+            new_scores.append(parent_score + GRAFT_LOG_PROB)
+            children[(node, token)] = child
+            added += 1
+        node = child
+    if not added:
+        return tree
+    device = tree.tokens.device
+    return tree_from_parents(
+        torch.cat([tree.tokens, torch.tensor(new_tokens, dtype=tree.tokens.dtype, device=device)]),
+        torch.cat([tree.parents, torch.tensor(new_parents, dtype=tree.parents.dtype, device=device)]),
+        torch.cat([tree.scores, torch.tensor(new_scores, dtype=tree.scores.dtype, device=device)]),
+    )
