@@ -102,6 +102,8 @@ class EaModel(nn.Module):
         2 GiB; ``True`` packs whatever can be packed; ``False`` leaves the layers alone."""
         if pack_cpu_weights not in (True, False, "auto"):
             raise ValueError(f"pack_cpu_weights must be True, False or 'auto', not {pack_cpu_weights!r}.")
+        TreeSettings(total_token=60 if total_token == -1 else total_token, depth=depth, top_k=top_k,
+                     lookup_tokens=lookup_tokens)  # invalid tree settings fail before anything loads
         if "eagle_model_path" in kwargs:
             alias = kwargs.pop("eagle_model_path")
             if ea_model_path is not None and ea_model_path != alias:
