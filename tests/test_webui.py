@@ -299,6 +299,23 @@ def test_cli_flags_follow_the_reference_and_are_safe_by_default():
         parse_args(["--model-type", "llama3"])
 
 
+def test_without_paths_the_web_ui_uses_the_tree_tuned_for_the_embedded_pair(monkeypatch, tmp_path):
+    from eagle import defaults
+    from eagle.application.webui import load_model, parse_args
+    from eagle.model.ea_model import EaModel
+
+    calls = []
+    monkeypatch.setattr(EaModel, "from_pretrained", classmethod(lambda cls, **kwargs: calls.append(kwargs)))
+    load_model(parse_args([]))
+    assert {k: calls[-1][k] for k in defaults.default_tree_settings()} == defaults.default_tree_settings()
+    load_model(parse_args(["--lookup-tokens", "0", "--total-token", "12"]))
+    assert calls[-1]["lookup_tokens"] == 0 and calls[-1]["total_token"] == 12
+    load_model(parse_args(["--base-model-path", str(tmp_path), "--ea-model-path", str(tmp_path)]))
+    assert "total_token" not in calls[-1] and "lookup_tokens" not in calls[-1]  # from_pretrained's own defaults
+    with pytest.raises(SystemExit):
+        parse_args(["--lookup-tokens", "-1"])
+
+
 def test_quantisation_flags_fail_clearly_without_cuda(monkeypatch):
     from eagle.application.webui import parse_args, quantization_kwargs
 

@@ -386,7 +386,7 @@ def run(args: argparse.Namespace) -> dict:
         "greedy_check": None,
         "per_question": per_question,
     }
-    if args.temperature <= 1e-5 and "eagle" in methods and "plain" in methods:
+    if args.temperature <= 1e-5 and "plain" in methods and any(m in methods for m in EAGLE_METHODS):
         results["greedy_check"] = greedy_check(per_question, outputs, tokenizer)
         for mismatch in results["greedy_check"]["mismatches"]:
             logger.warning("Question %s: %s differs from plain decoding at new token %d: %r vs %r",
