@@ -140,7 +140,7 @@ class EagleDrafter:
         )
         if self.settings.lookup_tokens:
             new = next_tokens[0]
-            self.history = new if self.history is None else torch.cat([self.history, new.to(self.history.device)])
+            self.history = new if self.history is None else torch.cat([self.history, new])
             chain = find_continuation(self.history, self.settings.lookup_tokens)
             if chain.numel():
                 tree = graft_chain(tree, chain)

@@ -102,8 +102,10 @@ class EaModel(nn.Module):
         2 GiB; ``True`` packs whatever can be packed; ``False`` leaves the layers alone."""
         if pack_cpu_weights not in (True, False, "auto"):
             raise ValueError(f"pack_cpu_weights must be True, False or 'auto', not {pack_cpu_weights!r}.")
-        TreeSettings(total_token=60 if total_token == -1 else total_token, depth=depth, top_k=top_k,
-                     lookup_tokens=lookup_tokens)  # invalid tree settings fail before anything loads
+        auto_tune = total_token == -1
+        # invalid tree settings fail before anything loads; auto-tuning starts from 60 tokens
+        tree = TreeSettings(total_token=60 if auto_tune else total_token, depth=depth, top_k=top_k,
+                            lookup_tokens=lookup_tokens)
         if "eagle_model_path" in kwargs:
             alias = kwargs.pop("eagle_model_path")
             if ea_model_path is not None and ea_model_path != alias:
@@ -112,10 +114,8 @@ class EaModel(nn.Module):
         if base_model_path is None or ea_model_path is None:
             raise ValueError("EaModel.from_pretrained needs base_model_path and ea_model_path.")
         base_model, tokenizer = load_base_model(base_model_path, **kwargs)
-        auto_tune = total_token == -1
-        ea_layer = load_ea_layer(ea_model_path, base_model, use_eagle3, 60 if auto_tune else total_token, depth,
-                                 top_k, threshold)
-        model = cls(base_model, ea_layer, tokenizer, 60 if auto_tune else total_token, depth, top_k, threshold,
+        ea_layer = load_ea_layer(ea_model_path, base_model, use_eagle3, tree.total_token, depth, top_k, threshold)
+        model = cls(base_model, ea_layer, tokenizer, tree.total_token, depth, top_k, threshold,
                     base_model_name_or_path=base_model_path, use_eagle3=use_eagle3, lookup_tokens=lookup_tokens)
         if pack_cpu_weights is True or (pack_cpu_weights == "auto" and should_auto_pack(base_model)):
             logger.info("Packed the float32 CPU weights of %d linear layers for oneDNN (pack_cpu_weights=%r)",

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from .tree import DraftTree, tree_from_parents
+from .verify import children_by_token
 
 MAX_NGRAM = 3
 MIN_NGRAM = 1
@@ -45,29 +46,22 @@ def find_continuation(history: torch.Tensor, max_tokens: int, max_ngram: int = M
 
 def graft_chain(tree: DraftTree, chain: torch.Tensor) -> DraftTree:
     """The tree with ``chain`` (k,) hung below the root: followed through existing nodes while they match, then
-    added as new nodes, each the child of the one before. Returns ``tree`` itself when nothing is added."""
-    tokens = tree.tokens.tolist()
-    parents = tree.parents.tolist()
-    children: dict[tuple[int, int], int] = {(p, t): node for node, (p, t) in enumerate(zip(parents, tokens)) if p >= 0}
-    node, added = 0, 0
-    new_tokens, new_parents, new_scores = [], [], []
-    scores = tree.scores.tolist()
-    for token in chain.tolist():
-        child = children.get((node, token))
-        if child is None:
-            child = len(tokens) + added
-            new_tokens.append(token)
-            new_parents.append(node)
-            parent_score = scores[node] if node < len(scores) else new_scores[node - len(scores)]
-            new_scores.append(parent_score + GRAFT_LOG_PROB)
-            children[(node, token)] = child
-            added += 1
-        node = child
-    if not added:
+    the rest added as new nodes, each the child of the one before. Returns ``tree`` itself when nothing is added."""
+    children = children_by_token(tree)
+    values = chain.tolist()
+    node, matched = 0, 0
+    while matched < len(values) and values[matched] in children.get(node, {}):
+        node = children[node][values[matched]]
+        matched += 1
+    rest = chain[matched:]
+    if not rest.numel():
         return tree
-    device = tree.tokens.device
+    # A new node has no children yet, so everything after the first new token is a plain chain below it.
+    size, count, device = tree.size, rest.numel(), tree.tokens.device
+    parents = torch.cat([torch.tensor([node]), torch.arange(size, size + count - 1)]).to(tree.parents)
+    steps = torch.arange(1, count + 1, device=device, dtype=tree.scores.dtype)
     return tree_from_parents(
-        torch.cat([tree.tokens, torch.tensor(new_tokens, dtype=tree.tokens.dtype, device=device)]),
-        torch.cat([tree.parents, torch.tensor(new_parents, dtype=tree.parents.dtype, device=device)]),
-        torch.cat([tree.scores, torch.tensor(new_scores, dtype=tree.scores.dtype, device=device)]),
+        torch.cat([tree.tokens, rest.to(tree.tokens)]),
+        torch.cat([tree.parents, parents]),
+        torch.cat([tree.scores, tree.scores[node] + GRAFT_LOG_PROB * steps]),
     )
