@@ -39,7 +39,7 @@ def default_ea_model_path() -> str:
 # Tree settings tuned for the default pair on a 2-core CPU, where every verified tree token costs time
 # (see README, "Embedded default"). On a GPU, larger trees (the reference's 60/7/10) pay off. lookup_tokens: the
 # prompt-lookup branch grafted onto each tree (eagle/model/lookup.py); 0 would draft with the head alone.
-DEFAULT_TREE = {"total_token": 8, "depth": 2, "top_k": 4, "lookup_tokens": 8}
+DEFAULT_TREE = {"total_token": 8, "depth": 2, "top_k": 4, "lookup_tokens": 16}
 
 
 def default_tree_settings() -> dict:

@@ -210,8 +210,11 @@ def _count_projected_rows(model, monkeypatch) -> list[int]:
 
 
 def test_cpu_verification_projects_only_the_accepted_path(trained_pairs, monkeypatch):
-    """On a CPU the LM head runs only for the tree rows verification reads (the accepted path), and the output is
-    still exactly HF greedy decoding."""
+    """On a CPU the LM head runs only for the tree rows verification reads (the accepted path), each projected
+    together with a few of the likeliest nodes below it so that a long accepted path costs few projections; the
+    output is still exactly HF greedy decoding."""
+    from eagle.model.generation import LAZY_PROJECTION_ROWS
+
     base, head, eagle3, prompts = trained_pairs["eagle3-full"]
     reference = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
     model = EaModel.from_pretrained(use_eagle3=eagle3, base_model_path=str(base), ea_model_path=str(head),
@@ -225,8 +228,12 @@ def test_cpu_verification_projects_only_the_accepted_path(trained_pairs, monkeyp
     counts = counts[1:]  # the first call is the prefill's check that the LM head alone gives the logits
     accepted = sum(s.accepted for s in steps)
     assert accepted > len(steps) - 1  # the head is really accepted, so whole paths were walked
-    # one row per accepted draft (the last step may be cut by the budget), never the whole 16-node tree
-    assert accepted <= sum(counts) <= accepted + 4 and all(c == 1 for c in counts)
+    # at most one projection per accepted draft (the last step may be cut by the budget), never the whole
+    # 16-node tree at once; and batching works: accepted paths of two or more tokens took fewer projections
+    assert all(1 <= c <= LAZY_PROJECTION_ROWS for c in counts)
+    assert len(counts) <= accepted + 1
+    if any(s.accepted >= 2 for s in steps):
+        assert len(counts) < accepted
 
 
 def test_logits_that_are_not_the_lm_head_alone_are_never_computed_lazily(tmp_path, monkeypatch):

@@ -18,18 +18,26 @@ from tiny_models import make_head, make_target
 def test_continuation_follows_the_most_recent_longest_match():
     history = torch.tensor([5, 6, 7, 1, 2, 9, 5, 6, 8, 3, 5, 6])
     # the last 3-gram (8, 3, 5)... does not occur earlier; the 2-gram (5, 6) does, last at index 6
-    assert find_continuation(history, 4).tolist() == [8, 3, 5, 6]
-    assert find_continuation(history, 2).tolist() == [8, 3]
+    assert find_continuation(history, 8).tolist() == [8, 3, 5, 6]
+    assert find_continuation(history, 4).tolist() == [8, 3]  # a 2-gram match earns half of max_tokens
     # a 3-gram match wins over a more recent 2-gram match
     history = torch.tensor([1, 2, 3, 4, 0, 2, 3, 7, 1, 2, 3])
     assert find_continuation(history, 3).tolist() == [4, 0, 2]
-    # only a 1-gram matches
-    assert find_continuation(torch.tensor([4, 9, 8, 7, 9]), 2).tolist() == [8, 7]
+    # only a 1-gram matches: a quarter of max_tokens
+    assert find_continuation(torch.tensor([4, 9, 8, 7, 9]), 8).tolist() == [8, 7]
+    assert find_continuation(torch.tensor([4, 9, 8, 7, 9]), 3).numel() == 0
     # nothing to copy
     assert find_continuation(torch.tensor([1, 2, 3]), 4).numel() == 0
     assert find_continuation(torch.tensor([3]), 4).numel() == 0
     # max_ngram/min_ngram bound the sizes tried
-    assert find_continuation(torch.tensor([4, 9, 8, 7, 9]), 2, min_ngram=2).numel() == 0
+    assert find_continuation(torch.tensor([4, 9, 8, 7, 9]), 8, min_ngram=2).numel() == 0
+
+
+def test_continuation_length_halves_with_each_token_less_of_match():
+    text = torch.arange(30)
+    for tail, expected in (([5, 6, 7], 16), ([99, 6, 7], 8), ([98, 99, 7], 4)):
+        chain = find_continuation(torch.cat([text, torch.tensor(tail)]), 16)
+        assert chain.tolist() == list(range(8, 8 + expected))
 
 
 def _small_tree():

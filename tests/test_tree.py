@@ -10,7 +10,7 @@ from eagle.model.drafter import EagleDrafter, TreeSettings
 from eagle.model.generation import verify_tree
 from eagle.model.loading import load_ea_layer
 from eagle.model.target import Target, eagle3_layer_ids
-from eagle.model.tree import select_tree, tree_from_parents
+from eagle.model.tree import likeliest_subtree, select_tree, tree_from_parents
 from eagle.model.verify import verify_greedy
 from tiny_models import make_head, make_target
 
@@ -99,6 +99,22 @@ def test_tree_from_parents_chain():
     tree = tree_from_parents(torch.arange(4), torch.tensor([-1, 0, 1, 2]), torch.zeros(4))
     assert tree.retrieve_indices.tolist() == [[0, 1, 2, 3]]
     assert torch.equal(tree.ancestor_mask, torch.ones(4, 4, dtype=torch.bool).tril())
+
+
+def test_likeliest_subtree_is_the_node_then_its_best_descendants():
+    #        0
+    #      /   \
+    #     1     2
+    #    / \    |
+    #   3   4   5
+    #   |
+    #   6
+    tree = tree_from_parents(torch.arange(7), torch.tensor([-1, 0, 0, 1, 1, 2, 3]),
+                             torch.tensor([0.0, -1.0, -2.0, -3.0, -1.5, -2.5, -9.0]))
+    assert likeliest_subtree(tree, 1, 8) == [1, 4, 3, 6]
+    assert likeliest_subtree(tree, 1, 3) == [1, 4, 3]  # capped, the best first
+    assert likeliest_subtree(tree, 2, 8) == [2, 5]
+    assert likeliest_subtree(tree, 6, 8) == [6]  # a leaf
 
 
 @pytest.fixture(scope="module")

@@ -31,7 +31,9 @@ def find_continuation(history: torch.Tensor, max_tokens: int, max_ngram: int = M
     """The tokens that followed the most recent earlier occurrence of the context's last ``n`` tokens.
 
     history: (T,) token ids, the last one being the token the next step starts from. Tries ``n = max_ngram`` down
-    to ``min_ngram`` and returns at most ``max_tokens`` tokens (an empty tensor when nothing matches)."""
+    to ``min_ngram``. A match of ``max_ngram`` tokens earns a chain of up to ``max_tokens`` tokens, and each token
+    less halves that (16, 8, 4 for ``max_tokens=16``): a single matching token is weak evidence, and on text that
+    does not repeat its long chains would be verified for nothing. Returns an empty tensor when nothing matches."""
     length = history.shape[0]
     for n in range(max_ngram, min_ngram - 1, -1):
         if length <= n:
@@ -40,7 +42,7 @@ def find_continuation(history: torch.Tensor, max_tokens: int, max_ngram: int = M
         starts = (windows == history[-n:]).all(dim=1).nonzero()
         if starts.numel():
             begin = int(starts[-1]) + n
-            return history[begin : begin + max_tokens]
+            return history[begin : begin + (max_tokens >> (max_ngram - n))]
     return history[:0]
 
 

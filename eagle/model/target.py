@@ -49,18 +49,27 @@ class LazyLogits:
     On a CPU the LM head (hidden x vocabulary, e.g. 576 x 49,152) costs as much as several layers for every row of
     a draft tree, and verification reads only the rows on the accepted path: projecting those alone saves most of
     that cost. Row 0 (the tree root, always read) comes from the model's own forward pass.
+
+    Reading the LM head's weights dominates a projection, so a few rows cost little more than one (SmolLM2 on
+    this project's CPU: 6.4 ms for 1 row, 8.5 ms for 8). ``rows_with(i)``, when given, names the rows to project
+    together with row ``i`` (``i`` first): verification passes a node's likeliest descendants, which it reads next
+    whenever the node is accepted, so a long accepted path costs one or two projections instead of one per token.
     """
 
-    def __init__(self, first_row: torch.Tensor, last_hidden: torch.Tensor, project):
+    def __init__(self, first_row: torch.Tensor, last_hidden: torch.Tensor, project, rows_with=None):
         self._rows = {0: first_row}
         self._hidden = last_hidden  # (T, H)
         self._project = project
+        self.rows_with = rows_with
 
     def __getitem__(self, index) -> torch.Tensor:
         index = int(index)
         row = self._rows.get(index)
         if row is None:
-            row = self._rows[index] = self._project(self._hidden[index : index + 1])[0]
+            wanted = [index] if self.rows_with is None else [i for i in self.rows_with(index) if i not in self._rows]
+            projected = self._project(self._hidden[torch.tensor(wanted, device=self._hidden.device)])
+            self._rows.update(zip(wanted, projected))
+            row = self._rows[index]
         return row
 
 

@@ -71,6 +71,16 @@ def tree_from_parents(tokens: torch.Tensor, parents: torch.Tensor, scores: torch
     return DraftTree(tokens, parents, depths, ancestor_mask, retrieve_indices, scores)
 
 
+def likeliest_subtree(tree: DraftTree, node: int, limit: int) -> list[int]:
+    """``node`` and at most ``limit - 1`` of its descendants, the best-scored first: the rows a verifier that
+    accepts ``node`` is likeliest to read next."""
+    below = tree.ancestor_mask[:, node].clone()
+    below[node] = False
+    descendants = below.nonzero()[:, 0]
+    best = descendants[torch.argsort(tree.scores[descendants], descending=True, stable=True)[: limit - 1]]
+    return [node] + best.tolist()
+
+
 def select_tree(
     root: torch.Tensor,
     cand_tokens: torch.Tensor,
