@@ -195,6 +195,29 @@ def test_abandoned_stream_and_failed_call_leave_model_usable(family_dirs):
     assert out.shape[1] == 304
 
 
+def test_replay_against_a_recorded_answer_reproduces_the_generation_loop(trained_pairs):
+    """eagle.evaluation.simulate: replaying the drafter against the recorded greedy answer accepts, step by step,
+    what the real generation loop accepts (a trained head, with the lookup branch on)."""
+    from eagle.evaluation.simulate import record, replay
+
+    base, head, eagle3, prompts = trained_pairs["eagle3-full"]
+    model = EaModel.from_pretrained(use_eagle3=eagle3, base_model_path=str(base), ea_model_path=str(head),
+                                    total_token=8, depth=2, top_k=3, lookup_tokens=4, dtype=torch.float32)
+    accepted = 0
+    for prompt in prompts[:3]:
+        ids = prompt[None]
+        steps = list(model.generate_steps(ids, max_new_tokens=40))
+        real = [s.accepted for s in steps[1:]]  # steps[0] is the prefill's token
+        recording = record(model, ids, max_new_tokens=40)
+        assert torch.equal(recording.tokens, model.naivegenerate(ids, max_new_tokens=40)[0])
+        simulated = replay(model.ea_layer, recording, model.tree_settings)
+        # the loop's last step may be cut by the token budget; every other step matches exactly
+        assert simulated.accept_lengths[:-1] == real[:-1]
+        assert len(simulated.accept_lengths) == len(real)
+        accepted += sum(real)
+    assert accepted > 10  # the head is really accepted, so the replay's features are really used
+
+
 def _count_projected_rows(model, monkeypatch) -> list[int]:
     """Record how many rows each lazy projection through the LM head computes."""
     target = model._eagle_target

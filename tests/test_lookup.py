@@ -137,3 +137,14 @@ def test_lookup_tokens_from_pretrained_and_set_tree(pair):
     assert model.tree_settings.lookup_tokens == 0
     with pytest.raises(ValueError, match="lookup_tokens"):
         EaModel.from_pretrained(base_model_path=str(base), ea_model_path=str(head), lookup_tokens=-2)
+
+
+def test_simulate_tree_list_errors_say_what_is_expected():
+    from eagle.evaluation.simulate import parse_trees
+
+    assert [(t.total_token, t.depth, t.top_k, t.lookup_tokens) for t in parse_trees("8/2/4/16, 12/2/4")] == [
+        (8, 2, 4, 16), (12, 2, 4, 0)]
+    with pytest.raises(SystemExit, match="total_token/depth/top_k"):
+        parse_trees("8/2")
+    with pytest.raises(SystemExit, match="lookup_tokens >= 0"):
+        parse_trees("8/2/4/-1")

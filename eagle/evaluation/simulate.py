@@ -1,0 +1,188 @@
+"""Replay greedy EAGLE against recorded answers: tokens per step of any tree setting, in seconds, without timing.
+
+    python -m eagle.evaluation.simulate --trees 8/2/4/16,12/2/4/16      # the embedded default pair
+    python -m eagle.evaluation.simulate --base-model-path BASE --ea-model-path HEAD --trees 60/7/10/0
+
+Greedy verification accepts the longest tree path whose tokens are the target's own greedy continuation, so once
+that continuation is known the target is no longer needed to say what a tree would have accepted. ``record`` runs
+plain decoding once per prompt and one target forward over prompt + answer (the features the head reads);
+``replay`` then runs the real drafter (head, tree selection, lookup branch) step by step and accepts what matches
+the recorded answer. Each tree setting costs only the head's passes, so a dozen settings take about as long as
+one benchmark method, and tau is what the generation loop would get (up to rounding differences between one
+forward over the whole sequence and the loop's step-by-step forwards). Tokens per step are half the story on a
+device where every verified tree token costs time: the report gives the mean tree size too, and the speed of the
+settings worth having is then measured side by side with ``eagle.evaluation.benchmark``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+from dataclasses import dataclass
+
+import torch
+from tqdm import tqdm
+
+from eagle.model.drafter import EagleDrafter, TreeSettings
+from eagle.model.verify import children_by_token
+
+from .methods import load_ea_model, resolve_device, resolve_dtype
+from .questions import load_questions, spread_over_categories
+from .templates import TEMPLATES, encode_prompt, get_template
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Recording:
+    """A prompt and the target's greedy answer: tokens (S + n,) and the head's input features (1, S + n, F)."""
+
+    prompt_length: int
+    tokens: torch.Tensor
+    features: torch.Tensor
+
+
+@dataclass
+class Replay:
+    """Per draft/verify step: the draft tokens accepted and the tree size verified (root included)."""
+
+    accept_lengths: list[int]
+    tree_sizes: list[int]
+
+    @property
+    def tau(self) -> float:
+        return sum(self.accept_lengths) / len(self.accept_lengths) + 1 if self.accept_lengths else 0.0
+
+    @property
+    def mean_tree_size(self) -> float:
+        return sum(self.tree_sizes) / len(self.tree_sizes) if self.tree_sizes else 0.0
+
+
+@torch.no_grad()
+def record(model, input_ids: torch.Tensor, max_new_tokens: int) -> Recording:
+    """Greedy answer to ``input_ids`` (1, S) by plain decoding, and the features of every position."""
+    tokens = model.naivegenerate(input_ids, max_new_tokens=max_new_tokens)[0]
+    target = model._eagle_target
+    cache = target.new_cache(tokens.shape[0])
+    out = target.forward(tokens[None], cache, torch.arange(tokens.shape[0]), last_logits_only=True)
+    return Recording(input_ids.shape[1], tokens, out.features)
+
+
+@torch.no_grad()
+def replay(head, recording: Recording, settings: TreeSettings) -> Replay:
+    """Run the EAGLE drafter with ``settings`` over ``recording``, accepting what greedy verification would."""
+    tokens, features, total = recording.tokens, recording.features, recording.tokens.shape[0]
+    drafter = EagleDrafter(head, settings)
+    drafter.reset()
+    root = recording.prompt_length  # position of the tree's root: the last committed token
+    new_features, next_tokens = features[:, :root], tokens[1 : root + 1][None]
+    result = Replay([], [])
+    while root < total - 1:
+        tree = drafter.draft(new_features, next_tokens)
+        children = children_by_token(tree)
+        node, accepted = 0, 0
+        while root + accepted + 1 < total:
+            child = children.get(node, {}).get(int(tokens[root + accepted + 1]))
+            if child is None:
+                break
+            node, accepted = child, accepted + 1
+        result.accept_lengths.append(accepted)
+        result.tree_sizes.append(tree.size)
+        new_features = features[:, root : root + accepted + 1]
+        next_tokens = tokens[root + 1 : root + accepted + 2][None]
+        root += accepted + 1
+    return result
+
+
+def parse_trees(text: str) -> list[TreeSettings]:
+    """``"8/2/4/16,12/2/4/16"`` -> tree settings (total_token/depth/top_k/lookup_tokens; lookup may be left out)."""
+    trees = []
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        try:
+            values = [int(v) for v in item.split("/")]
+            if len(values) not in (3, 4):
+                raise ValueError
+        except ValueError:
+            raise SystemExit(f"--trees: {item!r} is not total_token/depth/top_k[/lookup_tokens], e.g. 8/2/4/16.") from None
+        try:
+            trees.append(TreeSettings(*values))
+        except ValueError as err:
+            raise SystemExit(f"--trees: {err}") from None
+    if not trees:
+        raise SystemExit("--trees: give at least one tree, e.g. 8/2/4/16.")
+    return trees
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m eagle.evaluation.simulate",
+        description="Tokens per draft/verify step (tau) and tree size of several tree settings, by replaying greedy "
+        "EAGLE against answers recorded once with plain decoding (no timing; see the module docstring).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument("--base-model-path", default=None, help="Target model. Default: the embedded default model.")
+    parser.add_argument("--ea-model-path", default=None, help="Draft head. Default: the embedded default head.")
+    parser.add_argument("--no-eagle3", dest="use_eagle3", action="store_false", help="The head is an EAGLE-1/2 head.")
+    parser.add_argument("--trees", default="8/2/4/16",
+                        help="Comma-separated total_token/depth/top_k[/lookup_tokens] settings to compare.")
+    parser.add_argument("--bench-name", default="mt_bench", help="Questions of this benchmark.")
+    parser.add_argument("--question-file", default=None, help="A FastChat-format question.jsonl instead.")
+    parser.add_argument("--num-questions", type=int, default=16,
+                        help="Questions (first turns), taken round-robin over categories.")
+    parser.add_argument("--max-new-tokens", type=int, default=256, help="Length of the recorded answers.")
+    parser.add_argument("--template", default="auto", choices=sorted(TEMPLATES),
+                        help="Prompt template ('auto' = the tokenizer's chat template).")
+    parser.add_argument("--output", default=None, help="Also write the results as JSON here.")
+    parser.add_argument("--device", default="auto", help="auto, cpu, cuda, mps...")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
+                        help="Model dtype; auto = float16 on an accelerator, float32 on the CPU.")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    args = build_parser().parse_args(argv)
+    trees = parse_trees(args.trees)
+    if args.max_new_tokens <= 0 or args.num_questions <= 0:
+        raise SystemExit("--max-new-tokens and --num-questions must be positive.")
+    if (args.base_model_path is None) != (args.ea_model_path is None):
+        raise SystemExit("Give both --base-model-path and --ea-model-path, or neither (the embedded default pair).")
+    if args.base_model_path is None:
+        from eagle import defaults as embedded  # lazy: only needed for the default pair
+
+        args.base_model_path, args.ea_model_path = embedded.default_base_model_path(), embedded.default_ea_model_path()
+    try:
+        questions = spread_over_categories(load_questions(args.bench_name, args.question_file), args.num_questions)
+    except (OSError, ValueError) as err:
+        raise SystemExit(str(err)) from None
+    device = resolve_device(args.device)
+    model = load_ea_model(args.base_model_path, args.ea_model_path, use_eagle3=args.use_eagle3,
+                          dtype=resolve_dtype(args.dtype, device), device=device)
+    template = get_template(args.template)
+    recordings = []
+    for question in tqdm(questions, desc="recording greedy answers"):
+        ids = encode_prompt(template, model.tokenizer, [(question["turns"][0], None)])
+        recordings.append(record(model, torch.tensor([ids], dtype=torch.long, device=model.device),
+                                 args.max_new_tokens))
+    results = []
+    for settings in tqdm(trees, desc="replaying"):
+        replays = [replay(model.ea_layer, rec, settings) for rec in recordings]
+        merged = Replay([a for r in replays for a in r.accept_lengths], [s for r in replays for s in r.tree_sizes])
+        results.append({"total_token": settings.total_token, "depth": settings.depth, "top_k": settings.top_k,
+                        "lookup_tokens": settings.lookup_tokens, "steps": len(merged.accept_lengths),
+                        "tau": merged.tau, "mean_tree_size": merged.mean_tree_size})
+    print(f"{len(recordings)} answers, {sum(r.tokens.shape[0] - r.prompt_length for r in recordings)} tokens")
+    print("| total_token/depth/top_k/lookup | steps | tau (tokens per step) | tree tokens per step |")
+    print("|---|---:|---:|---:|")
+    for row in results:
+        name = f"{row['total_token']}/{row['depth']}/{row['top_k']}/{row['lookup_tokens']}"
+        print(f"| {name} | {row['steps']} | {row['tau']:.3f} | {row['mean_tree_size']:.2f} |")
+    if args.output:
+        with open(args.output, "w") as f:
+            json.dump({"questions": [q["question_id"] for q in questions], "results": results}, f, indent=2)
+    return results
+
+
+if __name__ == "__main__":
+    main()
