@@ -51,7 +51,7 @@ from eagle.model.cpu_linear import (PACK_FLAG_VALUES, add_pack_cpu_weights_argum
 from .alpha import alpha_from_accept_lengths
 from .methods import (
     Generation, eagle_generate, engine_stop_ids, hf_generate, hf_generation_config, load_ea_model, model_device, plain_generate,
-    resolve_device, resolve_dtype,
+    resolve_device, resolve_dtype, resolve_model_paths,
 )
 from .questions import load_questions, spread_over_categories
 from .templates import TEMPLATES, encode_prompt, get_template
@@ -294,19 +294,6 @@ def _settings(args, model, device, dtype, questions) -> dict:
     }
 
 
-def _resolve_models(args) -> None:
-    if args.base_model_path is None and args.ea_model_path is None:
-        from eagle import defaults as embedded  # lazy: only needed for the default run
-
-        args.base_model_path = embedded.default_base_model_path()
-        args.ea_model_path = embedded.default_ea_model_path()
-        for key, value in embedded.default_tree_settings().items():  # the tree tuned for the embedded pair
-            if getattr(args, key) is None:
-                setattr(args, key, value)
-    elif args.base_model_path is None or args.ea_model_path is None:
-        raise SystemExit("Give both --base-model-path and --ea-model-path, or neither (the embedded default pair).")
-
-
 def run(args: argparse.Namespace) -> dict:
     """Run the benchmark as ``args`` say; returns the results (also written to ``--output-dir``)."""
     methods = parse_methods(args.methods)
@@ -318,7 +305,7 @@ def run(args: argparse.Namespace) -> dict:
         raise SystemExit(f"--lookup-tokens must be >= 0 (0 = off), got {args.lookup_tokens}.")
     try:
         questions = spread_over_categories(load_questions(args.bench_name, args.question_file), args.num_questions)
-        _resolve_models(args)
+        resolve_model_paths(args)
     except (OSError, ValueError) as err:
         raise SystemExit(str(err)) from None
     device = resolve_device(args.device)

@@ -175,6 +175,21 @@ def default_max_length(prompt_length: int, max_new_tokens: int) -> int:
     return max(2048, prompt_length + max_new_tokens + 1)
 
 
+def resolve_model_paths(args) -> None:
+    """``--base-model-path`` / ``--ea-model-path``: both given, or neither, and then the embedded default pair, with
+    its tuned tree for whichever of ``args.total_token/depth/top_k/lookup_tokens`` exist and are None."""
+    if args.base_model_path is None and args.ea_model_path is None:
+        from eagle import defaults as embedded  # lazy: only needed for the default run
+
+        args.base_model_path = embedded.default_base_model_path()
+        args.ea_model_path = embedded.default_ea_model_path()
+        for key, value in embedded.default_tree_settings().items():  # the tree tuned for the embedded pair
+            if hasattr(args, key) and getattr(args, key) is None:
+                setattr(args, key, value)
+    elif args.base_model_path is None or args.ea_model_path is None:
+        raise SystemExit("Give both --base-model-path and --ea-model-path, or neither (the embedded default pair).")
+
+
 def resolve_device(name: str | None) -> torch.device:
     """``"auto"``/None: the best available accelerator; otherwise ``torch.device(name)``."""
     if name in (None, "", "auto"):

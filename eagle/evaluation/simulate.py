@@ -25,9 +25,9 @@ import torch
 from tqdm import tqdm
 
 from eagle.model.drafter import EagleDrafter, TreeSettings
-from eagle.model.verify import children_by_token
+from eagle.model.verify import greedy_path
 
-from .methods import load_ea_model, resolve_device, resolve_dtype
+from .methods import load_ea_model, resolve_device, resolve_dtype, resolve_model_paths
 from .questions import load_questions, spread_over_categories
 from .templates import TEMPLATES, encode_prompt, get_template
 
@@ -80,13 +80,10 @@ def replay(head, recording: Recording, settings: TreeSettings) -> Replay:
     result = Replay([], [])
     while root < total - 1:
         tree = drafter.draft(new_features, next_tokens)
-        children = children_by_token(tree)
-        node, accepted = 0, 0
-        while root + accepted + 1 < total:
-            child = children.get(node, {}).get(int(tokens[root + accepted + 1]))
-            if child is None:
-                break
-            node, accepted = child, accepted + 1
+        answer = tokens[root + 1 :].tolist()  # what the target puts after a node at depth d is answer[d]
+        depths = tree.depths.tolist()
+        path, _ = greedy_path(tree, lambda node: answer[depths[node]] if depths[node] < len(answer) else -1)
+        accepted = len(path) - 1
         result.accept_lengths.append(accepted)
         result.tree_sizes.append(tree.size)
         new_features = features[:, root : root + accepted + 1]
@@ -146,14 +143,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     trees = parse_trees(args.trees)
     if args.max_new_tokens <= 0 or args.num_questions <= 0:
         raise SystemExit("--max-new-tokens and --num-questions must be positive.")
-    if (args.base_model_path is None) != (args.ea_model_path is None):
-        raise SystemExit("Give both --base-model-path and --ea-model-path, or neither (the embedded default pair).")
-    if args.base_model_path is None:
-        from eagle import defaults as embedded  # lazy: only needed for the default pair
-
-        args.base_model_path, args.ea_model_path = embedded.default_base_model_path(), embedded.default_ea_model_path()
     try:
         questions = spread_over_categories(load_questions(args.bench_name, args.question_file), args.num_questions)
+        resolve_model_paths(args)
     except (OSError, ValueError) as err:
         raise SystemExit(str(err)) from None
     device = resolve_device(args.device)

@@ -62,6 +62,20 @@ def children_by_token(tree: DraftTree) -> dict[int, dict[int, int]]:
     return children
 
 
+def greedy_path(tree: DraftTree, next_token) -> tuple[list[int], object]:
+    """Walk down from the root while the node has a child carrying ``next_token(node)`` (the token the target
+    puts after that node). Returns the node ids walked, root first, and ``next_token`` of the last one."""
+    children = children_by_token(tree)
+    node, path = 0, [0]
+    while True:
+        predicted = next_token(node)
+        child = children.get(node, {}).get(int(predicted))
+        if child is None:
+            return path, predicted
+        node = child
+        path.append(node)
+
+
 def verify_greedy(tree: DraftTree, logits) -> tuple[torch.Tensor, torch.Tensor]:
     """logits: target logits after each node, indexable by node id (a (N+1, V) tensor, or
     :class:`~eagle.model.target.LazyLogits`, which projects only the rows read here). Returns the accepted node ids
@@ -69,15 +83,8 @@ def verify_greedy(tree: DraftTree, logits) -> tuple[torch.Tensor, torch.Tensor]:
 
     Walks down from the root: a child is accepted when its token is the target's argmax after its parent. Only the
     rows of the accepted path are read (accepted + 1 of them)."""
-    children = children_by_token(tree)
-    node, path = 0, [0]
-    while True:
-        predicted = logits[node].argmax()
-        child = children.get(node, {}).get(int(predicted))
-        if child is None:
-            return torch.tensor(path, device=tree.tokens.device), predicted.to(tree.tokens.device)
-        node = child
-        path.append(node)
+    path, bonus = greedy_path(tree, lambda node: logits[node].argmax())
+    return torch.tensor(path, device=tree.tokens.device), bonus.to(tree.tokens.device)
 
 
 def verify_sampling(tree: DraftTree, logits, sampler: Sampler) -> tuple[torch.Tensor, torch.Tensor]:
