@@ -10,6 +10,8 @@ from transformers import AutoModelForCausalLM
 
 from eagle.model import EaModel
 from eagle.model.configs import EConfig
+from eagle.model.cpu_linear import native_bfloat16
+from eagle.model.loading import resolve_draft_dtype
 from tiny_models import make_head, make_target
 
 
@@ -28,7 +30,8 @@ def test_official_layouts_load_from_both_formats(base, fmt, eagle3, vocab):
     state = make_head(head_dir, model, eagle3=eagle3, draft_vocab_size=vocab, fmt=fmt)
     expected_keys = {"fc.weight", "norm.weight", "lm_head.weight"} if eagle3 else {"fc.weight", "fc.bias"}
     assert expected_keys <= set(state)
-    loaded = EaModel.from_pretrained(use_eagle3=eagle3, base_model_path=str(root / "base"), ea_model_path=str(head_dir))
+    loaded = EaModel.from_pretrained(use_eagle3=eagle3, base_model_path=str(root / "base"), ea_model_path=str(head_dir),
+                                     draft_dtype=torch.float32)  # the base's dtype: the weights exactly as saved
     for key, tensor in state.items():
         torch.testing.assert_close(loaded.ea_layer.state_dict()[key].to(tensor.dtype), tensor)
     # the embedding is the base model's, shared
@@ -45,10 +48,36 @@ def test_fp16_checkpoint_loads_into_float32_base(base):
 
     save_file({k: (v.half() if v.is_floating_point() else v).contiguous() for k, v in state.items()},
               str(head_dir / "model.safetensors"))
-    loaded = EaModel.from_pretrained(base_model_path=str(root / "base"), ea_model_path=str(head_dir))
+    loaded = EaModel.from_pretrained(base_model_path=str(root / "base"), ea_model_path=str(head_dir),
+                                     draft_dtype="float32")
     assert loaded.ea_layer.fc.weight.dtype == torch.float32
     assert loaded.ea_layer.d2t.dtype == torch.long and loaded.ea_layer.t2d.dtype == torch.bool
     torch.testing.assert_close(loaded.ea_layer.d2t, state["d2t"])
+    # by default: float32 too, or bfloat16 on a CPU that computes in it natively; only floating weights are cast
+    auto = EaModel.from_pretrained(base_model_path=str(root / "base"), ea_model_path=str(head_dir))
+    expected = torch.bfloat16 if native_bfloat16() else torch.float32
+    assert auto.ea_layer.fc.weight.dtype == auto.ea_layer.lm_head.weight.dtype == expected
+    assert auto.ea_layer.d2t.dtype == torch.long and auto.ea_layer.t2d.dtype == torch.bool
+
+
+def test_draft_dtype_follows_the_base_model_unless_bfloat16_is_native(monkeypatch):
+    from eagle.model import loading
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    monkeypatch.setattr(loading, "native_bfloat16", lambda: True)
+    assert resolve_draft_dtype("auto", torch.float32, cpu, 3) == torch.bfloat16
+    assert resolve_draft_dtype(None, torch.float32, cpu, 1) == torch.float32  # EAGLE-1 shares the target LM head
+    assert resolve_draft_dtype("auto", torch.float32, cuda, 3) == torch.float32
+    assert resolve_draft_dtype("auto", torch.float16, cuda, 3) == torch.float16
+    monkeypatch.setattr(loading, "native_bfloat16", lambda: False)
+    assert resolve_draft_dtype("auto", torch.float32, cpu, 3) == torch.float32
+    assert resolve_draft_dtype("bfloat16", torch.float32, cpu, 3) == torch.bfloat16
+    assert resolve_draft_dtype(torch.float16, torch.float32, cpu, 3) == torch.float16
+    for bad in ("half", torch.int8, 16):
+        with pytest.raises(ValueError, match="draft_dtype must be"):
+            resolve_draft_dtype(bad, torch.float32, cpu, 3)
+    with pytest.raises(ValueError, match="EAGLE-1 head shares the base model's LM head"):
+        resolve_draft_dtype(torch.bfloat16, torch.float32, cpu, 1)
 
 
 def test_eagle_model_path_alias(base):
@@ -182,7 +211,8 @@ def test_head_only_checkpoint_with_own_embedding(base):
     state["embed_tokens.weight"] = torch.randn(128, 64)
     make_head(head_dir, model, eagle3=True, state_dict=state)
     (head_dir / "config.json").write_text(json.dumps(config))
-    loaded = EaModel.from_pretrained(base_model_path=str(root / "base"), ea_model_path=str(head_dir))
+    loaded = EaModel.from_pretrained(base_model_path=str(root / "base"), ea_model_path=str(head_dir),
+                                     draft_dtype=torch.float32)
     torch.testing.assert_close(loaded.ea_layer.embed_tokens.weight, state["embed_tokens.weight"])
     reference = AutoModelForCausalLM.from_pretrained(root / "base").eval()
     ids = torch.tensor([[1, 30, 31]])

@@ -77,6 +77,25 @@ def test_training_other_dtypes_and_copies_take_the_ordinary_path():
         torch.testing.assert_close(restored(x), reference(x), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.skipif(not cpu_linear.native_bfloat16(), reason="this CPU does not compute in bfloat16 natively")
+def test_bfloat16_layers_are_packed_where_the_cpu_computes_in_bfloat16():
+    net = _net().bfloat16()
+    x = torch.randn(5, 24).bfloat16()
+    with torch.no_grad():
+        expected = net(x).float()
+        assert pack_linear_layers(net) == 2
+        assert net[0]._packed_call(x) and not net[0]._packed_call(x.float())
+        torch.testing.assert_close(net(x).float(), expected, rtol=2e-2, atol=2e-2)
+
+
+def test_bfloat16_layers_stay_unpacked_where_bfloat16_is_emulated(monkeypatch):
+    monkeypatch.setattr(cpu_linear, "native_bfloat16", lambda: False)
+    net = _net()
+    net[0].bfloat16()
+    assert pack_linear_layers(net) == 1  # the float32 layer only
+    assert type(net[0]) is nn.Linear and type(net[2]) is PackedLinear
+
+
 def test_a_build_without_onednn_leaves_the_layers_alone(monkeypatch):
     monkeypatch.setattr(cpu_linear, "packing_available", lambda: False)
     net = _net()

@@ -243,6 +243,8 @@ def test_cpu_verification_projects_only_the_accepted_path(trained_pairs, monkeyp
     model = EaModel.from_pretrained(use_eagle3=eagle3, base_model_path=str(base), ea_model_path=str(head),
                                     total_token=16, depth=4, top_k=4, dtype=torch.float32)
     counts = _count_projected_rows(model, monkeypatch)
+    head_rows: list[int] = []  # rows of every LM head call: in the forward passes and in the lazy projections
+    model.base_model.lm_head.register_forward_hook(lambda module, args, out: head_rows.append(args[0].shape[-2]))
     ids = prompts[0][None]
     steps = list(model.generate_steps(ids, max_new_tokens=40))
     got = torch.cat([ids[0]] + [s.tokens for s in steps])
@@ -254,9 +256,32 @@ def test_cpu_verification_projects_only_the_accepted_path(trained_pairs, monkeyp
     # at most one projection per accepted draft (the last step may be cut by the budget), never the whole
     # 16-node tree at once; and batching works: accepted paths of two or more tokens took fewer projections
     assert all(1 <= c <= LAZY_PROJECTION_ROWS for c in counts)
+    assert all(1 <= r <= LAZY_PROJECTION_ROWS for r in head_rows) and len(head_rows) == len(counts) + len(steps) + 1
     assert len(counts) <= accepted + 4
     if any(s.accepted >= 2 for s in steps):
         assert len(counts) < accepted
+    # the root and its likeliest descendants come out of the verification forward itself: most steps that accept
+    # a draft token need no projection after it
+    assert len(counts) < sum(s.accepted >= 1 for s in steps)
+
+
+def test_a_bfloat16_draft_head_changes_nothing_in_the_output(trained_pairs):
+    """The draft head's dtype is a speed choice: a bfloat16 head of a float32 model drafts nearly as well (its
+    proposals are still accepted) and the output is exactly greedy decoding, with or without native bfloat16."""
+    base, head, eagle3, prompts = trained_pairs["eagle3-full"]
+    reference = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
+    model = EaModel.from_pretrained(use_eagle3=eagle3, base_model_path=str(base), ea_model_path=str(head),
+                                    total_token=12, depth=3, top_k=4, dtype=torch.float32, draft_dtype="bfloat16")
+    assert model.ea_layer.fc.weight.dtype == torch.bfloat16 and model.base_model.dtype == torch.float32
+    accepted = drafted_steps = 0
+    for prompt in prompts[:2]:
+        ids = prompt[None]
+        steps = list(model.generate_steps(ids, max_new_tokens=32))
+        got = torch.cat([ids[0]] + [s.tokens for s in steps])
+        assert got.tolist() == reference.generate(ids, max_new_tokens=32, do_sample=False)[0].tolist()
+        accepted += sum(s.accepted for s in steps)
+        drafted_steps += len(steps) - 1
+    assert accepted > drafted_steps  # more than one accepted draft token per step on average
 
 
 def test_logits_that_are_not_the_lm_head_alone_are_never_computed_lazily(tmp_path, monkeypatch):

@@ -1,4 +1,4 @@
-"""Pre-packed float32 linear layers for inference on a CPU.
+"""Pre-packed float32 (and bfloat16) linear layers for inference on a CPU.
 
 On a CPU, ``F.linear`` hands each call to a general GEMM that works on the weights as stored. For one row (plain
 decoding) that costs little more than weights packed ahead of time into oneDNN's blocked layout (the kernels torch's
@@ -9,7 +9,9 @@ buys its speed with, so this makes the difference between EAGLE losing and winni
 
 :func:`pack_linear_layers` turns every plain ``nn.Linear`` of a module into a :class:`PackedLinear` in place: the
 same parameters and ``state_dict`` (the original weight stays where it was), plus a packed copy used when no
-gradient is needed and the input is a float32 CPU tensor of at most :data:`PACKED_MAX_ROWS` rows. Anything else
+gradient is needed and the input is a CPU tensor of the weight's dtype with at most :data:`PACKED_MAX_ROWS` rows.
+Float32 weights are always packable; bfloat16 weights on a CPU that computes in bfloat16 natively (AVX512-BF16 or
+AMX, see :func:`native_bfloat16`), where the packed kernels read half the bytes of float32 ones. Anything else
 (training, a long prefill, another device or dtype) goes through ``F.linear``, and a weight replaced or changed in
 place since packing is repacked before use. The one change a layer cannot notice is one made through
 ``weight.data`` (it has its own version counter): call :func:`pack_linear_layers` again after such a change. The
@@ -19,6 +21,7 @@ cost is memory: the packed copy doubles the linear layers' footprint.
 from __future__ import annotations
 
 import copy
+import functools
 import logging
 
 import torch
@@ -57,12 +60,28 @@ def packing_available() -> bool:
         return False
 
 
+@functools.lru_cache(maxsize=None)
+def native_bfloat16() -> bool:
+    """Whether this CPU computes in bfloat16 natively (AVX512-BF16 or AMX instructions): there bfloat16 matrix
+    products run at full speed and read half the memory of float32 ones; elsewhere they are emulated, slowly."""
+    checks = [getattr(torch.cpu, name, None) for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported")]
+    try:
+        return packing_available() and any(check is not None and check() for check in checks)
+    except RuntimeError:
+        return False
+
+
+def _packable_dtype(dtype: torch.dtype) -> bool:
+    return dtype == torch.float32 or (dtype == torch.bfloat16 and native_bfloat16())
+
+
 def _packable(weight: torch.Tensor) -> bool:
-    return weight.device.type == "cpu" and weight.dtype == torch.float32 and weight.dim() == 2
+    return weight.device.type == "cpu" and weight.dim() == 2 and _packable_dtype(weight.dtype)
 
 
 class PackedLinear(nn.Linear):
-    """An ``nn.Linear`` that keeps a oneDNN-packed copy of its weight for gradient-free float32 CPU calls."""
+    """An ``nn.Linear`` that keeps a oneDNN-packed copy of its weight for gradient-free CPU calls (float32, or
+    bfloat16 where the CPU computes in it natively)."""
 
     def _pack(self) -> None:
         weight = self.weight.detach()
@@ -77,11 +96,14 @@ class PackedLinear(nn.Linear):
         return torch.ops.mkldnn._linear_pointwise(input, self._packed, self.bias, "none", [], "")
 
     def _packed_call(self, input: torch.Tensor) -> bool:
-        """Whether this call can use the packed copy: a few rows of float32 CPU tensors, and no gradient to record."""
+        """Whether this call can use the packed copy: a few rows of CPU tensors of the packed dtype, and no gradient
+        to record."""
         if input.numel() > PACKED_MAX_ROWS * self.in_features:
             return False
         tensors = (input, self.weight) if self.bias is None else (input, self.weight, self.bias)
-        if any(t.device.type != "cpu" or t.dtype != torch.float32 for t in tensors):
+        if any(t.device.type != "cpu" or t.dtype != self.weight.dtype for t in tensors):
+            return False
+        if not _packable_dtype(self.weight.dtype):
             return False
         return not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
 
@@ -112,7 +134,8 @@ def linear_weight_bytes(module: nn.Module) -> int:
 
 
 def pack_linear_layers(module: nn.Module) -> int:
-    """Turn every plain float32 CPU ``nn.Linear`` of ``module`` into a :class:`PackedLinear`, in place, and repack
+    """Turn every plain float32 (or natively supported bfloat16) CPU ``nn.Linear`` of ``module`` into a
+    :class:`PackedLinear`, in place, and repack
     the layers that already are (the way to make them see a weight changed through ``weight.data``, which a
     packed layer cannot notice by itself).
 
@@ -161,7 +184,7 @@ def should_auto_pack(model: nn.Module) -> bool:
     """The ``"auto"`` rule: float32 weights on a CPU, a build that can pack, and linear weights of at most
     :data:`AUTO_PACK_LIMIT_BYTES` (the packed copy doubles their memory)."""
     weight = model.get_input_embeddings().weight if hasattr(model, "get_input_embeddings") else None
-    if weight is None or not _packable(weight) or not packing_available():
+    if weight is None or weight.dtype != torch.float32 or not _packable(weight) or not packing_available():
         return False
     size = linear_weight_bytes(model)
     if size > AUTO_PACK_LIMIT_BYTES:

@@ -58,14 +58,16 @@ class DraftHead(nn.Module):
         past_key_values: list[KVPair] | None = None,
         use_cache: bool = False,
     ):
-        """hidden_states: (B, T, feature_size or H); input_ids: (B, T); attention_mask: bool (1 or B, 1, T,
-        past + T) or None (causal); position_ids: (B, T), default past..past+T-1."""
+        """hidden_states: (B, T, feature_size or H), in any floating dtype (cast to the head's); input_ids: (B, T);
+        attention_mask: bool (1 or B, 1, T, past + T) or None (causal); position_ids: (B, T), default
+        past..past+T-1."""
         past_len = past_key_values[0][0].shape[2] if past_key_values else 0
         bsz, length = input_ids.shape
         if position_ids is None:
             position_ids = torch.arange(past_len, past_len + length, device=input_ids.device)[None].expand(bsz, -1)
         if attention_mask is None and past_len > 0:
             attention_mask = causal_mask_with_past(length, past_len, input_ids.device)
+        hidden_states = hidden_states.to(self.fc.weight.dtype)  # the head may run in another dtype than its target
         embeds = self.embed_tokens(input_ids).to(hidden_states.dtype)
         cos, sin = self.rotary_emb(hidden_states, position_ids)
         hidden, new_past = self.layers_forward(hidden_states, embeds, cos, sin, attention_mask, past_key_values)

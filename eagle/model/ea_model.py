@@ -86,7 +86,7 @@ class EaModel(nn.Module):
     @classmethod
     def from_pretrained(cls, use_eagle3: bool = True, base_model_path: str | None = None, ea_model_path: str | None = None,
                         total_token: int = 60, depth: int = 7, top_k: int = 10, threshold: float = 1.0,
-                        pack_cpu_weights: bool | str = "auto", lookup_tokens: int = 0, **kwargs):
+                        pack_cpu_weights: bool | str = "auto", lookup_tokens: int = 0, draft_dtype="auto", **kwargs):
         """Load the base model (a local directory, a Hub id, or a ``.gguf`` file / directory holding one) and the
         head (``config.json`` + ``model.safetensors`` or ``pytorch_model.bin``). ``eagle_model_path`` is accepted
         as another name for ``ea_model_path``. Other keyword arguments go to the base model's ``from_pretrained``
@@ -99,7 +99,12 @@ class EaModel(nn.Module):
         ``pack_cpu_weights``: pack the linear layers' float32 CPU weights into oneDNN's layout (see
         :mod:`eagle.model.cpu_linear`; it makes verifying a draft tree much cheaper on a CPU, and costs a second copy
         of those weights in memory). ``"auto"`` (default) packs float32 CPU models whose linear weights take at most
-        2 GiB; ``True`` packs whatever can be packed; ``False`` leaves the layers alone."""
+        2 GiB; ``True`` packs whatever can be packed; ``False`` leaves the layers alone.
+
+        ``draft_dtype``: the dtype of the draft head. ``"auto"`` (default) runs the EAGLE-3 head of a float32 model
+        in bfloat16 on a CPU that computes in bfloat16 natively (AVX512-BF16 or AMX), where a draft pass reads half
+        the bytes, and in the base model's dtype elsewhere; a torch dtype (or "float32", "bfloat16", "float16")
+        forces one. The output does not depend on it: the target verifies every token."""
         if pack_cpu_weights not in (True, False, "auto"):
             raise ValueError(f"pack_cpu_weights must be True, False or 'auto', not {pack_cpu_weights!r}.")
         auto_tune = total_token == -1
@@ -114,7 +119,8 @@ class EaModel(nn.Module):
         if base_model_path is None or ea_model_path is None:
             raise ValueError("EaModel.from_pretrained needs base_model_path and ea_model_path.")
         base_model, tokenizer = load_base_model(base_model_path, **kwargs)
-        ea_layer = load_ea_layer(ea_model_path, base_model, use_eagle3, tree.total_token, depth, top_k, threshold)
+        ea_layer = load_ea_layer(ea_model_path, base_model, use_eagle3, tree.total_token, depth, top_k, threshold,
+                                 draft_dtype=draft_dtype)
         model = cls(base_model, ea_layer, tokenizer, tree.total_token, depth, top_k, threshold,
                     base_model_name_or_path=base_model_path, use_eagle3=use_eagle3, lookup_tokens=lookup_tokens)
         if pack_cpu_weights is True or (pack_cpu_weights == "auto" and should_auto_pack(base_model)):

@@ -9,6 +9,7 @@ import torch
 
 from .checkpoint import load_head_state_dict, resolve_file
 from .configs import EConfig
+from .cpu_linear import native_bfloat16
 
 logger = logging.getLogger(__name__)
 
@@ -143,17 +144,47 @@ def load_head_weights(head, state_dict: dict[str, torch.Tensor], source: str) ->
     return "embed_tokens.weight" in state_dict
 
 
+DRAFT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_draft_dtype(draft_dtype, base_dtype: torch.dtype, device: torch.device, eagle_version: int) -> torch.dtype:
+    """The dtype the draft head runs in. ``"auto"`` (or None): bfloat16 for an EAGLE-3 head of a float32 model on a
+    CPU that computes in bfloat16 natively (AVX512-BF16 or AMX: half the bytes to read per draft pass, and the
+    head's proposals are as good, see README "Embedded default"), otherwise the base model's dtype. A dtype (or its
+    name: "float32", "bfloat16", "float16") is taken as given. Verification by the target decides every emitted
+    token, so the head's precision changes the speed, never the output."""
+    if draft_dtype is None or draft_dtype == "auto":
+        if device.type == "cpu" and base_dtype == torch.float32 and eagle_version == 3 and native_bfloat16():
+            return torch.bfloat16
+        return base_dtype
+    if isinstance(draft_dtype, str):
+        if draft_dtype not in DRAFT_DTYPES:
+            raise ValueError(f"draft_dtype must be 'auto', a torch dtype or one of {sorted(DRAFT_DTYPES)}, "
+                             f"not {draft_dtype!r}.")
+        draft_dtype = DRAFT_DTYPES[draft_dtype]
+    if not isinstance(draft_dtype, torch.dtype) or not draft_dtype.is_floating_point:
+        raise ValueError(f"draft_dtype must be 'auto' or a floating-point torch dtype, not {draft_dtype!r}.")
+    if eagle_version == 1 and draft_dtype != base_dtype:
+        raise ValueError(f"An EAGLE-1 head shares the base model's LM head, so it runs in the base model's dtype "
+                         f"({base_dtype}); draft_dtype={draft_dtype} is not possible.")
+    return draft_dtype
+
+
 def load_ea_layer(ea_model_path: str, base_model, use_eagle3: bool, total_token: int, depth: int, top_k: int,
-                  threshold: float):
-    """Build the draft head for ``base_model`` from a head directory / Hub id, strictly, on the base's device
-    and dtype."""
+                  threshold: float, draft_dtype="auto"):
+    """Build the draft head for ``base_model`` from a head directory / Hub id, strictly, on the base's device,
+    in the dtype :func:`resolve_draft_dtype` gives."""
     config = load_head_config(ea_model_path)
     head = build_head(config, use_eagle3, total_token, depth, top_k, threshold)
     check_head_matches_base(head, base_model)
     state_dict = load_head_state_dict(head_dir_of(ea_model_path))
     has_embedding = load_head_weights(head, state_dict, ea_model_path)
     embedding = base_model.get_input_embeddings()
-    device, dtype = embedding.weight.device, embedding.weight.dtype
+    device = embedding.weight.device
+    dtype = resolve_draft_dtype(draft_dtype, embedding.weight.dtype, device, head.eagle_version)
+    if dtype != embedding.weight.dtype:
+        logger.info("The draft head runs in %s, the base model in %s (draft_dtype=%r).", dtype,
+                    embedding.weight.dtype, draft_dtype)
     head.to(device=device)
     for module in head.modules():  # cast floating weights only; d2t/t2d keep their integer/bool dtypes
         for name, param in list(module.named_parameters(recurse=False)):

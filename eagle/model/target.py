@@ -48,16 +48,19 @@ class LazyLogits:
 
     On a CPU the LM head (hidden x vocabulary, e.g. 576 x 49,152) costs as much as several layers for every row of
     a draft tree, and verification reads only the rows on the accepted path: projecting those alone saves most of
-    that cost. Row 0 (the tree root, always read) comes from the model's own forward pass.
+    that cost.
 
     Reading the LM head's weights dominates a projection, so a few rows cost little more than one (SmolLM2 on
-    this project's CPU: 6.4 ms for 1 row, 8.5 ms for 8). ``rows_with(i)``, when given, names the rows to project
-    together with row ``i`` (``i`` first): verification passes a node's likeliest descendants, which it reads next
-    whenever the node is accepted, so a long accepted path costs one or two projections instead of one per token.
+    this project's CPUs: 6.4 ms for 1 row and 8.5 ms for 8 on one, 4.4 and 5.3 ms on another). The rows read first
+    are therefore projected in the model's own forward pass, together with row 0 (``first_rows``: verification
+    passes the root and its likeliest descendants), and ``rows_with(i)``, when given, names the rows to project
+    together with a row ``i`` read later (``i`` first): verification passes the node's likeliest descendants, which
+    it reads next whenever the node is accepted, so a long accepted path costs one or two projections instead of
+    one per token, and a short one none.
     """
 
-    def __init__(self, first_row: torch.Tensor, last_hidden: torch.Tensor, project, rows_with=None):
-        self._rows = {0: first_row}
+    def __init__(self, first_rows: dict[int, torch.Tensor], last_hidden: torch.Tensor, project, rows_with=None):
+        self._rows = dict(first_rows)
         self._hidden = last_hidden  # (T, H)
         self._project = project
         self.rows_with = rows_with
@@ -148,16 +151,21 @@ class Target:
         tree_mask: torch.Tensor | None = None,
         last_logits_only: bool = False,
         lazy_logits: bool = False,
+        first_rows: list[int] | None = None,
     ) -> TargetOutput:
         """input_ids: (1, T) new tokens, written to the cache after its ``cache.length`` committed positions;
         position_ids: (T,) their RoPE positions (tree depth + prefix length for a tree).
 
         ``lazy_logits``: the caller reads only some rows (tree verification); when this target allows it, the
-        logits come back as :class:`LazyLogits`."""
+        logits come back as :class:`LazyLogits`, with the rows ``first_rows`` (default: row 0; row 0 first)
+        projected in this forward pass and the others when read."""
         past = cache.length
         lazy = lazy_logits and self._lazy_logits is True  # only ever True for a target that returns features
         if lazy:
-            logits_to_keep = torch.zeros(1, dtype=torch.long, device=self.device)
+            first_rows = [0] if first_rows is None else list(first_rows)
+            if not first_rows or first_rows[0] != 0:
+                raise ValueError(f"first_rows must start with row 0, got {first_rows}.")
+            logits_to_keep = torch.tensor(first_rows, dtype=torch.long, device=self.device)
         else:
             logits_to_keep = 1 if last_logits_only else 0
         outputs = self.model(
@@ -176,7 +184,8 @@ class Target:
             features = torch.cat([states[i].to(home) for i in self.feature_layers], dim=-1)
         logits = outputs.logits[0].float()
         if lazy:
-            return TargetOutput(logits=LazyLogits(logits[0], outputs.hidden_states[-1][0], self.project), features=features)
+            return TargetOutput(logits=LazyLogits(dict(zip(first_rows, logits)), outputs.hidden_states[-1][0], self.project),
+                                features=features)
         if self._lazy_logits is None and self.feature_layers is not None:
             self._lazy_logits = self._projection_matches(outputs.hidden_states[-1][0, -logits.shape[0]:], logits)
         return TargetOutput(logits=logits, features=features)
