@@ -309,6 +309,17 @@ def test_benchmark_writes_report_plots_and_json(tmp_path, tiny_pair):
     assert results["greedy_check"]["identical"] == 2
 
 
+def test_benchmark_runs_the_draft_head_in_the_dtype_asked_for(tmp_path, tiny_pair):
+    results = benchmark.main([
+        "--base-model-path", str(tiny_pair[0]), "--ea-model-path", str(tiny_pair[1]), "--question-file", str(MT_BENCH),
+        "--num-questions", "2", "--max-new-tokens", "8", "--methods", "eagle,plain", "--draft-dtype", "bfloat16",
+        "--output-dir", str(tmp_path / "bench"),
+    ])
+    assert results["settings"]["draft_dtype"] == "bfloat16" and results["settings"]["dtype"] == "float32"
+    assert results["greedy_check"] == {"checked": 2, "identical": 2, "mismatches": []}
+    assert "| draft_dtype | `bfloat16` |" in (tmp_path / "bench" / "report.md").read_text()
+
+
 def test_benchmark_compares_with_hugging_face_on_unpacked_weights(tmp_path, tiny_pair, monkeypatch):
     from eagle.model.cpu_linear import packed_layer_count
 

@@ -306,3 +306,46 @@ def test_logits_that_are_not_the_lm_head_alone_are_never_computed_lazily(tmp_pat
     expected = base.generate(prompt, max_new_tokens=MAX_NEW, do_sample=False).tolist()
     assert scaled.eagenerate(prompt, max_new_tokens=MAX_NEW).tolist() == expected
     assert scaled._eagle_target._lazy_logits is False
+
+
+def test_tree_verification_runs_sdpa_gqa_and_gets_the_same_logits(tmp_path, monkeypatch):
+    """On a CPU a tree forward of a grouped-query model runs SDPA's own GQA (no copy of the keys and values for each
+    query head), gives bitwise the logits and features of transformers' SDPA path, and leaves the model's attention
+    setting as it was."""
+    import contextlib
+
+    import torch.nn.functional as F
+
+    from eagle.model import target as target_module
+    from eagle.model.target import Target
+    from eagle.model.tree import tree_from_parents
+
+    model = make_target(tmp_path / "base", "llama", seed=4)
+    assert model.config.num_key_value_heads < model.config.num_attention_heads
+    target = Target(model, feature_layers=[1, 3, 5])
+    generator = torch.Generator().manual_seed(0)
+    prompt = torch.randint(6, 128, (1, 20), generator=generator)
+    tree = tree_from_parents(torch.randint(6, 128, (6,), generator=generator), torch.tensor([-1, 0, 0, 1, 1, 3]),
+                             torch.zeros(6))
+    grouped: list[bool] = []
+    real_sdpa = F.scaled_dot_product_attention
+
+    def spy(*args, **kwargs):
+        grouped.append(bool(kwargs.get("enable_gqa")))
+        return real_sdpa(*args, **kwargs)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+
+    def verify():
+        cache = target.new_cache(64)
+        target.forward(prompt, cache, torch.arange(20))
+        grouped.clear()
+        return target.forward(tree.tokens[None], cache, tree.depths + 20, tree_mask=tree.ancestor_mask)
+
+    fast = verify()
+    assert grouped == [True] * model.config.num_hidden_layers
+    assert model.config._attn_implementation == "sdpa"
+    monkeypatch.setattr(target_module, "tree_attention", lambda config: contextlib.nullcontext())
+    stock = verify()
+    assert grouped == [False] * model.config.num_hidden_layers  # transformers repeats keys and values instead
+    assert torch.equal(fast.logits, stock.logits) and torch.equal(fast.features, stock.features)

@@ -121,6 +121,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, mps, xpu...")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
                         help="Model dtype; auto = float16 on an accelerator, float32 on the CPU.")
+    parser.add_argument("--draft-dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
+                        help="Draft head dtype; auto = bfloat16 for the EAGLE-3 head of a float32 model on a CPU with "
+                        "native bfloat16 (AVX512-BF16/AMX), else the model dtype (EaModel.from_pretrained(draft_dtype=)).")
     return parser
 
 
@@ -284,6 +287,7 @@ def _settings(args, model, device, dtype, questions) -> dict:
         "device": str(device),
         "packed_cpu_linear_layers": packed_layer_count(model),
         "dtype": str(dtype).replace("torch.", ""),
+        "draft_dtype": str(head.fc.weight.dtype).replace("torch.", "") if head is not None else None,
         "torch_threads": torch.get_num_threads(),
         "torch_version": torch.__version__,
         "transformers_version": transformers.__version__,
@@ -314,7 +318,7 @@ def run(args: argparse.Namespace) -> dict:
     model = load_ea_model(args.base_model_path, args.ea_model_path, use_eagle3=args.use_eagle3,
                           total_token=args.total_token, depth=args.depth, top_k=args.top_k,
                           lookup_tokens=args.lookup_tokens, dtype=dtype, device=device,
-                          pack_cpu_weights=PACK_FLAG_VALUES[args.pack_cpu_weights])
+                          pack_cpu_weights=PACK_FLAG_VALUES[args.pack_cpu_weights], draft_dtype=args.draft_dtype)
     device = model_device(model)
     if any(m in UNPACKED_METHODS for m in methods) and not packed_layer_count(model):
         raise SystemExit(f"--methods {', '.join(m for m in methods if m in UNPACKED_METHODS)} compare with packed CPU "

@@ -116,7 +116,7 @@ def markdown_report(results: dict, files: dict) -> str:
     ]
     for key in ("base_model_path", "ea_model_path", "use_eagle3", "total_token", "depth", "top_k", "lookup_tokens",
                 "prompt_lookup_num_tokens", "template", "warmup", "seed", "torch_version", "transformers_version",
-                "packed_cpu_linear_layers"):
+                "packed_cpu_linear_layers", "draft_dtype"):
         lines.append(f"| {key} | `{s.get(key)}` |")
     unpacked = "hf_generate_unpacked" in methods
     lines += [

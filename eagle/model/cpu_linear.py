@@ -135,9 +135,8 @@ def linear_weight_bytes(module: nn.Module) -> int:
 
 def pack_linear_layers(module: nn.Module) -> int:
     """Turn every plain float32 (or natively supported bfloat16) CPU ``nn.Linear`` of ``module`` into a
-    :class:`PackedLinear`, in place, and repack
-    the layers that already are (the way to make them see a weight changed through ``weight.data``, which a
-    packed layer cannot notice by itself).
+    :class:`PackedLinear`, in place, and repack the layers that already are (the way to make them see a weight
+    changed through ``weight.data``, which a packed layer cannot notice by itself).
 
     Returns how many layers were packed (0 where this torch build cannot pack). Undo with
     :func:`unpack_linear_layers`."""

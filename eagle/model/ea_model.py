@@ -143,7 +143,8 @@ class EaModel(nn.Module):
         self.ea_layer.total_tokens, self.ea_layer.depth, self.ea_layer.top_k = total_token - 1, depth, top_k
 
     def set_cpu_weight_packing(self, enabled: bool) -> int:
-        """Pack (or unpack) the float32 CPU weights of the base model's and the head's linear layers in place (see
+        """Pack (or unpack) the float32 CPU weights (and a bfloat16 head's, where the CPU computes in bfloat16
+        natively) of the base model's and the head's linear layers in place (see
         :mod:`eagle.model.cpu_linear`); the base model's own ``generate`` uses them too. Returns how many layers
         changed. Outputs agree with unpacked layers to float32 rounding."""
         change = pack_linear_layers if enabled else unpack_linear_layers

@@ -7,13 +7,61 @@ eager) works.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from .kv_cache import TreeKVCache
 
 SUPPORTED_ATTENTION = ("sdpa", "eager")
+# Name under which tree_sdpa_attention is registered with transformers' AttentionInterface (on first use, not import).
+TREE_SDPA = "eagle_tree_sdpa"
+
+
+def tree_sdpa_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None,
+                        **kwargs):
+    """transformers' SDPA attention, except for several queries under a mask with grouped key/value heads on a CPU.
+
+    There transformers repeats every key and value head for its query heads before calling SDPA (``repeat_kv``: a
+    copy of the layer's whole cache, each layer, each verification), because on CUDA a masked grouped call would
+    fall back to a slow kernel. On a CPU, SDPA's own ``enable_gqa`` computes the same numbers (bitwise, checked in
+    the tests) without the copy: SmolLM2-135M (9 query heads, 3 key/value heads), 12 tree tokens, 2.6 ms less per
+    verification after 300 tokens, 3.5 ms after 700. Everything else goes to transformers' function unchanged.
+    """
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    grouped = getattr(module, "num_key_value_groups", 1) > 1
+    plain = not any(kwargs.get(name) is not None for name in ("position_bias", "s_aux", "softcap"))
+    if (grouped and plain and attention_mask is not None and query.shape[2] > 1 and query.device.type == "cpu"
+            and not module.training):
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, scale=scaling,
+                                             enable_gqa=True)
+        return out.transpose(1, 2).contiguous(), None
+    return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                  is_causal=is_causal, **kwargs)
+
+
+@contextmanager
+def tree_attention(config):
+    """While the target runs a forward pass for us (always with a prepared 4-D mask, which transformers passes
+    through as it is), its SDPA layers use :func:`tree_sdpa_attention`; the model is left as it was afterwards."""
+    if getattr(config, "_attn_implementation_internal", None) != "sdpa":
+        yield
+        return
+    from transformers import AttentionInterface, AttentionMaskInterface
+    from transformers.masking_utils import sdpa_mask
+
+    if TREE_SDPA not in AttentionInterface._global_mapping:
+        AttentionInterface.register(TREE_SDPA, tree_sdpa_attention)
+        # masks built meanwhile by another caller of the same model (a thread) are SDPA's, as before
+        AttentionMaskInterface.register(TREE_SDPA, sdpa_mask)
+    config._attn_implementation_internal = TREE_SDPA
+    try:
+        yield
+    finally:
+        config._attn_implementation_internal = "sdpa"
 
 
 def eagle3_layer_ids(num_layers: int) -> list[int]:
@@ -168,15 +216,16 @@ class Target:
             logits_to_keep = torch.tensor(first_rows, dtype=torch.long, device=self.device)
         else:
             logits_to_keep = 1 if last_logits_only else 0
-        outputs = self.model(
-            input_ids=input_ids.to(self.device),
-            attention_mask=self.attention_mask(past, position_ids, tree_mask),
-            position_ids=position_ids.to(self.device)[None],
-            cache=cache,
-            use_cache=True,
-            output_hidden_states=self.feature_layers is not None,
-            logits_to_keep=logits_to_keep,
-        )
+        with tree_attention(self.config):
+            outputs = self.model(
+                input_ids=input_ids.to(self.device),
+                attention_mask=self.attention_mask(past, position_ids, tree_mask),
+                position_ids=position_ids.to(self.device)[None],
+                cache=cache,
+                use_cache=True,
+                output_hidden_states=self.feature_layers is not None,
+                logits_to_keep=logits_to_keep,
+            )
         features = None
         if self.feature_layers is not None:
             states = outputs.hidden_states
