@@ -30,8 +30,6 @@ def tree_sdpa_attention(module, query, key, value, attention_mask, dropout=0.0, 
     the tests) without the copy: SmolLM2-135M (9 query heads, 3 key/value heads), 12 tree tokens, 2.6 ms less per
     verification after 300 tokens, 3.5 ms after 700. Everything else goes to transformers' function unchanged.
     """
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
     grouped = getattr(module, "num_key_value_groups", 1) > 1
     plain = not any(kwargs.get(name) is not None for name in ("position_bias", "s_aux", "softcap"))
     if (grouped and plain and attention_mask is not None and query.shape[2] > 1 and query.device.type == "cpu"
@@ -39,24 +37,31 @@ def tree_sdpa_attention(module, query, key, value, attention_mask, dropout=0.0, 
         out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, scale=scaling,
                                              enable_gqa=True)
         return out.transpose(1, 2).contiguous(), None
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
     return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                   is_causal=is_causal, **kwargs)
 
 
-@contextmanager
-def tree_attention(config):
-    """While the target runs a forward pass for us (always with a prepared 4-D mask, which transformers passes
-    through as it is), its SDPA layers use :func:`tree_sdpa_attention`; the model is left as it was afterwards."""
-    if getattr(config, "_attn_implementation_internal", None) != "sdpa":
-        yield
-        return
+def register_tree_sdpa() -> None:
+    """Register :func:`tree_sdpa_attention` with transformers under :data:`TREE_SDPA` (once), with SDPA's own mask
+    builder, so that masks built meanwhile by another caller of the same model (a thread) are what they were."""
     from transformers import AttentionInterface, AttentionMaskInterface
     from transformers.masking_utils import sdpa_mask
 
     if TREE_SDPA not in AttentionInterface._global_mapping:
         AttentionInterface.register(TREE_SDPA, tree_sdpa_attention)
-        # masks built meanwhile by another caller of the same model (a thread) are SDPA's, as before
         AttentionMaskInterface.register(TREE_SDPA, sdpa_mask)
+
+
+@contextmanager
+def tree_attention(config):
+    """While the target runs a forward pass for us (always with a prepared 4-D mask, which transformers passes
+    through as it is), its SDPA layers use :func:`tree_sdpa_attention` (registered by :class:`Target`); the model
+    is left as it was afterwards."""
+    if getattr(config, "_attn_implementation_internal", None) != "sdpa":
+        yield
+        return
     config._attn_implementation_internal = TREE_SDPA
     try:
         yield
@@ -141,6 +146,8 @@ class Target:
         check_target_model(model)
         self.model = model
         self.config = model.config.get_text_config()
+        if getattr(self.config, "_attn_implementation_internal", None) == "sdpa":
+            register_tree_sdpa()
         self.feature_layers = feature_layers
         self.num_layers = self.config.num_hidden_layers
         self.window = getattr(self.config, "sliding_window", None)
