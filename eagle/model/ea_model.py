@@ -124,7 +124,7 @@ class EaModel(nn.Module):
         model = cls(base_model, ea_layer, tokenizer, tree.total_token, depth, top_k, threshold,
                     base_model_name_or_path=base_model_path, use_eagle3=use_eagle3, lookup_tokens=lookup_tokens)
         if pack_cpu_weights is True or (pack_cpu_weights == "auto" and should_auto_pack(base_model)):
-            logger.info("Packed the float32 CPU weights of %d linear layers for oneDNN (pack_cpu_weights=%r)",
+            logger.info("Packed the CPU weights of %d linear layers for oneDNN (pack_cpu_weights=%r)",
                         model.set_cpu_weight_packing(True), pack_cpu_weights)
         if auto_tune:
             from .autotune import choose_total_token
