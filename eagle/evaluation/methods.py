@@ -190,6 +190,13 @@ def resolve_model_paths(args) -> None:
         raise SystemExit("Give both --base-model-path and --ea-model-path, or neither (the embedded default pair).")
 
 
+def add_device_arguments(parser) -> None:
+    """``--device`` and ``--dtype`` for an evaluation CLI; :func:`resolve_device` and :func:`resolve_dtype` read them."""
+    parser.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, mps, xpu...")
+    parser.add_argument("--dtype", default="auto", choices=["auto", *DTYPES],
+                        help="Model dtype; auto = float16 on an accelerator, float32 on the CPU.")
+
+
 def resolve_device(name: str | None) -> torch.device:
     """``"auto"``/None: the best available accelerator; otherwise ``torch.device(name)``."""
     if name in (None, "", "auto"):

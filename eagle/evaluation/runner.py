@@ -36,7 +36,7 @@ from tqdm import tqdm
 
 from .methods import (
     Generation, eagle_generate, engine_stop_ids, hf_generate, hf_generation_config, load_ea_model, load_hf_model,
-    model_device, plain_generate, resolve_device, resolve_dtype,
+    add_device_arguments, model_device, plain_generate, resolve_device, resolve_dtype,
 )
 from .questions import load_questions
 from .templates import TEMPLATES, PromptTemplate, decode_answer, encode_prompt, get_template, stop_token_ids
@@ -142,9 +142,7 @@ def build_parser(defaults: ScriptDefaults, prog: str | None = None) -> argparse.
     parser.add_argument("--warmup", type=int, default=1,
                         help="Untimed runs of the first question before answering (discarded).")
     parser.add_argument("--seed", type=int, default=0, help="Choice i is generated after torch.manual_seed(seed + i).")
-    parser.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, mps, xpu...")
-    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
-                        help="Model dtype; auto = float16 on an accelerator, float32 on the CPU.")
+    add_device_arguments(parser)
     return parser
 
 

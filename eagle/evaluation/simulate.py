@@ -27,7 +27,7 @@ from tqdm import tqdm
 from eagle.model.drafter import EagleDrafter, TreeSettings
 from eagle.model.verify import greedy_path
 
-from .methods import load_ea_model, resolve_device, resolve_dtype, resolve_model_paths
+from .methods import add_device_arguments, load_ea_model, resolve_device, resolve_dtype, resolve_model_paths
 from .questions import load_questions, spread_over_categories
 from .templates import TEMPLATES, encode_prompt, get_template
 
@@ -131,9 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--template", default="auto", choices=sorted(TEMPLATES),
                         help="Prompt template ('auto' = the tokenizer's chat template).")
     parser.add_argument("--output", default=None, help="Also write the results as JSON here.")
-    parser.add_argument("--device", default="auto", help="auto, cpu, cuda, mps...")
-    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
-                        help="Model dtype; auto = float16 on an accelerator, float32 on the CPU.")
+    add_device_arguments(parser)
     return parser
 
 
