@@ -91,7 +91,7 @@ class EagleDrafter:
         after each (the last is the root). Returns a tree of at most ``total_token`` nodes."""
         head, k = self.head, self.settings.top_k
         device = next_tokens.device
-        features = features.to(device=head.fc.weight.device, dtype=head.fc.weight.dtype)
+        features = features.to(head.fc.weight.device)  # the head casts them to its own dtype
         hidden, self.committed_kv = head(features, next_tokens, past_key_values=self.committed_kv, use_cache=True)
         root = next_tokens[0, -1]
         context = self.committed_length

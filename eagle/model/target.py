@@ -16,7 +16,8 @@ import torch.nn.functional as F
 from .kv_cache import TreeKVCache
 
 SUPPORTED_ATTENTION = ("sdpa", "eager")
-# Name under which tree_sdpa_attention is registered with transformers' AttentionInterface (on first use, not import).
+# Name under which tree_sdpa_attention is registered with transformers' AttentionInterface (when a Target is built,
+# not on import).
 TREE_SDPA = "eagle_tree_sdpa"
 
 
