@@ -23,7 +23,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+REPO = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(REPO), str(REPO / "tests")]  # the package (also when not installed) and tests/tiny_models.py
 
 PROMPTS = [
     "Write a short poem about the sea.",

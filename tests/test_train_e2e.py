@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -162,3 +163,33 @@ def test_bad_input_ends_with_a_clear_message(workspace, tmp_path):
     too_big = run(train_command(module, base, data, tmp_path / "out2", epochs=1) + ["--draft_vocab_size", "100000"])
     assert too_big.returncode != 0
     assert "larger than the target's vocabulary" in too_big.stderr and "Traceback" not in too_big.stderr
+
+
+def test_time_budget_ends_the_run_early_with_the_learning_rate_at_zero(workspace, tmp_path):
+    """``--time_budget``: a run planned for far longer than its budget stops after about that long, its last
+    epoch cut short and saved, the learning rate decayed to zero at the end (not left at its peak)."""
+    root, base, data = workspace
+    savedir = tmp_path / "out"
+    epochs, budget_min = 300, 0.1
+    command = [sys.executable, "-m", "eagle.traineagle3.main", "--basepath", str(base), "--trainpath", str(data),
+               "--savedir", str(savedir), "--epochs", str(epochs), "--draft_vocab_size", "64", "--lr", "3e-3",
+               "--warmup_steps", "2", "--grad_accum", "1", "--vocab_cache_dir", str(tmp_path / "vocab"),
+               "--time_budget", str(budget_min)]
+    result = run(command, timeout=240)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "--time_budget 0.1 min" in result.stderr
+    states = sorted(int(p.name.split("_")[1]) for p in savedir.glob("state_*"))
+    assert states and states[-1] < epochs - 1  # ended early
+    args = json.loads((savedir / f"state_{states[-1]}" / "training_args.json").read_text())
+    per_epoch = int(re.search(r"conversations, (\d+) used", result.stderr).group(1))  # one per micro batch
+    assert args["end_micro_batch"] < epochs * per_epoch
+    assert states[-1] == (args["end_micro_batch"] - 1) // per_epoch  # the epoch the plan ended in was saved
+    assert args["last_lr"] == 0.0
+
+
+def test_time_budget_plan():
+    from eagle.traineagle3.main import plan_time_budget
+
+    assert plan_time_budget(60.0, 0.5, 100, 10_000) == 220  # 120 more micro batches fit
+    assert plan_time_budget(60.0, 0.5, 100, 150) == 150  # never beyond the planned end
+    assert plan_time_budget(-5.0, 0.5, 100, 10_000) == 100  # budget spent: stop where it is

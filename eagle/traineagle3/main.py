@@ -40,6 +40,7 @@ logger = logging.getLogger("eagle.traineagle3.main")
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 HEAD_KEYS_EXCLUDED = ("embed_tokens.weight",)
+CALIBRATION_BATCHES = 10  # micro batches timed before --time_budget plans the rest of the run
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -67,6 +68,10 @@ def build_parser() -> argparse.ArgumentParser:
     add("--batch_size", type=int, default=None, help="Micro batch per process (overrides the DeepSpeed config).")
     add("--grad_accum", type=int, default=None, help="Gradient accumulation steps (overrides the DeepSpeed config).")
     add("--max_steps", type=int, default=None, help="Stop each epoch after this many micro batches (smoke tests).")
+    add("--time_budget", type=float, default=None, help="Train for about this many minutes: after the first "
+        f"{CALIBRATION_BATCHES} micro batches the run plans how many more fit, ends there (the last epoch cut "
+        "short, its head saved as usual) and the learning rate decays to zero at that point. Held-out evaluation "
+        "and saving come on top.")
     add("--lm_head_init", default="random", choices=["target", "random"], help="Initial draft LM head: the "
         "target's output-embedding rows of the draft vocabulary and its final norm weight (a head that learns to "
         "produce target-like hidden states starts with a decoder; untested benefit), or random (the reference).")
@@ -279,13 +284,57 @@ def init_lm_head_from_target(head, target) -> None:
         head.norm.weight.copy_(weight.float())
 
 
-def make_schedule(optimizer, total_steps: int, warmup_steps: int):
-    def factor(step: int) -> float:
-        if step < warmup_steps:
-            return (step + 1) / warmup_steps
-        return max(0.0, (total_steps - step) / max(1, total_steps - warmup_steps))
+class WarmupLinearDecay:
+    """Learning-rate factor: linear warm-up over ``warmup`` optimizer steps, then linear decay to zero at
+    ``total`` (which ``--time_budget`` lowers mid-run; a callable object, so LambdaLR checkpoints it)."""
 
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+    def __init__(self, total: int, warmup: int):
+        self.total, self.warmup = total, warmup
+
+    def __call__(self, step: int) -> float:
+        if step < self.warmup:
+            return (step + 1) / self.warmup
+        return max(0.0, (self.total - step) / max(1, self.total - self.warmup))
+
+
+def make_schedule(optimizer, total_steps: int, warmup_steps: int):
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, WarmupLinearDecay(total_steps, warmup_steps))
+
+
+class Budget:
+    """``--time_budget``: times this process's first micro batches (the first two, which carry one-off costs,
+    excluded from the pace), then plans once where training ends; processes agree on the earliest end."""
+
+    def __init__(self, minutes: float, world: int, device):
+        self.seconds, self.world, self.device = minutes * 60.0, world, device
+        self.started, self.done, self.mark, self.per_batch = time.time(), 0, None, None
+
+    def tick(self) -> bool:
+        """Count one micro batch; True once, when it is time to plan."""
+        self.done += 1
+        if self.done == 2:
+            self.mark = time.time()
+        return self.done == CALIBRATION_BATCHES
+
+    def plan(self, position: int, end: int) -> int:
+        now = time.time()
+        self.per_batch = (now - self.mark) / (self.done - 2)
+        planned = plan_time_budget(self.seconds - (now - self.started), self.per_batch, position, end)
+        if self.world > 1:
+            import torch.distributed as dist
+
+            agreed = torch.tensor([planned], dtype=torch.long, device=self.device)
+            dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
+            planned = int(agreed.item())
+        return planned
+
+
+def plan_time_budget(left_s: float, per_batch_s: float, position: int, planned_end: int) -> int:
+    """The global micro-batch index at which a ``--time_budget`` run ends: from ``position`` (the index
+    reached), as many more micro batches as fit in ``left_s`` seconds at ``per_batch_s`` each, never beyond
+    ``planned_end``."""
+    more = int(max(0.0, left_s) / max(per_batch_s, 1e-9))
+    return min(planned_end, position + more)
 
 
 # -- the loop -----------------------------------------------------------------------------------------------
@@ -462,6 +511,8 @@ def main(argv: list[str] | None = None) -> int:
     skip_batches = 0
     if has_checkpoint and args.resume is not False:
         _, client = engine.load_checkpoint(checkpoint_dir)
+        # The schedule's shape comes from this run's flags (e.g. more --epochs), not from the checkpoint.
+        scheduler.lr_lambdas[0].total, scheduler.lr_lambdas[0].warmup = total_steps, warmup
         if not torch.equal(engine.module.head.d2t.cpu(), d2t):
             raise SystemExit(f"The checkpoint in {checkpoint_dir} was trained with another draft vocabulary (other data or "
                              "--draft_vocab_size); use another --savedir or --no-resume.")
@@ -484,14 +535,19 @@ def main(argv: list[str] | None = None) -> int:
 
     run_args = {k: v for k, v in vars(args).items() if k not in ("local_rank",)}
     run_args.update(world_size=world, micro_batch=micro, grad_accum=accum, layer_ids=layer_ids)
+    end = args.epochs * batches_per_epoch  # global micro-batch index at which training stops
+    budget = Budget(args.time_budget, world, device) if args.time_budget else None
     for epoch in range(start_epoch, args.epochs):
+        if epoch * batches_per_epoch >= end:
+            break
+        epoch_batches = min(batches_per_epoch, end - epoch * batches_per_epoch)
         engine.train()
         train_sampler.set_epoch(epoch)
         stats = StepStats(args.ttt_length, device)
         tokens, started = 0, time.time()
-        bar = tqdm(train_loader, total=batches_per_epoch, desc=f"epoch {epoch}", disable=not is_main)
+        bar = tqdm(train_loader, total=epoch_batches, desc=f"epoch {epoch}", disable=not is_main)
         for index, batch in enumerate(bar):
-            if index >= batches_per_epoch:
+            if index >= epoch_batches:
                 break
             if index < skip_batches:  # done before the restart (same order: the sampler is seeded per epoch)
                 continue
@@ -499,7 +555,18 @@ def main(argv: list[str] | None = None) -> int:
             engine.backward(out.loss)
             engine.step()
             stats.add(out)
-            if args.checkpoint_every and (index + 1) % (accum * args.checkpoint_every) == 0 and index + 1 < batches_per_epoch:
+            if budget is not None and budget.tick():
+                end = budget.plan(epoch * batches_per_epoch + index + 1, end)
+                scheduler.lr_lambdas[0].total = max(1, math.ceil(end / accum))
+                epoch_batches = min(batches_per_epoch, end - epoch * batches_per_epoch)
+                bar.total = epoch_batches
+                logger.info("--time_budget %g min: %.3f s per micro batch; training ends after %d micro batches "
+                            "(%.2f epochs, %d optimizer steps).", args.time_budget, budget.per_batch, end,
+                            end / batches_per_epoch, math.ceil(end / accum))
+                if math.ceil(end / accum) <= warmup:
+                    logger.warning("--time_budget: the run ends within the warm-up (%d optimizer steps), so the learning "
+                                   "rate never decays; lower --warmup_steps or raise --time_budget.", warmup)
+            if args.checkpoint_every and (index + 1) % (accum * args.checkpoint_every) == 0 and index + 1 < epoch_batches:
                 tag = f"epoch_{epoch}_batch_{index + 1}"
                 engine.save_checkpoint(checkpoint_dir, tag=tag, client_state={"epoch": epoch, "batch": index + 1})
                 if is_main:
@@ -535,8 +602,8 @@ def main(argv: list[str] | None = None) -> int:
                     log.update({f"epoch/test_acc_{k}": a for k, a in enumerate(test_stats.accuracy())})
                 wandb_run.log(log)
             state_dir = os.path.join(args.savedir, f"state_{epoch}")
-            extra = dict(run_args, epoch=epoch, train_acc=stats.accuracy(), train_loss=stats.mean_loss(),
-                         test_acc=test_stats.accuracy() if test_stats else None, tokens_per_s=tokens * world / elapsed)
+            extra = dict(run_args, epoch=epoch, end_micro_batch=end, last_lr=scheduler.get_last_lr()[0],
+                         train_acc=stats.accuracy(), train_loss=stats.mean_loss(), test_acc=test_stats.accuracy() if test_stats else None, tokens_per_s=tokens * world / elapsed)
             save_head(engine.module.head, config, state_dir, getattr(torch, args.save_dtype), extra)
             logger.info("Saved the head to %s", state_dir)
         engine.save_checkpoint(checkpoint_dir, tag=f"epoch_{epoch}", client_state={"epoch": epoch, "batch": None})
