@@ -215,6 +215,22 @@ def test_gen_data_writes_sharegpt_records_and_resumes(tiny_target, tmp_path, cap
     assert len(out.read_text().splitlines()) <= len(before.splitlines()) + 1
 
 
+def test_gen_data_time_budget_stops_between_batches_and_a_rerun_continues(tiny_target, tmp_path, capsys):
+    """``--time-budget``: a spent budget starts no further batch (the first always runs), every started batch is
+    written whole, and a rerun with the same flags picks up the rest."""
+    directory, _ = tiny_target
+    out = tmp_path / "data.jsonl"
+    common = ["--basepath", str(directory), "--output", str(out), "--turns", "1", "--max-new-tokens", "4",
+              "--batch-size", "3", "--prompt-max-tokens", "8", "--synthesize", "9"]
+    assert gen_data.main(common + ["--time-budget", "0.00001"]) == 0
+    assert "--time-budget 1e-05 min: stopped after 1 batches" in capsys.readouterr().out
+    first = out.read_text().splitlines()
+    assert 1 <= len(first) <= 3
+    assert gen_data.main(common) == 0
+    ids = [json.loads(line)["id"] for line in out.read_text().splitlines()]
+    assert ids[: len(first)] == [json.loads(line)["id"] for line in first] and len(ids) == len(set(ids)) > len(first)
+
+
 def test_gen_data_without_prompts_is_a_clear_error(tmp_path):
     with pytest.raises(SystemExit, match="No prompts"):
         gen_data.main(["--basepath", str(tmp_path), "--output", str(tmp_path / "o.jsonl")])

@@ -62,6 +62,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                         help="Target dtype; auto = float32 on CPU, bfloat16 on GPU.")
     parser.add_argument("--device", default=None, help="Device (default: cuda if available, else cpu).")
+    parser.add_argument("--time-budget", type=float, default=None, help="Minutes: start no batch that would not end "
+                        "within this long at the pace of the batches so far (a batch is written only when done, so "
+                        "this keeps every started batch, where an outside `timeout` loses the one in flight). "
+                        "Rerun with the same flags to continue.")
     parser.add_argument("--log-level", default="INFO", help="Logging level.")
     return parser
 
@@ -188,14 +192,22 @@ def main(argv: list[str] | None = None) -> int:
     generator = torch.Generator(device=device).manual_seed(args.seed + len(done))
     os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
     stats = Stats()
+    batches_done = 0
     with open(args.output, "a", encoding="utf-8") as out, tqdm(total=len(pending), desc="conversations", unit="conv") as bar:
         for start in range(0, len(pending), args.batch_size):
+            if args.time_budget is not None and batches_done:
+                elapsed = time.time() - stats.start
+                if elapsed + elapsed / batches_done > args.time_budget * 60:
+                    print(f"--time-budget {args.time_budget:g} min: stopped after {batches_done} batches "
+                          f"({elapsed:.0f}s); {len(pending) - start} conversations left for a rerun.")
+                    break
             batch = pending[start : start + args.batch_size]
             records = process_batch(model, tokenizer, batch, args, stats, generator)
             for record in records:
                 out.write(json.dumps(record, ensure_ascii=False) + "\n")
             out.flush()
             stats.written += len(records)
+            batches_done += 1
             bar.update(len(batch))
             elapsed = time.time() - stats.start
             bar.set_postfix(answer_tok_s=f"{stats.answer_tokens / max(elapsed, 1e-6):.1f}", written=stats.written)
