@@ -51,7 +51,7 @@ from eagle.model.cpu_linear import (PACK_FLAG_VALUES, add_pack_cpu_weights_argum
 from .alpha import alpha_from_accept_lengths
 from .methods import (
     Generation, eagle_generate, engine_stop_ids, hf_generate, hf_generation_config, load_ea_model, model_device, plain_generate,
-    add_device_arguments, resolve_device, resolve_dtype, resolve_model_paths,
+    DTYPES, add_device_arguments, resolve_device, resolve_dtype, resolve_model_paths,
 )
 from .questions import load_questions, spread_over_categories
 from .templates import TEMPLATES, encode_prompt, get_template
@@ -119,7 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--output-dir", default=os.path.join("outputs", "benchmark"),
                         help="Where results.json, report.md and the plots go.")
     add_device_arguments(parser)
-    parser.add_argument("--draft-dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
+    parser.add_argument("--draft-dtype", default="auto", choices=["auto", *DTYPES],
                         help="Draft head dtype; auto = bfloat16 for the EAGLE-3 head of a float32 model on a CPU with "
                         "native bfloat16 (AVX512-BF16/AMX), else the model dtype (EaModel.from_pretrained(draft_dtype=)).")
     return parser

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from eagle.model.loading import DTYPES_BY_NAME
 from eagle.utils.device import default_device, synchronize
 
 logger = logging.getLogger(__name__)
@@ -207,7 +208,7 @@ def resolve_device(name: str | None) -> torch.device:
         raise ValueError(f"--device {name!r} is not a device (expected auto, cpu, cuda, cuda:1, mps...).") from err
 
 
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+DTYPES = DTYPES_BY_NAME
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:

@@ -144,7 +144,8 @@ def load_head_weights(head, state_dict: dict[str, torch.Tensor], source: str) ->
     return "embed_tokens.weight" in state_dict
 
 
-DRAFT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# The dtype names the library and its CLIs accept (draft_dtype here; --dtype/--draft-dtype of the evaluation scripts).
+DTYPES_BY_NAME = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 def resolve_draft_dtype(draft_dtype, base_dtype: torch.dtype, device: torch.device, eagle_version: int) -> torch.dtype:
@@ -158,10 +159,10 @@ def resolve_draft_dtype(draft_dtype, base_dtype: torch.dtype, device: torch.devi
             return torch.bfloat16
         return base_dtype
     if isinstance(draft_dtype, str):
-        if draft_dtype not in DRAFT_DTYPES:
-            raise ValueError(f"draft_dtype must be 'auto', a torch dtype or one of {sorted(DRAFT_DTYPES)}, "
+        if draft_dtype not in DTYPES_BY_NAME:
+            raise ValueError(f"draft_dtype must be 'auto', a torch dtype or one of {sorted(DTYPES_BY_NAME)}, "
                              f"not {draft_dtype!r}.")
-        draft_dtype = DRAFT_DTYPES[draft_dtype]
+        draft_dtype = DTYPES_BY_NAME[draft_dtype]
     if not isinstance(draft_dtype, torch.dtype) or not draft_dtype.is_floating_point:
         raise ValueError(f"draft_dtype must be 'auto' or a floating-point torch dtype, not {draft_dtype!r}.")
     if eagle_version == 1 and draft_dtype != base_dtype:
