@@ -63,9 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="Target dtype; auto = float32 on CPU, bfloat16 on GPU.")
     parser.add_argument("--device", default=None, help="Device (default: cuda if available, else cpu).")
     parser.add_argument("--time-budget", type=float, default=None, help="Minutes: start no batch that would not end "
-                        "within this long (model loading not counted) at the pace of the batches so far (a batch is written only when done, so "
-                        "this keeps every started batch, where an outside `timeout` loses the one in flight). "
-                        "Rerun with the same flags to continue.")
+                        "within this long (model loading not counted) at the pace of the batches so far (a batch is "
+                        "written only when done, so this keeps every started batch, where an outside `timeout` loses "
+                        "the one in flight). Rerun with the same flags to continue.")
     parser.add_argument("--log-level", default="INFO", help="Logging level.")
     return parser
 

@@ -557,13 +557,14 @@ def main(argv: list[str] | None = None) -> int:
             stats.add(out)
             if budget is not None and budget.tick():
                 end = budget.plan(epoch * batches_per_epoch + index + 1, end)
-                scheduler.lr_lambdas[0].total = max(1, math.ceil(end / accum))
+                steps = max(1, math.ceil(end / accum))
+                scheduler.lr_lambdas[0].total = steps
                 epoch_batches = min(batches_per_epoch, end - epoch * batches_per_epoch)
                 bar.total = epoch_batches
                 logger.info("--time_budget %g min: %.3f s per micro batch; training ends after %d micro batches "
                             "(%.2f epochs, %d optimizer steps).", args.time_budget, budget.per_batch, end,
-                            end / batches_per_epoch, math.ceil(end / accum))
-                if math.ceil(end / accum) <= warmup:
+                            end / batches_per_epoch, steps)
+                if steps <= warmup:
                     logger.warning("--time_budget: the run ends within the warm-up (%d optimizer steps), so the learning "
                                    "rate never decays; lower --warmup_steps or raise --time_budget.", warmup)
             if args.checkpoint_every and (index + 1) % (accum * args.checkpoint_every) == 0 and index + 1 < epoch_batches:
@@ -603,7 +604,8 @@ def main(argv: list[str] | None = None) -> int:
                 wandb_run.log(log)
             state_dir = os.path.join(args.savedir, f"state_{epoch}")
             extra = dict(run_args, epoch=epoch, end_micro_batch=end, last_lr=scheduler.get_last_lr()[0],
-                         train_acc=stats.accuracy(), train_loss=stats.mean_loss(), test_acc=test_stats.accuracy() if test_stats else None, tokens_per_s=tokens * world / elapsed)
+                         train_acc=stats.accuracy(), train_loss=stats.mean_loss(),
+                         test_acc=test_stats.accuracy() if test_stats else None, tokens_per_s=tokens * world / elapsed)
             save_head(engine.module.head, config, state_dir, getattr(torch, args.save_dtype), extra)
             logger.info("Saved the head to %s", state_dir)
         engine.save_checkpoint(checkpoint_dir, tag=f"epoch_{epoch}", client_state={"epoch": epoch, "batch": None})
