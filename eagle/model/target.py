@@ -28,8 +28,8 @@ def tree_sdpa_attention(module, query, key, value, attention_mask, dropout=0.0, 
     There transformers repeats every key and value head for its query heads before calling SDPA (``repeat_kv``: a
     copy of the layer's whole cache, each layer, each verification), because on CUDA a masked grouped call would
     fall back to a slow kernel. On a CPU, SDPA's own ``enable_gqa`` computes the same numbers (bitwise, checked in
-    the tests) without the copy: SmolLM2-135M (9 query heads, 3 key/value heads), 12 tree tokens, 2.6 ms less per
-    verification after 300 tokens, 3.5 ms after 700. Everything else goes to transformers' function unchanged.
+    the tests) without the copy (timings: docs/PERFORMANCE.md). Everything else goes to transformers' function
+    unchanged.
     """
     grouped = getattr(module, "num_key_value_groups", 1) > 1
     plain = not any(kwargs.get(name) is not None for name in ("position_bias", "s_aux", "softcap"))
@@ -104,13 +104,12 @@ class LazyLogits:
     a draft tree, and verification reads only the rows on the accepted path: projecting those alone saves most of
     that cost.
 
-    Reading the LM head's weights dominates a projection, so a few rows cost little more than one (SmolLM2 on
-    this project's CPUs: 6.4 ms for 1 row and 8.5 ms for 8 on one, 4.4 and 5.3 ms on another). The rows read first
-    are therefore projected in the model's own forward pass, together with row 0 (``first_rows``: verification
-    passes the root and its likeliest descendants), and ``rows_with(i)``, when given, names the rows to project
-    together with a row ``i`` read later (``i`` first): verification passes the node's likeliest descendants, which
-    it reads next whenever the node is accepted, so a long accepted path costs one or two projections instead of
-    one per token, and a short one none.
+    Reading the LM head's weights dominates a projection, so a few rows cost little more than one (timings:
+    docs/PERFORMANCE.md). The rows read first are therefore projected in the model's own forward pass, together
+    with row 0 (``first_rows``: verification passes the root and its likeliest descendants), and ``rows_with(i)``,
+    when given, names the rows to project together with a row ``i`` read later (``i`` first): verification passes
+    the node's likeliest descendants, which it reads next whenever the node is accepted, so a long accepted path
+    costs one or two projections instead of one per token, and a short one none.
     """
 
     def __init__(self, first_rows: dict[int, torch.Tensor], last_hidden: torch.Tensor, project, rows_with=None):
