@@ -43,7 +43,7 @@ def head_config(target, draft_vocab_size: int, layer_ids: list[int]):
     """The head's EConfig from the target's config: same hidden size, heads, KV heads, intermediate size,
     vocabulary, RMS eps and RoPE base; one layer."""
     from eagle.model.configs import EConfig
-    from eagle.traineagle3.target import text_config
+    from eagle.traineagle3.frozen_target import text_config
 
     tc = text_config(target)
     hidden = tc.hidden_size

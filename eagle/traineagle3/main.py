@@ -340,7 +340,7 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging(args.log_level)
     import torch.distributed as dist
 
-    from eagle.traineagle3.target import feature_layer_ids, load_target, text_config
+    from eagle.traineagle3.frozen_target import feature_layer_ids, load_target, text_config
     from eagle.traineagle3.ttt import Eagle3TTTModel
 
     device, on_gpu = init_distributed()
