@@ -13,7 +13,7 @@ import torch
 from eagle.traineagle3 import gen_data
 from eagle.traineagle3.chat import ChatTemplateError, end_of_turn_ids, normalize_conversation, tokenize_conversation
 from eagle.traineagle3.data import ConversationDataset
-from eagle.traineagle3.generation import generate_batch
+from eagle.traineagle3.batch_generation import generate_batch
 from eagle.traineagle3.prompts import read_json_records
 
 CHATML = (

@@ -136,7 +136,7 @@ def test_train_under_the_deepspeed_launcher_then_resume_and_load_into_eamodel(wo
     # An untrained head with the same vocabulary map, saved the same way.
     from eagle.model.cnets import Model
     from eagle.model.configs import EConfig
-    from eagle.traineagle3.main import save_head
+    from eagle.traineagle3.export import save_head
     from safetensors.torch import load_file
 
     torch.manual_seed(0)
@@ -188,7 +188,7 @@ def test_time_budget_ends_the_run_early_with_the_learning_rate_at_zero(workspace
 
 
 def test_time_budget_plan():
-    from eagle.traineagle3.main import plan_time_budget
+    from eagle.traineagle3.schedule import plan_time_budget
 
     assert plan_time_budget(60.0, 0.5, 100, 10_000) == 220  # 120 more micro batches fit
     assert plan_time_budget(60.0, 0.5, 100, 150) == 150  # never beyond the planned end

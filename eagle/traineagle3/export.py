@@ -1,6 +1,7 @@
-"""Export the head held in a DeepSpeed checkpoint of ``eagle.traineagle3.main`` (an epoch end, or a
-``--checkpoint_every`` point within an epoch) as a loadable head directory (``config.json`` +
-``model.safetensors``, the published EAGLE-3 key names), e.g. to try a run's head before its epoch ends::
+"""The trained head's saved form: ``config.json`` + ``model.safetensors`` in the published EAGLE-3 layout, written
+by the trainer after every epoch (:func:`save_head`), and the command that exports the head held in any DeepSpeed
+checkpoint of ``eagle.traineagle3.main`` (an epoch end, or a ``--checkpoint_every`` point within an epoch) as such a
+loadable head directory, e.g. to try a run's head before its epoch ends::
 
     python -m eagle.traineagle3.export --savedir runs/head --output runs/head/export
     python -m eagle.traineagle3.export --savedir runs/head --tag epoch_0_batch_400 --output out --dtype float32
@@ -35,6 +36,96 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+HEAD_KEYS_EXCLUDED = ("embed_tokens.weight",)  # the target's embedding: loaded from the target, never saved
+
+
+def head_config(target, draft_vocab_size: int, layer_ids: list[int]):
+    """The head's EConfig from the target's config: same hidden size, heads, KV heads, intermediate size,
+    vocabulary, RMS eps and RoPE base; one layer."""
+    from eagle.model.configs import EConfig
+    from eagle.traineagle3.frozen_target import text_config
+
+    tc = text_config(target)
+    hidden = tc.hidden_size
+    heads = tc.num_attention_heads
+    vocab = target.get_input_embeddings().weight.shape[0]
+    if draft_vocab_size > vocab:
+        raise ValueError(
+            f"--draft_vocab_size {draft_vocab_size} is larger than the target's vocabulary ({vocab} tokens); use at "
+            f"most {vocab} (equal means a full-vocabulary head)."
+        )
+    rope = getattr(tc, "rope_parameters", None) or {}
+    if isinstance(rope, dict) and "rope_theta" not in rope:  # per-layer-type RoPE (e.g. Gemma 3): take the global one
+        rope = rope.get("full_attention") or next((v for v in rope.values() if isinstance(v, dict)), {})
+    rope_theta = float(rope.get("rope_theta", getattr(tc, "rope_theta", None) or 10000.0))
+    eos = getattr(tc, "eos_token_id", None)
+    return EConfig(
+        architectures=["LlamaForCausalLM"],
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=getattr(tc, "intermediate_size", None) or 4 * hidden,
+        num_hidden_layers=1,
+        num_attention_heads=heads,
+        num_key_value_heads=getattr(tc, "num_key_value_heads", None) or heads,
+        head_dim=hidden // heads,
+        hidden_act="silu",
+        max_position_embeddings=getattr(tc, "max_position_embeddings", None) or 2048,
+        rms_norm_eps=float(getattr(tc, "rms_norm_eps", None) or 1e-6),
+        rope_theta=rope_theta,
+        tie_word_embeddings=False,
+        bos_token_id=getattr(tc, "bos_token_id", None),
+        eos_token_id=eos,
+        pad_token_id=getattr(tc, "pad_token_id", None),
+        draft_vocab_size=draft_vocab_size,
+        eagle_layer_ids=layer_ids,
+    )
+
+
+def write_head_config(config, directory: str, dtype: torch.dtype | None = None) -> None:
+    """``directory/config.json`` of a head (the one place the trainer and the export write it); ``dtype``, when
+    given, is recorded as the weights' precision."""
+    if dtype is not None:
+        config.dtype = str(dtype).replace("torch.", "")
+    config.save_pretrained(directory)
+
+
+def read_head_config(path: str):
+    """The EConfig of a ``config.json`` written by :func:`write_head_config`."""
+    from eagle.model.configs import EConfig
+
+    with open(path) as f:
+        return EConfig(**json.load(f))
+
+
+def save_head(head, config, directory: str, dtype: torch.dtype, extra: dict | None = None) -> None:
+    """``config.json`` + ``model.safetensors`` (published EAGLE-3 keys, no embedding; d2t/t2d included)."""
+    save_head_state(head.state_dict(), config, directory, dtype, extra)
+
+
+def save_head_state(head_state: dict[str, torch.Tensor], config, directory: str, dtype: torch.dtype,
+                    extra: dict | None = None) -> None:
+    """:func:`save_head` for a head's state dict (e.g. read back from a DeepSpeed checkpoint); ``extra`` goes to
+    ``training_args.json``."""
+    from safetensors.torch import save_file
+
+    os.makedirs(directory, exist_ok=True)
+    state = {}
+    for name, tensor in head_state.items():
+        if name in HEAD_KEYS_EXCLUDED:
+            continue
+        tensor = tensor.detach().to("cpu")
+        if tensor.is_floating_point():
+            tensor = tensor.to(dtype)
+        state[name] = tensor.contiguous().clone()
+    write_head_config(config, directory, dtype)
+    tmp = os.path.join(directory, "model.safetensors.tmp")
+    save_file(state, tmp, metadata={"format": "pt"})
+    os.replace(tmp, os.path.join(directory, "model.safetensors"))
+    if extra:
+        with open(os.path.join(directory, "training_args.json"), "w") as f:
+            json.dump(extra, f, indent=2, sort_keys=True)
+
+
 def read_module_state(checkpoint_dir: str, tag: str | None) -> tuple[str, dict[str, torch.Tensor]]:
     """(tag, the head's weights) from a DeepSpeed checkpoint directory."""
     if tag is None:
@@ -59,16 +150,11 @@ def read_module_state(checkpoint_dir: str, tag: str | None) -> tuple[str, dict[s
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from eagle.model.configs import EConfig
-
-    from .main import save_head_state
-
     config_path = args.config or os.path.join(args.savedir, "config.json")
     if not os.path.isfile(config_path):
         raise SystemExit(f"No head config at {config_path}: pass --config (the config.json of the head being trained).")
     tag, state = read_module_state(os.path.join(args.savedir, "checkpoints"), args.tag)
-    with open(config_path) as f:
-        config = EConfig(**json.load(f))
+    config = read_head_config(config_path)
     if "d2t" in state and state["d2t"].shape[0] != config.draft_vocab_size:
         raise SystemExit(f"{config_path} says draft_vocab_size={config.draft_vocab_size} but the checkpoint's d2t "
                          f"has {state['d2t'].shape[0]} entries: not this run's config.")

@@ -104,7 +104,7 @@ class Stats:
 def process_batch(model, tokenizer, items, args, stats: Stats, generator: torch.Generator) -> list[dict]:
     """Answer a batch of :class:`PromptItem`, turn by turn, and return the output records."""
     from .chat import ASSISTANT, SYSTEM, USER, end_of_turn_ids, render, user_end_ids, user_turn_prefix
-    from .generation import generate_batch
+    from .batch_generation import generate_batch
     from .prompts import clean_synthesized
 
     answer_stops = end_of_turn_ids(tokenizer)
@@ -163,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from .chat import require_chat_template
     from .prompts import question_prompts, sharegpt_prompts, synthesized_items
-    from .target import load_target
+    from .frozen_target import load_target
 
     if args.turns < 1 or args.batch_size < 1 or args.max_new_tokens < 1:
         raise SystemExit("--turns, --batch-size and --max-new-tokens must be at least 1.")

@@ -15,7 +15,7 @@ import os
 
 import torch
 
-from .target import target_features
+from .frozen_target import target_features
 from .ttt import target_distribution
 
 
