@@ -16,7 +16,7 @@ logger = logging.getLogger("eagle")
 
 
 def parse_args(argv=None):
-    from eagle.model.cpu_linear import add_pack_cpu_weights_argument
+    from eagle.cli import add_model_arguments
 
     parser = argparse.ArgumentParser(
         prog="python -m eagle",
@@ -27,25 +27,9 @@ def parse_args(argv=None):
     parser.add_argument("--max-new-tokens", type=int, default=192, help="new tokens at most (default: 192)")
     parser.add_argument("--temperature", type=float, default=0.0,
                         help="0 = greedy (both answers are then identical); > 0 samples (default: 0)")
-    parser.add_argument("--base-model-path", default=None,
-                        help="base model: directory, Hub id or .gguf file (default: the embedded SmolLM2-135M)")
-    parser.add_argument("--ea-model-path", default=None,
-                        help="draft head directory or Hub id (default: the embedded EAGLE-3 head)")
-    parser.add_argument("--no-eagle3", action="store_true", help="the head is an EAGLE-1/2 head, not EAGLE-3")
-    parser.add_argument("--total-token", type=int, default=None,
-                        help="tree nodes verified per step, root included; -1 = time it on this device "
-                        "(default: tuned value for the embedded pair, else 60)")
-    parser.add_argument("--depth", type=int, default=None, help="draft depth (default: tuned, else 7)")
-    parser.add_argument("--top-k", type=int, default=None, help="draft top-k (default: tuned, else 10)")
-    parser.add_argument("--lookup-tokens", type=int, default=None,
-                        help="at most this many tokens copied from earlier in the context (prompt lookup) are "
-                        "grafted onto each draft tree; 0 = the head alone (default: tuned, else 0)")
     parser.add_argument("--seed", type=int, default=0, help="torch seed for sampling (default: 0)")
-    add_pack_cpu_weights_argument(parser)
-    args = parser.parse_args(argv)
-    if args.lookup_tokens is not None and args.lookup_tokens < 0:
-        parser.error(f"--lookup-tokens must be >= 0 (0 = off), got {args.lookup_tokens}")
-    return args
+    add_model_arguments(parser, placement=False, quantization=False)
+    return parser.parse_args(argv)
 
 
 def main(argv=None) -> int:
@@ -53,14 +37,11 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     import torch
 
-    from eagle.defaults import load_default_model
-    from eagle.model.cpu_linear import PACK_FLAG_VALUES
+    from eagle.cli import load_model_from_args
     from eagle.utils.device import synchronize
 
     logger.info("Loading the models...")
-    model = load_default_model(args.base_model_path, args.ea_model_path, use_eagle3=not args.no_eagle3,
-                               total_token=args.total_token, depth=args.depth, top_k=args.top_k,
-                               lookup_tokens=args.lookup_tokens, pack_cpu_weights=PACK_FLAG_VALUES[args.pack_cpu_weights])
+    model = load_model_from_args(args)
     tokenizer = model.tokenizer
     messages = [{"role": "user", "content": args.prompt}]
     if getattr(tokenizer, "chat_template", None):

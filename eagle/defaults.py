@@ -47,19 +47,29 @@ def default_tree_settings() -> dict:
     return dict(DEFAULT_TREE)
 
 
+def resolve_model_paths(base_model_path: str | None, ea_model_path: str | None,
+                        need_head: bool = True) -> tuple[str, str | None, dict]:
+    """The one "embedded pair" rule of every command and of :func:`load_default_model`.
+
+    A base model path not given is the embedded SmolLM2-135M-Instruct; a head path not given is the embedded head
+    (left None when ``need_head`` is False: a baseline without a head). Returns ``(base_model_path, ea_model_path,
+    tree)`` where ``tree`` holds the tree settings tuned for the embedded pair when the head is the embedded one
+    (``{}`` otherwise); settings a caller was given win over it."""
+    if base_model_path is None:
+        base_model_path = default_base_model_path()
+    tree: dict = {}
+    if ea_model_path is None and need_head:
+        ea_model_path = default_ea_model_path()
+        tree = default_tree_settings()
+    return base_model_path, ea_model_path, tree
+
+
 def load_default_model(base_model_path: str | None = None, ea_model_path: str | None = None, use_eagle3: bool = True,
                        pack_cpu_weights: bool | str = "auto", **tree_overrides):
     """``EaModel`` for the given paths, falling back to the embedded default pair (and its tuned tree) for
-    whatever is not given. Tree settings given as keyword arguments (``total_token``, ``depth``, ``top_k``,
-    ``lookup_tokens``) win."""
-    from eagle.model.ea_model import EaModel
+    whatever is not given (:func:`resolve_model_paths`). Tree settings given as keyword arguments
+    (``total_token``, ``depth``, ``top_k``, ``lookup_tokens``) win."""
+    from eagle.cli import ModelOptions, load_model
 
-    tree = default_tree_settings() if ea_model_path is None else {}
-    tree.update({k: v for k, v in tree_overrides.items() if v is not None})
-    return EaModel.from_pretrained(
-        use_eagle3=use_eagle3,
-        base_model_path=base_model_path or default_base_model_path(),
-        ea_model_path=ea_model_path or default_ea_model_path(),
-        pack_cpu_weights=pack_cpu_weights,
-        **tree,
-    )
+    return load_model(ModelOptions(base_model_path=base_model_path, ea_model_path=ea_model_path,
+                                   use_eagle3=use_eagle3, pack_cpu_weights=pack_cpu_weights, **tree_overrides))

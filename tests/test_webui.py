@@ -292,9 +292,9 @@ def test_cli_flags_follow_the_reference_and_are_safe_by_default():
     args = parse_args(["--base-model", "b", "--eagle-model", "h"])
     assert (args.base_model_path, args.ea_model_path) == ("b", "h")
     assert args.host == "127.0.0.1" and not args.share and args.model_type is None
-    assert not args.no_eagle3 and args.total_token is None and args.lookup_tokens is None and args.max_new_token == 512
+    assert args.use_eagle3 and args.total_token is None and args.lookup_tokens is None and args.max_new_token == 512
     args = parse_args(["--ea-model-path", "h", "--base-model-path", "b", "--no-eagle3", "--model-type", "qwen3"])
-    assert args.no_eagle3 and args.model_type == "qwen3"
+    assert not args.use_eagle3 and args.model_type == "qwen3"
     with pytest.raises(SystemExit):
         parse_args(["--model-type", "llama3"])
 

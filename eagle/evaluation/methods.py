@@ -3,28 +3,29 @@
 Each method runs one generation and returns a ``Generation``: the new token ids, the wall time, the number of
 target forward passes and, for EAGLE, the accepted length of every draft/verify step.
 
-How EAGLE is timed (one honest approach, used everywhere): we consume the streaming generator
-``EaModel.ea_generate`` and time the whole loop, from before the call to after the last yield, synchronising
-the device at both ends. ``eagenerate`` is itself a consumer of the same generator, so the streamed run does
-the same work; reading ``ids.shape`` after each yield is host metadata and forces no device sync. The first
-yield (prefill) adds one token; every later yield adds ``accept_length + 1`` tokens (accepted drafts, then the
-target's own token), which is how the per-step accepted lengths are recorded. The last step of a turn may be
-cut short by a stop token or by ``max_new_tokens``; it then counts as the length that was kept. Plain decoding
-is timed the same way through ``naive_generate``; Hugging Face ``generate`` is timed around the call.
+How EAGLE is timed (one honest approach, used everywhere): we consume the generation loop's steps
+(``EaModel.generate_steps``, which ``eagenerate`` consumes too, so the timed run does the same work) and time the
+whole loop, from before the call to after the last step, synchronising the device at both ends. Each step is a
+``Step(tokens, accepted)``: the prefill's one token, then for every draft/verify step its accepted drafts and the
+target's own token, which is how the per-step accepted lengths are recorded. The last step of a turn may be cut
+short by a stop token or by ``max_new_tokens``; it then counts the tokens kept minus one. Plain decoding is timed
+the same way (``use_eagle=False``); Hugging Face ``generate`` is timed around the call.
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 import time
 from dataclasses import dataclass, field
 
 import torch
 
+from eagle.cli import (  # noqa: F401  (resolve_device, resolve_dtype, head_version_hint: kept importable here)
+    ModelOptions, add_placement_arguments, head_version_hint, load_model, resolve_device, resolve_dtype,
+    resolve_model_args,
+)
 from eagle.model.loading import DTYPES_BY_NAME
-from eagle.utils.device import default_device, synchronize
+from eagle.utils.device import synchronize
 
 logger = logging.getLogger(__name__)
 
@@ -57,47 +58,50 @@ class Generation:
         return max(self.forward_passes - 1, 0)
 
 
-def _stream(generator, prompt_length: int, device, record_accepts: bool) -> Generation:
+def _stream(steps, device) -> Generation:
+    """Consume the loop's :class:`~eagle.model.generation.Step` objects, timed: the new ids, one forward pass per
+    step, and the accepted drafts of every step after the prefill (of a last step cut short, those kept before
+    the cut: its tokens minus one)."""
     synchronize(device)
     start = time.perf_counter()
-    previous = prompt_length
-    yields = 0
+    pieces: list[torch.Tensor] = []
     accept_lengths: list[int] = []
-    last = None
-    for ids in generator:
-        added = ids.shape[1] - previous
-        if yields > 0 and record_accepts:
-            accept_lengths.append(max(added - 1, 0))
-        previous = ids.shape[1]
-        last = ids
-        yields += 1
+    for step in steps:
+        if pieces:
+            accept_lengths.append(min(step.accepted, step.tokens.numel() - 1))
+        pieces.append(step.tokens)
     synchronize(device)
     wall_time = time.perf_counter() - start
-    new_ids = [] if last is None else last[0, prompt_length:].tolist()
-    return Generation(new_ids, wall_time, forward_passes=yields, accept_lengths=accept_lengths)
+    new_ids = torch.cat(pieces).tolist() if pieces else []
+    return Generation(new_ids, wall_time, forward_passes=len(pieces), accept_lengths=accept_lengths)
+
+
+def _generate(model, input_ids: torch.Tensor, use_eagle: bool, temperature: float, top_p: float, top_k: float,
+              max_new_tokens: int, max_length: int | None, is_llama3: bool) -> Generation:
+    steps = model.generate_steps(
+        input_ids, temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=max_new_tokens,
+        max_length=max_length or default_max_length(input_ids.shape[1], max_new_tokens), is_llama3=is_llama3,
+        use_eagle=use_eagle,
+    )
+    return _stream(steps, input_ids.device)
 
 
 def eagle_generate(model, input_ids: torch.Tensor, *, temperature: float = 0.0, top_p: float = 0.0,
                    top_k: float = 0.0, max_new_tokens: int = 512, max_length: int | None = None,
                    is_llama3: bool = False) -> Generation:
-    """EAGLE speculative decoding of ``input_ids`` (1, S) through ``model.ea_generate``, timed, with the
+    """EAGLE speculative decoding of ``input_ids`` (1, S) through ``model.generate_steps``, timed, with the
     accepted length of every step."""
-    generator = model.ea_generate(
-        input_ids, temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=max_new_tokens,
-        max_length=max_length or default_max_length(input_ids.shape[1], max_new_tokens), is_llama3=is_llama3,
-    )
-    return _stream(generator, input_ids.shape[1], input_ids.device, record_accepts=True)
+    return _generate(model, input_ids, True, temperature, top_p, top_k, max_new_tokens, max_length, is_llama3)
 
 
 def plain_generate(model, input_ids: torch.Tensor, *, temperature: float = 0.0, top_p: float = 0.0,
                    top_k: float = 0.0, max_new_tokens: int = 512, max_length: int | None = None,
                    is_llama3: bool = False) -> Generation:
-    """Plain one-token-per-step decoding with the same engine (``model.naive_generate``), timed."""
-    generator = model.naive_generate(
-        input_ids, temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=max_new_tokens,
-        max_length=max_length or default_max_length(input_ids.shape[1], max_new_tokens), is_llama3=is_llama3,
-    )
-    return _stream(generator, input_ids.shape[1], input_ids.device, record_accepts=False)
+    """Plain one-token-per-step decoding with the same engine and loop (``generate_steps(use_eagle=False)``),
+    timed."""
+    generation = _generate(model, input_ids, False, temperature, top_p, top_k, max_new_tokens, max_length, is_llama3)
+    generation.accept_lengths = []
+    return generation
 
 
 def hf_generation_config(*, max_new_tokens: int, stop_ids: list[int], temperature: float = 0.0,
@@ -124,21 +128,15 @@ def hf_generation_config(*, max_new_tokens: int, stop_ids: list[int], temperatur
 
 def engine_stop_ids(tokenizer, hf_model, ea_model=None, is_llama3: bool = False) -> list[int]:
     """The ids at which ``EaModel``'s generation stops, so Hugging Face ``generate`` stops at the same ones and
-    every method counts the same tokens: the engine's own set when an ``EaModel`` is loaded, else the same rule
-    (EOS of the tokenizer, the generation config and the model config, and ``<|eot_id|>`` if it exists)."""
-    if ea_model is not None:
-        return sorted(ea_model.stop_token_ids(is_llama3))
-    ids: set[int] = set()
-    generation_config = getattr(hf_model, "generation_config", None)
-    for value in (getattr(tokenizer, "eos_token_id", None), getattr(generation_config, "eos_token_id", None),
-                  getattr(hf_model.config, "eos_token_id", None)):
-        for item in value if isinstance(value, (list, tuple)) else [value]:
-            if isinstance(item, int) and item >= 0:
-                ids.add(item)
-    eot = tokenizer.convert_tokens_to_ids("<|eot_id|>")
-    if isinstance(eot, int) and eot >= 0 and eot != getattr(tokenizer, "unk_token_id", None):
-        ids.add(eot)
-    return sorted(ids)
+    every method counts the same tokens: ``EaModel.stop_token_ids``, the one rule, applied to ``ea_model`` or,
+    when only the base model is loaded, to ``hf_model`` and ``tokenizer``."""
+    from types import SimpleNamespace
+
+    from eagle.model.ea_model import EaModel
+
+    if ea_model is None:  # the rule reads only these three attributes
+        ea_model = SimpleNamespace(base_model=hf_model, tokenizer=tokenizer, config=hf_model.config)
+    return sorted(EaModel.stop_token_ids(ea_model, is_llama3))
 
 
 def hf_generate(hf_model, input_ids: torch.Tensor, generation_config, stop_ids: list[int]) -> Generation:
@@ -177,61 +175,13 @@ def default_max_length(prompt_length: int, max_new_tokens: int) -> int:
 
 
 def resolve_model_paths(args) -> None:
-    """``--base-model-path`` / ``--ea-model-path``: both given, or neither, and then the embedded default pair, with
-    its tuned tree for whichever of ``args.total_token/depth/top_k/lookup_tokens`` exist and are None."""
-    if args.base_model_path is None and args.ea_model_path is None:
-        from eagle import defaults as embedded  # lazy: only needed for the default run
-
-        args.base_model_path = embedded.default_base_model_path()
-        args.ea_model_path = embedded.default_ea_model_path()
-        for key, value in embedded.default_tree_settings().items():  # the tree tuned for the embedded pair
-            if hasattr(args, key) and getattr(args, key) is None:
-                setattr(args, key, value)
-    elif args.base_model_path is None or args.ea_model_path is None:
-        raise SystemExit("Give both --base-model-path and --ea-model-path, or neither (the embedded default pair).")
-
-
-def add_device_arguments(parser) -> None:
-    """``--device`` and ``--dtype`` for an evaluation CLI; :func:`resolve_device` and :func:`resolve_dtype` read them."""
-    parser.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, mps, xpu...")
-    parser.add_argument("--dtype", default="auto", choices=["auto", *DTYPES],
-                        help="Model dtype; auto = float16 on an accelerator, float32 on the CPU.")
-
-
-def resolve_device(name: str | None) -> torch.device:
-    """``"auto"``/None: the best available accelerator; otherwise ``torch.device(name)``."""
-    if name in (None, "", "auto"):
-        return default_device()
-    try:
-        return torch.device(name)
-    except (RuntimeError, TypeError) as err:
-        raise ValueError(f"--device {name!r} is not a device (expected auto, cpu, cuda, cuda:1, mps...).") from err
+    """Fill ``args.base_model_path`` / ``args.ea_model_path`` (and the tree flags ``args`` has) by the embedded-pair
+    rule; kept for scripts written against it: see :func:`eagle.cli.resolve_model_args`."""
+    resolve_model_args(args)
 
 
 DTYPES = DTYPES_BY_NAME
-
-
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """``"auto"``: float16 on an accelerator (as the reference scripts), float32 on the CPU."""
-    if name == "auto":
-        return torch.float32 if device.type == "cpu" else torch.float16
-    if name not in DTYPES:
-        raise ValueError(f"--dtype {name!r} is not supported; expected auto, {', '.join(DTYPES)}.")
-    return DTYPES[name]
-
-
-def head_version_hint(ea_model_path: str | None) -> int | None:
-    """3 if the head's local ``config.json`` has EAGLE-3's ``draft_vocab_size``, 1 if it has a config
-    without it, None when there is no local config to read."""
-    if not ea_model_path or not os.path.isdir(ea_model_path):
-        return None
-    path = os.path.join(ea_model_path, "config.json")
-    try:
-        with open(path) as f:
-            config = json.load(f)
-    except (OSError, json.JSONDecodeError):
-        return None
-    return 3 if isinstance(config, dict) and "draft_vocab_size" in config else 1
+add_device_arguments = add_placement_arguments
 
 
 def load_ea_model(base_model_path: str, ea_model_path: str, *, use_eagle3: bool, total_token: int | None = None,
@@ -239,30 +189,13 @@ def load_ea_model(base_model_path: str, ea_model_path: str, *, use_eagle3: bool,
                   dtype: torch.dtype = torch.float32,
                   device: torch.device | None = None, **hf_kwargs):
     """``EaModel.from_pretrained`` with the given tree settings (None = the loader's own default), on
-    ``device``. Warns when the head's config looks like the other EAGLE version than ``use_eagle3`` says."""
-    from eagle.model.ea_model import EaModel
-
-    hint = head_version_hint(ea_model_path)
-    wanted = 3 if use_eagle3 else 1
-    if hint is not None and hint != wanted:
-        logger.warning(
-            "Loading %s as an EAGLE-%d head, but its config.json looks like an EAGLE-%d head%s. Pass %s if "
-            "loading fails.", ea_model_path, wanted, hint,
-            " (it has draft_vocab_size)" if hint == 3 else " (it has no draft_vocab_size)",
-            "--use-eagle3" if hint == 3 else "--no-eagle3",
-        )
-    logger.info("Loading base model %s and EAGLE-%d head %s", base_model_path, wanted, ea_model_path)
-    tree = {name: value for name, value in (("total_token", total_token), ("depth", depth), ("top_k", top_k),
-                                            ("lookup_tokens", lookup_tokens)) if value is not None}
-    device = device or torch.device("cpu")
-    if device.type != "cpu" and "device_map" not in hf_kwargs:
-        hf_kwargs["device_map"] = str(device)
-    model = EaModel.from_pretrained(
-        use_eagle3=use_eagle3, base_model_path=base_model_path, ea_model_path=ea_model_path, dtype=dtype,
-        **tree, **hf_kwargs,
-    )
-    model.eval()
-    return model
+    ``device``: :func:`eagle.cli.load_model` with these options."""
+    options = ModelOptions(base_model_path=base_model_path, ea_model_path=ea_model_path, use_eagle3=use_eagle3,
+                           total_token=total_token, depth=depth, top_k=top_k, lookup_tokens=lookup_tokens,
+                           device=device or torch.device("cpu"), dtype=dtype,
+                           pack_cpu_weights=hf_kwargs.pop("pack_cpu_weights", "auto"),
+                           draft_dtype=hf_kwargs.pop("draft_dtype", "auto"))
+    return load_model(options, **hf_kwargs)
 
 
 def load_hf_model(base_model_path: str, *, dtype: torch.dtype = torch.float32, device: torch.device | None = None,

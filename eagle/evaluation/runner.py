@@ -34,12 +34,14 @@ from dataclasses import dataclass, replace
 import torch
 from tqdm import tqdm
 
+from eagle.cli import HelpFormatter, add_model_arguments, load_model, placement_kwargs, resolve_model_args
+from eagle.model.loading import load_base_model
+from eagle.templates import TEMPLATES, PromptTemplate, decode_answer, encode_prompt, get_template, stop_token_ids
+
 from .methods import (
-    Generation, eagle_generate, engine_stop_ids, hf_generate, hf_generation_config, load_ea_model, load_hf_model,
-    add_device_arguments, model_device, plain_generate, resolve_device, resolve_dtype,
+    Generation, eagle_generate, engine_stop_ids, hf_generate, hf_generation_config, model_device, plain_generate,
 )
 from .questions import load_questions
-from .templates import TEMPLATES, PromptTemplate, decode_answer, encode_prompt, get_template, stop_token_ids
 
 logger = logging.getLogger(__name__)
 
@@ -79,7 +81,6 @@ class ScriptDefaults:
 def build_parser(defaults: ScriptDefaults, prog: str | None = None) -> argparse.ArgumentParser:
     """The command line of an answer script; flag names and meanings follow the reference scripts."""
     eagle = defaults.method == "eagle"
-    version = "EAGLE-3" if defaults.use_eagle3 else "EAGLE-1/2"
     parser = argparse.ArgumentParser(
         prog=prog,
         description=(
@@ -87,20 +88,14 @@ def build_parser(defaults: ScriptDefaults, prog: str | None = None) -> argparse.
             f"the {defaults.template!r} prompt template and write them as JSONL (reference format, plus the "
             "accepted length of every step). Analyse them with `python -m eagle.evaluation.speed` and "
             "`python -m eagle.evaluation.alpha`."
+            + ("" if eagle else " With --ea-model-path the baseline uses the same engine's plain decoding; without "
+               "it, Hugging Face generate on the base model alone.")
         ),
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=HelpFormatter,
     )
-    paths_required = not defaults.default_models
-    parser.add_argument(
-        "--ea-model-path", required=eagle and paths_required, default=None,
-        help="Draft-head directory or Hub id."
-        + ("" if eagle else " Optional: with it, the baseline uses the same engine's plain decoding "
-           "(naive_generate); without it, Hugging Face generate on the base model alone."),
-    )
-    parser.add_argument("--base-model-path", required=paths_required, default=None,
-                        help="Target model directory, Hub id or .gguf file."
-                        + (" Default: the embedded default model." if defaults.default_models else ""))
-    parser.add_argument("--load-in-8bit", action="store_true", help="Load the target in 8 bits (bitsandbytes).")
+    paths_required = () if defaults.default_models else ("base", "head") if eagle else ("base",)
+    add_model_arguments(parser, use_eagle3=defaults.use_eagle3, required_paths=paths_required,
+                        tree={"total_token": defaults.total_token, "depth": defaults.depth, "top_k": defaults.top_k})
     parser.add_argument("--model-id", default=defaults.model_id,
                         help="Name written in the answers; '-temperature-<T>' is appended.")
     parser.add_argument("--bench-name", default="mt_bench",
@@ -112,14 +107,6 @@ def build_parser(defaults: ScriptDefaults, prog: str | None = None) -> argparse.
     parser.add_argument("--answer-file", default=None, help="Output JSONL. Default: <bench-name>/<model-id>.jsonl.")
     parser.add_argument("--max-new-token", "--max-new-tokens", dest="max_new_token", type=int, default=1024,
                         help="Maximum number of new tokens per turn (honoured).")
-    parser.add_argument("--total-token", type=int, default=defaults.total_token,
-                        help="Draft tokens verified per step, root included (-1: tune automatically; "
-                        "unset: the loader's default).")
-    parser.add_argument("--depth", type=int, default=defaults.depth, help="Draft tree depth.")
-    parser.add_argument("--top-k", type=int, default=defaults.top_k, help="Draft top-k per expanded node.")
-    parser.add_argument("--lookup-tokens", type=int, default=None,
-                        help="Tokens copied from earlier in the context (prompt lookup) grafted onto each draft "
-                        "tree; 0 = the head alone. Default: the tuned value for the embedded pair, else 0.")
     parser.add_argument("--num-choices", type=int, default=1, help="Answers per question (seeded 0, 1, ...).")
     parser.add_argument("--num-gpus-per-model", type=int, default=1,
                         help="Devices per model; more than 1 spreads the model with device_map='auto'.")
@@ -131,18 +118,12 @@ def build_parser(defaults: ScriptDefaults, prog: str | None = None) -> argparse.
     parser.add_argument("--temperature", type=float, default=defaults.temperature, help="0 = greedy.")
     parser.add_argument("--tree-choices", default=DEFAULT_TREE_CHOICES,
                         help="Accepted for compatibility; EAGLE-2/3 build the draft tree dynamically.")
-    parser.add_argument("--use-eagle3", "--use_eagle3", dest="use_eagle3", action="store_true",
-                        default=defaults.use_eagle3,
-                        help=f"The head is an EAGLE-3 head. Default for this script: {version}.")
-    parser.add_argument("--no-eagle3", "--no_eagle3", dest="use_eagle3", action="store_false",
-                        help="The head is an EAGLE-1/EAGLE-2 head.")
     parser.add_argument("--template", default=defaults.template, choices=sorted(TEMPLATES),
                         help="Prompt template ('auto' = the tokenizer's chat template).")
     parser.add_argument("--system-message", default=None, help="Replace the template's system message.")
     parser.add_argument("--warmup", type=int, default=1,
                         help="Untimed runs of the first question before answering (discarded).")
     parser.add_argument("--seed", type=int, default=0, help="Choice i is generated after torch.manual_seed(seed + i).")
-    add_device_arguments(parser)
     return parser
 
 
@@ -157,23 +138,17 @@ class AnswerGenerator:
     def __init__(self, args: argparse.Namespace, defaults: ScriptDefaults, template: PromptTemplate):
         self.method = defaults.method
         self.template = template
-        self.device = resolve_device(args.device)
-        dtype = resolve_dtype(args.dtype, self.device)
-        hf_kwargs = _hf_kwargs(args)
+        options = resolve_model_args(args, need_head=self.method == "eagle")
         self.ea_model = None
-        if self.method == "eagle" or args.ea_model_path:
-            self.ea_model = load_ea_model(
-                args.base_model_path, args.ea_model_path, use_eagle3=args.use_eagle3,
-                total_token=args.total_token, depth=args.depth, top_k=args.top_k,
-                lookup_tokens=args.lookup_tokens, dtype=dtype,
-                device=self.device, **hf_kwargs,
-            )
+        if options.ea_model_path:
+            self.ea_model = load_model(options, **_multi_device_kwargs(args))
             self.tokenizer = self.ea_model.tokenizer
             self.hf_model = self.ea_model.base_model
             self.device = model_device(self.ea_model)
         else:
-            self.hf_model, self.tokenizer = load_hf_model(args.base_model_path, dtype=dtype, device=self.device,
-                                                          **hf_kwargs)
+            _, kwargs = placement_kwargs(options)
+            kwargs.update(_multi_device_kwargs(args))
+            self.hf_model, self.tokenizer = load_base_model(options.base_model_path, **kwargs)
             self.device = model_device(self.hf_model)
         self.stop_ids = engine_stop_ids(self.tokenizer, self.hf_model, self.ea_model, template.is_llama3)
         template_stops = stop_token_ids(template, self.tokenizer, self.hf_model)
@@ -190,16 +165,13 @@ class AnswerGenerator:
         return hf_generate(self.hf_model, input_ids, config, self.stop_ids)
 
 
-def _hf_kwargs(args) -> dict:
-    kwargs = {}
-    if args.load_in_8bit:
-        from transformers import BitsAndBytesConfig
-
-        kwargs["quantization_config"] = BitsAndBytesConfig(load_in_8bit=True)
-    if args.num_gpus_per_model > 1:
-        kwargs["device_map"] = "auto"
-        if args.max_gpu_memory:
-            kwargs["max_memory"] = {i: args.max_gpu_memory for i in range(args.num_gpus_per_model)}
+def _multi_device_kwargs(args) -> dict:
+    """``device_map="auto"`` (and ``max_memory``) for a model spread over ``--num-gpus-per-model`` devices."""
+    if args.num_gpus_per_model <= 1:
+        return {}
+    kwargs = {"device_map": "auto"}
+    if args.max_gpu_memory:
+        kwargs["max_memory"] = {i: args.max_gpu_memory for i in range(args.num_gpus_per_model)}
     return kwargs
 
 
@@ -249,23 +221,6 @@ def _sort_key(question_id):
     return (0, question_id, "") if isinstance(question_id, (int, float)) else (1, 0, str(question_id))
 
 
-def _fill_default_models(args: argparse.Namespace, defaults: ScriptDefaults) -> None:
-    if not defaults.default_models:
-        return
-    if args.base_model_path is None and args.ea_model_path is None:
-        from eagle import defaults as embedded  # lazy: only needed when no model is given
-
-        args.base_model_path = embedded.default_base_model_path()
-        if defaults.method == "eagle":
-            args.ea_model_path = embedded.default_ea_model_path()
-            for key, value in embedded.default_tree_settings().items():  # the tree tuned for the embedded pair
-                if getattr(args, key, None) is None:
-                    setattr(args, key, value)
-        logger.info("Using the embedded default model %s", args.base_model_path)
-    elif args.base_model_path is None or (defaults.method == "eagle" and args.ea_model_path is None):
-        raise SystemExit("Give both --base-model-path and --ea-model-path, or neither (the embedded default).")
-
-
 def run(args: argparse.Namespace, defaults: ScriptDefaults) -> str:
     """Answer the questions as ``args`` say; returns the path of the answer file."""
     if args.num_gpus_total != args.num_gpus_per_model:
@@ -275,8 +230,6 @@ def run(args: argparse.Namespace, defaults: ScriptDefaults) -> str:
         )
     if args.max_new_token <= 0:
         raise SystemExit(f"--max-new-token must be positive, got {args.max_new_token}.")
-    if args.lookup_tokens is not None and args.lookup_tokens < 0:
-        raise SystemExit(f"--lookup-tokens must be >= 0 (0 = off), got {args.lookup_tokens}.")
     if args.tree_choices != DEFAULT_TREE_CHOICES:
         logger.warning("--tree-choices is ignored: the draft tree is built dynamically (EAGLE-2/3).")
     template = get_template(args.template)
@@ -288,10 +241,8 @@ def run(args: argparse.Namespace, defaults: ScriptDefaults) -> str:
         raise SystemExit(str(err)) from None
     if not questions:
         raise SystemExit("No questions selected (check --question-begin/--question-end).")
-    try:
-        _fill_default_models(args, defaults)
-    except FileNotFoundError as err:
-        raise SystemExit(str(err)) from None
+    if defaults.default_models and args.base_model_path is None:
+        logger.info("No --base-model-path: using the embedded default model")
     model_id = f"{args.model_id}-temperature-{args.temperature}"
     answer_file = args.answer_file or os.path.join(args.bench_name, f"{model_id}.jsonl")
     if defaults.method == "eagle" or args.ea_model_path:

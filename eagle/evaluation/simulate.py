@@ -27,9 +27,9 @@ from tqdm import tqdm
 from eagle.model.drafter import EagleDrafter, TreeSettings
 from eagle.model.verify import greedy_path
 
-from .methods import add_device_arguments, load_ea_model, resolve_device, resolve_dtype, resolve_model_paths
+from eagle.cli import HelpFormatter, add_model_arguments, load_model_from_args
+from eagle.templates import TEMPLATES, encode_prompt, get_template
 from .questions import load_questions, spread_over_categories
-from .templates import TEMPLATES, encode_prompt, get_template
 
 logger = logging.getLogger(__name__)
 
@@ -116,11 +116,9 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m eagle.evaluation.simulate",
         description="Tokens per draft/verify step (tau) and tree size of several tree settings, by replaying greedy "
         "EAGLE against answers recorded once with plain decoding (no timing; see the module docstring).",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=HelpFormatter,
     )
-    parser.add_argument("--base-model-path", default=None, help="Target model. Default: the embedded default model.")
-    parser.add_argument("--ea-model-path", default=None, help="Draft head. Default: the embedded default head.")
-    parser.add_argument("--no-eagle3", dest="use_eagle3", action="store_false", help="The head is an EAGLE-1/2 head.")
+    add_model_arguments(parser, tree=False, quantization=False)
     parser.add_argument("--trees", default="8/2/4/16",
                         help="Comma-separated total_token/depth/top_k[/lookup_tokens] settings to compare.")
     parser.add_argument("--bench-name", default="mt_bench", help="Questions of this benchmark.")
@@ -131,7 +129,6 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--template", default="auto", choices=sorted(TEMPLATES),
                         help="Prompt template ('auto' = the tokenizer's chat template).")
     parser.add_argument("--output", default=None, help="Also write the results as JSON here.")
-    add_device_arguments(parser)
     return parser
 
 
@@ -143,12 +140,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
         raise SystemExit("--max-new-tokens and --num-questions must be positive.")
     try:
         questions = spread_over_categories(load_questions(args.bench_name, args.question_file), args.num_questions)
-        resolve_model_paths(args)
     except (OSError, ValueError) as err:
         raise SystemExit(str(err)) from None
-    device = resolve_device(args.device)
-    model = load_ea_model(args.base_model_path, args.ea_model_path, use_eagle3=args.use_eagle3,
-                          dtype=resolve_dtype(args.dtype, device), device=device)
+    model = load_model_from_args(args)
     template = get_template(args.template)
     recordings = []
     for question in tqdm(questions, desc="recording greedy answers"):
