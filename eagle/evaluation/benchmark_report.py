@@ -7,6 +7,8 @@ import os
 
 RESULTS_FILE = "results.json"
 REPORT_FILE = "report.md"
+LABELS_BY_METHOD = {"hf_generate": "HF generate", "hf_generate_unpacked": "HF generate, unpacked weights",
+                    "plain": "plain decoding"}
 PLOTS = {
     "speedup_by_category": "speedup_by_category.png",
     "accept_lengths": "accept_lengths.png",
@@ -23,9 +25,11 @@ def write_outputs(results: dict, output_dir: str) -> dict:
     os.makedirs(output_dir, exist_ok=True)
     files = {"results": os.path.join(output_dir, RESULTS_FILE), "report": os.path.join(output_dir, REPORT_FILE)}
     files.update(write_plots(results, output_dir))
-    results["files"] = files
+    # the saved results name their files relative to the output directory (no path of this machine)
+    results["files"] = {k: os.path.basename(v) for k, v in files.items()}
     with open(files["results"], "w", encoding="utf-8") as f:
         json.dump(results, f, indent=2, ensure_ascii=False)
+    results["files"] = files
     with open(files["report"], "w", encoding="utf-8") as f:
         f.write(markdown_report(results, {k: os.path.basename(v) for k, v in files.items()}))
     return files
@@ -100,10 +104,16 @@ def write_plots(results: dict, output_dir: str) -> dict:
 
 
 def markdown_report(results: dict, files: dict) -> str:
-    """The benchmark as Markdown: settings, overall table, per-category table, acceptance, greedy check."""
+    """The benchmark as Markdown: settings, overall table, per-category table, acceptance, greedy check, plots and
+    how it was measured. ``files``: name -> file name (relative to the report) of each plot."""
+    lines = _settings_lines(results) + _overall_lines(results) + _category_lines(results)
+    lines += _acceptance_lines(results.get("acceptance")) + _greedy_check_lines(results.get("greedy_check"))
+    lines += _plot_lines(files) + _method_lines(results["settings"])
+    return "\n".join(lines)
+
+
+def _settings_lines(results: dict) -> list[str]:
     s = results["settings"]
-    methods = list(results["methods"])
-    reference = results["reference_method"]
     lines = [
         "# EAGLE benchmark",
         "",
@@ -118,8 +128,14 @@ def markdown_report(results: dict, files: dict) -> str:
                 "prompt_lookup_num_tokens", "template", "warmup", "seed", "torch_version", "transformers_version",
                 "packed_cpu_linear_layers", "draft_dtype"):
         lines.append(f"| {key} | `{s.get(key)}` |")
+    return lines
+
+
+def _overall_lines(results: dict) -> list[str]:
+    methods = list(results["methods"])
+    reference = results["reference_method"]
     unpacked = "hf_generate_unpacked" in methods
-    lines += [
+    lines = [
         "",
         "## Overall",
         "",
@@ -136,8 +152,14 @@ def markdown_report(results: dict, files: dict) -> str:
             + (f"{_f(row.get('speedup_vs_hf_generate_unpacked'), 2, 'x')} | " if unpacked else "")
             + f"{_f(row['tokens_per_forward'])} |"
         )
+    return lines
+
+
+def _category_lines(results: dict) -> list[str]:
+    methods = list(results["methods"])
+    reference = results["reference_method"]
     others = [m for m in methods if m != reference]
-    lines += ["", f"## Per category (speed-up over {results['methods'][reference]['label']})", ""]
+    lines = ["", f"## Per category (speed-up over {results['methods'][reference]['label']})", ""]
     header = "| category | questions | " + " | ".join(results["methods"][m]["label"] for m in others)
     header += " | EAGLE tau |" if "eagle" in methods else " |"
     lines += [header, "|---|---:|" + "---:|" * (len(others) + ("eagle" in methods))]
@@ -147,59 +169,73 @@ def markdown_report(results: dict, files: dict) -> str:
         if "eagle" in methods:
             cells.append(_f(row.get("eagle_tau")))
         lines.append("| " + " | ".join(cells) + " |")
+    return lines
 
-    acceptance = results.get("acceptance")
-    if acceptance:
-        lines += [
-            "",
-            "## Acceptance (EAGLE)",
-            "",
-            f"{acceptance['steps']} draft/verify steps; mean accepted draft tokens per step "
-            f"{_f(acceptance['mean_accept_length'], 3)}; tau (tokens per step, accepted + 1) {_f(acceptance['tau'], 3)}.",
-            "",
-            "| accepted length | steps |",
-            "|---:|---:|",
-        ]
-        lines += [f"| {a} | {n} |" for a, n in acceptance["histogram"].items()]
-        lines += ["", "alpha_k = P(accept >= k+1 | accept >= k):", "", "| depth k | reached | accepted | alpha |",
-                  "|---:|---:|---:|---:|"]
-        lines += [f"| {r['depth']} | {r['reached']} | {r['accepted']} | {_f(r['alpha'], 3)} |" for r in acceptance["alpha"]]
 
-    check = results.get("greedy_check")
-    lines += ["", "## Greedy check (EAGLE vs plain decoding)", ""]
+def _acceptance_lines(acceptance: dict | None) -> list[str]:
+    if not acceptance:
+        return []
+    lines = [
+        "",
+        "## Acceptance (EAGLE)",
+        "",
+        f"{acceptance['steps']} draft/verify steps; mean accepted draft tokens per step "
+        f"{_f(acceptance['mean_accept_length'], 3)}; tau (tokens per step, accepted + 1) {_f(acceptance['tau'], 3)}.",
+        "",
+        "| accepted length | steps |",
+        "|---:|---:|",
+    ]
+    lines += [f"| {a} | {n} |" for a, n in acceptance["histogram"].items()]
+    lines += ["", "alpha_k = P(accept >= k+1 | accept >= k):", "", "| depth k | reached | accepted | alpha |",
+              "|---:|---:|---:|---:|"]
+    lines += [f"| {r['depth']} | {r['reached']} | {r['accepted']} | {_f(r['alpha'], 3)} |" for r in acceptance["alpha"]]
+    return lines
+
+
+def _greedy_check_lines(check: dict | None) -> list[str]:
     if check is None:
-        lines.append("Not run (sampling, or EAGLE/plain decoding not both measured).")
-    elif not check["mismatches"]:
-        lines.append(f"EAGLE's tokens equal plain decoding's in all {check['checked']} runs (questions x EAGLE methods).")
-    else:
-        lines.append(f"EAGLE's tokens differ from plain decoding's in {len(check['mismatches'])} of "
-                     f"{check['checked']} runs (questions x EAGLE methods):")
-        lines += ["", "| question | method | first different token | EAGLE tokens | plain tokens | EAGLE text | plain text |",
-                  "|---:|---|---:|---:|---:|---|---|"]
-        for m in check["mismatches"]:
-            lines.append(f"| {m['question_id']} | {m.get('method', 'eagle')} | {m['first_difference']} | "
-                         f"{m['eagle_tokens']} | {m['plain_tokens']} "
-                         f"| {_md(m['eagle_text'])} | {_md(m['plain_text'])} |")
+        return ["", "## Greedy check", "", "Not run (sampling, or a single method measured)."]
+    reference = LABELS_BY_METHOD.get(check["reference"], check["reference"])
+    lines = ["", f"## Greedy check (every method vs {reference})", ""]
+    if not check["mismatches"]:
+        return lines + [f"Every method's tokens equal {reference}'s in all {check['checked']} runs "
+                        "(questions x methods)."]
+    lines.append(
+        f"Of {check['checked']} runs (questions x methods), {check['identical']} are identical to {reference}, "
+        f"{check['near_ties']} part at a numerical near-tie (logit gap of the two tokens at most "
+        f"{check['tolerance']:g}) and {check['differences']} differ.")
+    lines += ["", "| question | method | first different token | kind | logit gap | method tokens | reference tokens "
+              "| method text | reference text |", "|---:|---|---:|---|---:|---:|---:|---|---|"]
+    for m in check["mismatches"]:
+        lines.append(f"| {m['question_id']} | {m['method']} | {m['first_difference']} | {m['kind']} | "
+                     f"{_f(m['logit_gap'], 4)} | {m['method_tokens']} | {m['reference_tokens']} "
+                     f"| {_md(m['method_text'])} | {_md(m['reference_text'])} |")
+    return lines
 
-    lines += ["", "## Plots", ""]
+
+def _plot_lines(files: dict) -> list[str]:
+    lines = ["", "## Plots", ""]
     for name in PLOTS:
         if name in files:
-            lines.append(f"![{name}]({files[name]})")
-            lines.append("")
-    lines += [
+            lines += [f"![{name}]({files[name]})", ""]
+    return lines
+
+
+def _method_lines(s: dict) -> list[str]:
+    return [
         "## How this was measured",
         "",
         "Every question runs all methods before the next one starts, in an order rotated from question to question. "
         f"Each method first ran {s['warmup']} untimed warm-up generation(s) of the first question. The device is "
         "synchronised before and after each timed call. Speeds are all tokens / all seconds (ratios of totals). "
         "EAGLE is timed through its generation loop's steps (`generate_steps`, which `eagenerate` consumes), from "
-        "which the accepted length of every step is read; Hugging Face methods are timed around `generate`, and their target "
-        "forward passes are counted with a forward hook.",
+        "which the accepted length of every step is read; Hugging Face methods are timed around `generate` (with a "
+        "neutral generation config: no checkpoint default changes the decoding), and their target forward passes "
+        "are counted with a forward hook.",
         "",
         "Reproduce: `python -m eagle.evaluation.benchmark` (see `--help`).",
         "",
     ]
-    return "\n".join(lines)
 
 
 def _md(text: str) -> str:
@@ -217,9 +253,12 @@ def summary_lines(results: dict) -> list[str]:
         lines.append(f"EAGLE mean accepted length {acceptance['mean_accept_length']:.3f}, tau {acceptance['tau']:.3f}")
     check = results.get("greedy_check")
     if check is not None:
+        reference = LABELS_BY_METHOD.get(check["reference"], check["reference"])
         lines.append(
-            f"greedy check: {check['identical']}/{check['checked']} answers identical to plain decoding"
-            + ("" if not check["mismatches"] else f"; differences on {[m['question_id'] for m in check['mismatches']]}")
+            f"greedy check: {check['identical']}/{check['checked']} answers identical to {reference}"
+            + ("" if not check["mismatches"] else
+               f"; {check['near_ties']} near-ties, {check['differences']} real differences on "
+               f"{sorted({m['question_id'] for m in check['mismatches'] if m['kind'] != 'near-tie'})}")
         )
     lines.append("wrote " + ", ".join(results["files"].values()))
     return lines

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -104,19 +105,37 @@ def plain_generate(model, input_ids: torch.Tensor, *, temperature: float = 0.0, 
     return generation
 
 
+# Every GenerationConfig field that changes which token is chosen, at the value that changes nothing. ``generate``
+# fills each field left None from the checkpoint's own generation_config (a repetition_penalty, a
+# no_repeat_ngram_size, suppressed tokens...), so these are written explicitly; the fields whose neutral value *is*
+# None (bad_words_ids, sequence_bias, forced_bos/eos_token_id, stop_strings, min_p...), and min_length (0; set beside
+# min_new_tokens it draws a warning), are kept out by
+# :func:`hf_generate`, which runs with the checkpoint's generation_config set aside.
+NEUTRAL_DECODING = {
+    "num_beams": 1, "num_beam_groups": 1, "num_return_sequences": 1, "diversity_penalty": 0.0,
+    "repetition_penalty": 1.0, "encoder_repetition_penalty": 1.0, "no_repeat_ngram_size": 0,
+    "encoder_no_repeat_ngram_size": 0, "min_new_tokens": 0, "typical_p": 1.0, "epsilon_cutoff": 0.0,
+    "eta_cutoff": 0.0, "guidance_scale": 1.0, "renormalize_logits": False, "remove_invalid_values": False,
+    "length_penalty": 1.0, "suppress_tokens": None, "begin_suppress_tokens": None, "bad_words_ids": None,
+    "sequence_bias": None, "forced_bos_token_id": None, "forced_eos_token_id": None, "stop_strings": None,
+    "exponential_decay_length_penalty": None, "min_p": None, "top_h": None, "penalty_alpha": None,
+    "dola_layers": None, "watermarking_config": None, "max_time": None, "use_cache": True,
+}
+
+
 def hf_generation_config(*, max_new_tokens: int, stop_ids: list[int], temperature: float = 0.0,
                          top_p: float = 0.0, prompt_lookup_num_tokens: int | None = None):
-    """A complete ``GenerationConfig`` (so the checkpoint's own sampling defaults cannot leak in)."""
+    """A complete, neutral ``GenerationConfig``: the same decoding as ``EaModel`` (greedy, or temperature with
+    top-p only when asked and top-k off), with every other field that changes decoding at its neutral value
+    (:data:`NEUTRAL_DECODING`), so no checkpoint default changes the baseline. Pass it to :func:`hf_generate`."""
     from transformers import GenerationConfig
 
     sampling = temperature > 1e-5
-    # Unset (None) fields are filled from the checkpoint's generation_config by `generate`, so every sampling
-    # knob is set explicitly: the same distribution as EaModel's sampler (top-k off, top-p only when asked).
     if sampling:
         options = {"temperature": temperature, "top_k": 0, "top_p": top_p if 0 < top_p < 1 else 1.0}
     else:  # transformers' neutral values, so greedy runs do not warn about the checkpoint's sampling settings
         options = {"temperature": 1.0, "top_k": 50, "top_p": 1.0}
-    return GenerationConfig(
+    config = GenerationConfig(
         max_new_tokens=max_new_tokens,
         do_sample=sampling,
         eos_token_id=list(stop_ids) or None,
@@ -124,6 +143,23 @@ def hf_generation_config(*, max_new_tokens: int, stop_ids: list[int], temperatur
         prompt_lookup_num_tokens=prompt_lookup_num_tokens,
         **options,
     )
+    for name, value in NEUTRAL_DECODING.items():
+        setattr(config, name, value)
+    return config
+
+
+@contextmanager
+def checkpoint_generation_defaults_off(hf_model):
+    """While inside, ``hf_model.generation_config`` is an empty ``GenerationConfig``: ``generate`` fills the fields
+    a config leaves None from transformers' neutral global defaults instead of the checkpoint's."""
+    from transformers import GenerationConfig
+
+    saved = hf_model.generation_config
+    hf_model.generation_config = GenerationConfig()
+    try:
+        yield
+    finally:
+        hf_model.generation_config = saved
 
 
 def engine_stop_ids(tokenizer, hf_model, ea_model=None, is_llama3: bool = False) -> list[int]:
@@ -141,7 +177,8 @@ def engine_stop_ids(tokenizer, hf_model, ea_model=None, is_llama3: bool = False)
 
 def hf_generate(hf_model, input_ids: torch.Tensor, generation_config, stop_ids: list[int]) -> Generation:
     """Hugging Face ``generate`` (plain, or prompt lookup when the config says so), timed; forward passes
-    are counted with a hook on the model, so tokens per forward pass is known for prompt lookup too."""
+    are counted with a hook on the model, so tokens per forward pass is known for prompt lookup too. The
+    checkpoint's own generation_config is set aside for the call (see :data:`NEUTRAL_DECODING`)."""
     calls = [0]
 
     def count(_module, _args, _output):
@@ -152,9 +189,10 @@ def hf_generate(hf_model, input_ids: torch.Tensor, generation_config, stop_ids: 
         device = input_ids.device
         synchronize(device)
         start = time.perf_counter()
-        output = hf_model.generate(
-            input_ids, attention_mask=torch.ones_like(input_ids), generation_config=generation_config
-        )
+        with checkpoint_generation_defaults_off(hf_model):
+            output = hf_model.generate(
+                input_ids, attention_mask=torch.ones_like(input_ids), generation_config=generation_config
+            )
         synchronize(device)
         wall_time = time.perf_counter() - start
     finally:
