@@ -61,3 +61,70 @@ def test_total_token_minus_one_times_verification_on_this_device(tmp_path, caplo
     assert f"chose a tree of {model.total_token} tokens" in caplog.text
     out = model.eagenerate(torch.tensor([[1, 20, 21]]), max_new_tokens=6)
     assert out.shape == (1, 9)
+
+
+COMPAT_MODULES = ("cnets", "cnets1", "configs", "choices", "utils")
+
+
+def test_reference_names_are_the_engine_classes():
+    from eagle.model import cnets, cnets1, configs, draft_config, draft_head, utils
+
+    assert cnets.Model is draft_head.Eagle3DraftHead and cnets1.Model is draft_head.Eagle1DraftHead
+    assert cnets.Model is not cnets1.Model and configs.EConfig is draft_config.EConfig
+    for name in ("prepare_logits_processor", "initialize_tree", "tree_decoding", "evaluate_posterior",
+                 "update_inference_inputs", "reset_tree_mode", "TOPK"):
+        assert hasattr(utils, name), name
+
+
+def test_engine_imports_nothing_from_the_compatibility_layer():
+    """The reference's module names are a thin layer over the engine: no other module of the package imports
+    them (so the engine can change without them, and they can go without touching it)."""
+    import ast
+    from pathlib import Path
+
+    package = Path(__file__).resolve().parents[1] / "eagle"
+    compat = {f"eagle.model.{name}" for name in COMPAT_MODULES}
+    offenders = []
+    for path in sorted(package.rglob("*.py")):
+        if path.parent == package / "model" and path.stem in COMPAT_MODULES:
+            continue
+        parts = list(path.relative_to(package.parent).with_suffix("").parts)
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = ".".join(parts[: len(parts) - node.level]) if node.level else ""
+                module = ".".join(filter(None, [base, node.module]))
+                names = [module] + [f"{module}.{alias.name}" for alias in node.names]
+            else:
+                continue
+            offenders += [f"{path.relative_to(package.parent)}:{node.lineno} {name}" for name in names if name in compat]
+    assert not offenders, offenders
+
+
+def test_reference_evaluate_posterior_samples_like_the_engine():
+    """``utils.evaluate_posterior`` with a sampling processor walks the paths as the engine's verifier walks the
+    tree: same accepted tokens, and the returned distribution draws the engine's bonus token."""
+    from eagle.model.tree import tree_from_parents
+    from eagle.model.utils import evaluate_posterior
+    from eagle.model.verify import Sampler, verify_sampling
+
+    # Nodes numbered depth first, siblings by descending score: row order of the paths = the engine's order.
+    parents = torch.tensor([-1, 0, 1, 1, 0, 4, 5, 0])
+    tokens = torch.tensor([9, 1, 2, 3, 2, 4, 0, 5])
+    tree = tree_from_parents(tokens, parents, -torch.arange(8.0))
+    processors = prepare_logits_processor(0.8, top_p=0.95)
+    accepted_lengths = set()
+    for seed in range(60):
+        node_logits = torch.randn(8, 6, generator=torch.Generator().manual_seed(seed)) * 2
+        retrieve = tree.retrieve_indices
+        candidates = torch.where(retrieve >= 0, tokens[retrieve.clamp(min=0)], -1)
+        path_logits = node_logits[retrieve.clamp(min=0)]
+        sampler = Sampler(0.8, top_p=0.95, generator=torch.Generator().manual_seed(seed))
+        path, bonus = verify_sampling(tree, node_logits, sampler)
+        generator = torch.Generator().manual_seed(seed)
+        best, accept, probs = evaluate_posterior(path_logits, candidates, processors, generator)
+        assert candidates[best, : accept + 1].tolist() == tokens[path].tolist()
+        assert int(torch.multinomial(probs, 1, generator=generator)[0]) == int(bonus)
+        accepted_lengths.add(accept)
+    assert len(accepted_lengths) > 1  # the walk both stopped early and went deeper

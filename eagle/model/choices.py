@@ -1,5 +1,10 @@
-"""Static tree shapes of the reference (paths of top-k ranks), kept for compatibility. EAGLE-2/3 grow their
-trees dynamically (:mod:`eagle.model.drafter`); these are data only."""
+"""Reference-compatibility layer: the reference's static tree shapes (paths of top-k ranks).
+
+The reference's import paths (``eagle.model.cnets``, ``cnets1``, ``configs``, ``choices``, ``utils``) live in these
+five modules and nowhere else; the engine never imports them (tests/test_reference_api.py checks it).
+EAGLE-2/3 grow their trees dynamically (:mod:`eagle.model.drafter`); these are data only, read by nothing in the
+engine.
+"""
 
 mc_sim_7b_63 = [
     [0], [1], [2], [3],

@@ -1,15 +1,17 @@
-"""What the two draft heads have in common: the forward contract, the RoPE positions, and embedding loading."""
+"""The EAGLE draft heads: what they have in common (:class:`DraftHead`: the forward contract, the RoPE positions,
+embedding loading), the EAGLE-3 head and the EAGLE-1/2 head."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from .draft_layers import DraftRotary, KVPair, causal_mask_with_past
+from .draft_layers import (DraftRotary, Eagle1DecoderLayer, Eagle3DecoderLayer, KVPair, RMSNorm,
+                           causal_mask_with_past)
 
 
 class DraftHead(nn.Module):
-    """Base class of the EAGLE heads (``cnets.Model`` for EAGLE-3, ``cnets1.Model`` for EAGLE-1).
+    """Base class of the EAGLE heads (:class:`Eagle3DraftHead`, :class:`Eagle1DraftHead`).
 
     A head maps (target feature of position t, token t+1) pairs to a hidden state from which it predicts token
     t+2. Its contract, used by the drafter and by the trainer:
@@ -84,6 +86,98 @@ class DraftHead(nn.Module):
         self.embed_tokens.weight = embedding.weight
         self.embed_tokens.weight.requires_grad_(False)
 
+
+class Eagle3DraftHead(DraftHead):
+    """EAGLE-3 head (the reference's ``cnets.Model``): one decoder layer over (embedding, fused target features),
+    with its own LM head over a draft vocabulary of ``draft_vocab_size`` tokens mapped to target ids through
+    ``d2t``. State-dict keys: ``fc``, ``midlayer.*``, ``norm``, ``lm_head``, ``d2t``, ``t2d`` and
+    optionally ``embed_tokens`` (see EAGLE_SPEC section 3.3)."""
+
+    eagle_version = 3
+
+    def __init__(self, config, load_emb=False, path=None, bias=True, total_tokens=63, depth=5, top_k=8, threshold=1.0):
+        super().__init__(config, total_tokens=total_tokens, depth=depth, top_k=top_k, threshold=threshold)
+        if getattr(config, "draft_vocab_size", None) is None:
+            raise ValueError("An EAGLE-3 head config needs `draft_vocab_size` (use vocab_size for a full-vocabulary head).")
+        hidden = config.hidden_size
+        self.target_hidden_size = getattr(config, "target_hidden_size", None) or hidden
+        self.vocab_size = config.vocab_size
+        self.draft_vocab_size = config.draft_vocab_size
+        self.embed_tokens = nn.Embedding(config.vocab_size, hidden, config.pad_token_id)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.fc = nn.Linear(3 * self.target_hidden_size, hidden, bias=False)
+        self.midlayer = Eagle3DecoderLayer(config)
+        self.norm = RMSNorm(hidden, eps=config.rms_norm_eps)
+        self.lm_head = nn.Linear(hidden, config.draft_vocab_size, bias=False)
+        self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
+        self.register_buffer("t2d", torch.zeros(config.vocab_size, dtype=torch.bool))
+        if load_emb and path is not None:
+            with torch.no_grad():
+                self.embed_tokens.weight.copy_(load_embedding_from_checkpoint(path, config.vocab_size, hidden))
+
+    @property
+    def feature_size(self) -> int:
+        return 3 * self.target_hidden_size
+
+    @property
+    def reduced_vocab(self) -> bool:
+        return self.draft_vocab_size != self.vocab_size
+
+    def layers_forward(self, hidden, embeds, cos, sin, attention_mask, past_key_values):
+        if hidden.shape[-1] != embeds.shape[-1]:
+            hidden = self.fc(hidden)  # fused target features (B, T, 3Ht) -> (B, T, H); draft states pass as they are
+        past = past_key_values[0] if past_key_values else None
+        hidden, present = self.midlayer(embeds, hidden, cos, sin, attention_mask, past)
+        return hidden, [present]
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.norm(hidden))
+
+    def draft_to_target(self, ids: torch.Tensor) -> torch.Tensor:
+        if not self.reduced_vocab:
+            return ids
+        return ids + self.d2t[ids]
+
+class Eagle1DraftHead(DraftHead):
+    """EAGLE-1/EAGLE-2 head (the reference's ``cnets1.Model``): ``fc`` over (embedding, target final hidden
+    state), a few LLaMA decoder layers, and the target's own LM head for logits. State-dict keys: ``embed_tokens``, ``fc`` (bias unless ``"bias": false``), ``layers.i.*``."""
+
+    eagle_version = 1
+
+    def __init__(self, config, load_emb=False, path=None, bias=True, total_tokens=63, depth=5, top_k=8, threshold=1.0):
+        super().__init__(config, total_tokens=total_tokens, depth=depth, top_k=top_k, threshold=threshold)
+        hidden = config.hidden_size
+        self.vocab_size = config.vocab_size
+        self.embed_tokens = nn.Embedding(config.vocab_size, hidden, config.pad_token_id)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.fc = nn.Linear(2 * hidden, hidden, bias=bias)
+        self.layers = nn.ModuleList(Eagle1DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self._target_lm_head: list[nn.Module] = []  # a list so the target head is not registered as a submodule
+        if load_emb and path is not None:
+            with torch.no_grad():
+                self.embed_tokens.weight.copy_(load_embedding_from_checkpoint(path, config.vocab_size, hidden))
+
+    @property
+    def feature_size(self) -> int:
+        return self.config.hidden_size
+
+    def attach_target_lm_head(self, lm_head: nn.Module) -> None:
+        """EAGLE-1 drafts with the target's LM head; ``EaModel`` attaches it after loading."""
+        self._target_lm_head[:] = [lm_head]
+
+    def layers_forward(self, hidden, embeds, cos, sin, attention_mask, past_key_values):
+        hidden = self.fc(torch.cat([embeds, hidden], dim=-1))
+        presents = []
+        for i, layer in enumerate(self.layers):
+            hidden, present = layer(hidden, cos, sin, attention_mask, past_key_values[i] if past_key_values else None)
+            presents.append(present)
+        return hidden, presents
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if not self._target_lm_head:
+            raise RuntimeError("This EAGLE-1 head has no target LM head attached (call attach_target_lm_head).")
+        head = self._target_lm_head[0]
+        return head(hidden.to(head.weight.dtype))
 
 def load_embedding_from_checkpoint(path: str, vocab_size: int, hidden_size: int) -> torch.Tensor:
     """Read the input embedding of a target checkpoint (a local directory or a Hub id).

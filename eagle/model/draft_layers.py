@@ -1,4 +1,5 @@
-"""Building blocks shared by the EAGLE-1 and EAGLE-3 draft heads.
+"""Building blocks of the EAGLE-1 and EAGLE-3 draft heads: norm, MLP, attention, RoPE and the two heads' decoder
+layers.
 
 Names follow the official checkpoints (``self_attn.q_proj``, ``mlp.gate_proj``, ``input_layernorm``...), so a
 state dict published by the reference loads into these modules unchanged.
@@ -103,6 +104,53 @@ class DraftAttention(nn.Module):
         bsz, _, length, _ = out.shape
         out = out.transpose(1, 2).reshape(bsz, length, self.num_heads * self.head_dim)
         return self.o_proj(out), (k, v)
+
+
+class Eagle3DecoderLayer(nn.Module):
+    """``h = h + attn(cat(input_layernorm(e), hidden_norm(h)))``; ``h = h + mlp(post_attention_layernorm(h))``.
+    The attention's q/k/v projections take the 2H concatenation (embedding first)."""
+
+    def __init__(self, config):
+        super().__init__()
+        hidden = config.hidden_size
+        self.hidden_norm = RMSNorm(hidden, eps=config.rms_norm_eps)
+        self.input_layernorm = RMSNorm(hidden, eps=config.rms_norm_eps)
+        self.self_attn = DraftAttention(config, input_size=2 * hidden)
+        self.post_attention_layernorm = RMSNorm(hidden, eps=config.rms_norm_eps)
+        self.mlp = DraftMLP(config)
+
+    def attention_input(self, embeds: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """(B, T, H) x 2 -> (B, T, 2H)."""
+        return torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)
+
+    def finish(self, residual: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
+        """Residual add after attention, then the MLP block."""
+        hidden = residual + attn_out
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+    def forward(self, embeds, hidden, cos, sin, attention_mask, past_key_value=None):
+        attn_out, present = self.self_attn(self.attention_input(embeds, hidden), cos, sin, attention_mask, past_key_value)
+        return self.finish(hidden, attn_out), present
+
+
+class Eagle1DecoderLayer(nn.Module):
+    """A LLaMA decoder layer; layer 0 has no ``input_layernorm`` (its input is the raw fc output)."""
+
+    def __init__(self, config, index: int):
+        super().__init__()
+        hidden = config.hidden_size
+        if index > 0:
+            self.input_layernorm = RMSNorm(hidden, eps=config.rms_norm_eps)
+        self.self_attn = DraftAttention(config, input_size=hidden, qkv_bias=bool(getattr(config, "qkv_bias", False)))
+        self.post_attention_layernorm = RMSNorm(hidden, eps=config.rms_norm_eps)
+        self.mlp = DraftMLP(config)
+        self.index = index
+
+    def forward(self, hidden, cos, sin, attention_mask, past_key_value=None):
+        normed = self.input_layernorm(hidden) if self.index > 0 else hidden
+        attn_out, present = self.self_attn(normed, cos, sin, attention_mask, past_key_value)
+        hidden = hidden + attn_out
+        return hidden + self.mlp(self.post_attention_layernorm(hidden)), present
 
 
 class DraftRotary(nn.Module):

@@ -8,7 +8,7 @@ import os
 import torch
 
 from .checkpoint import load_head_state_dict, resolve_file
-from .configs import EConfig
+from .draft_config import EConfig
 from .cpu_linear import native_bfloat16
 
 logger = logging.getLogger(__name__)
@@ -75,7 +75,7 @@ def head_dir_of(ea_model_path: str) -> str:
 
 
 def build_head(config: EConfig, use_eagle3: bool, total_token: int, depth: int, top_k: int, threshold: float):
-    from . import cnets, cnets1
+    from .draft_head import Eagle1DraftHead, Eagle3DraftHead
 
     if use_eagle3:
         if getattr(config, "draft_vocab_size", None) is None:
@@ -83,9 +83,9 @@ def build_head(config: EConfig, use_eagle3: bool, total_token: int, depth: int, 
                 "use_eagle3=True but the head's config.json has no `draft_vocab_size`: this looks like an EAGLE-1/2 "
                 "head; pass use_eagle3=False."
             )
-        return cnets.Model(config, total_tokens=total_token, depth=depth, top_k=top_k, threshold=threshold)
+        return Eagle3DraftHead(config, total_tokens=total_token, depth=depth, top_k=top_k, threshold=threshold)
     bias = getattr(config, "bias", True)
-    return cnets1.Model(config, bias=bias, total_tokens=total_token, depth=depth, top_k=top_k, threshold=threshold)
+    return Eagle1DraftHead(config, bias=bias, total_tokens=total_token, depth=depth, top_k=top_k, threshold=threshold)
 
 
 def check_head_matches_base(head, base_model) -> None:

@@ -1,8 +1,11 @@
-"""The reference's public step functions, with their names and meaning, over this package's engine.
+"""Reference-compatibility layer: the reference's public step functions (``eagle.model.utils``), with their names
+and meaning, over this package's engine.
 
-``EaModel`` does not use these (its loop is :func:`eagle.model.generation.speculative_decode`); they exist for
-code written against the reference's ``eagle.model.utils``. The reference kept the draft's KV cache and the tree
-mask on model attributes; here that state lives in the cache returned by
+The reference's import paths (``eagle.model.cnets``, ``cnets1``, ``configs``, ``choices``, ``utils``) live in these
+five modules and nowhere else; the engine never imports them (tests/test_reference_api.py checks it). ``EaModel``
+does not use these functions (its loop is :func:`eagle.model.generation.speculative_decode`); they adapt the
+engine's pieces to the reference's calling conventions. The reference kept the draft's KV cache and the tree mask
+on model attributes; here that state lives in the cache returned by
 :func:`eagle.model.kv_cache.initialize_past_key_values`, and the tree mask is passed explicitly (or taken from
 the last tree that :func:`initialize_tree` / :func:`update_inference_inputs` built on that cache).
 
@@ -17,7 +20,8 @@ import torch
 from .drafter import EagleDrafter
 from .generation import choose_token
 from .tree import DraftTree
-from .verify import Sampler, prepare_logits_processor  # noqa: F401  (re-exported, reference name)
+from .verify import prepare_logits_processor  # noqa: F401  (re-exported, reference name)
+from .verify import Sampler, recursive_rejection
 
 TOPK = 10
 
@@ -79,8 +83,9 @@ def evaluate_posterior(logits, candidates, logits_processor, generator: torch.Ge
     ``(leaves, depth+1)`` (column 0 = root, -1 padding).
 
     Returns ``(best path index, accept_length (int, tokens accepted after the root), distribution or logits for
-    the next token)``: greedy returns the raw logits after the last accepted node; sampling (recursive rejection,
-    lossless) returns the probability vector to draw the next token from."""
+    the next token)``: greedy returns the raw logits after the last accepted node; sampling (the engine's
+    recursive rejection, :func:`eagle.model.verify.recursive_rejection`, children tried in row order) returns the
+    probability vector to draw the next token from."""
     if logits_processor is None or len(logits_processor) == 0:
         predicted = logits[:, :-1].argmax(dim=-1)
         matches = (candidates[:, 1:] == predicted) & (candidates[:, 1:] >= 0)
@@ -90,29 +95,30 @@ def evaluate_posterior(logits, candidates, logits_processor, generator: torch.Ge
         return torch.tensor(best), length, logits[best, length]
     sampler = _sampler(logits_processor)
     sampler.generator = generator
-    accepted = [int(candidates[0, 0])]
-    best, depth = 0, candidates.shape[1]
-    residual = None
-    for level in range(1, depth):
-        rows = [r for r in range(candidates.shape[0]) if candidates[r, :level].tolist() == accepted]
-        probs = sampler.probs(logits[rows[0], level - 1][None])[0]
-        residual, tried, chosen = probs, set(), None
-        for row in rows:
-            token = int(candidates[row, level])
-            if token < 0 or token in tried:
-                continue
-            tried.add(token)
-            if sampler.uniform(probs.device) < float(residual[token]):
-                chosen = row
+    children, tokens, first_seen = _paths_as_tree(candidates)
+    path, probs = recursive_rejection(children, tokens, lambda node: logits[first_seen[node]], sampler)
+    return torch.tensor(first_seen[path[-1]][0]), len(path) - 1, probs
+
+
+def _paths_as_tree(candidates: torch.Tensor):
+    """The tree that per-path tokens ``candidates`` (leaves, depth+1) spell (column 0 the root, -1 padding): one
+    node per distinct prefix, root 0. Returns (children of each node in row order, token of each node, (row,
+    column) where each node first appears)."""
+    rows = candidates.tolist()
+    node_of = {(rows[0][0],): 0}
+    tokens, first_seen = [rows[0][0]], [(0, 0)]
+    children: dict[int, list[int]] = {}
+    for row_index, row in enumerate(rows):
+        for column in range(1, len(row)):
+            if row[column] < 0:
                 break
-            residual = residual.clone()
-            residual[token] = 0.0
-            residual = residual / residual.sum()
-        if chosen is None:
-            return torch.tensor(best), len(accepted) - 1, residual
-        accepted.append(int(candidates[chosen, level]))
-        best = chosen
-    return torch.tensor(best), len(accepted) - 1, sampler.probs(logits[best, len(accepted) - 1][None])[0]
+            prefix = tuple(row[: column + 1])
+            if prefix not in node_of:
+                node_of[prefix] = len(tokens)
+                tokens.append(row[column])
+                first_seen.append((row_index, column))
+                children.setdefault(node_of[prefix[:-1]], []).append(node_of[prefix])
+    return children, tokens, first_seen
 
 
 @torch.no_grad()

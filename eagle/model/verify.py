@@ -96,14 +96,23 @@ def verify_sampling(tree: DraftTree, logits, sampler: Sampler) -> tuple[torch.Te
     for node in order:  # siblings by descending draft score
         if parents[node] >= 0:
             children.setdefault(parents[node], []).append(node)
-    tokens = tree.tokens.tolist()
+    path, bonus_probs = recursive_rejection(children, tree.tokens.tolist(), lambda node: logits[node], sampler)
+    return torch.tensor(path, device=tree.tokens.device), sampler.draw(bonus_probs)
 
+
+def recursive_rejection(children: dict[int, list[int]], tokens: list[int], logits_at, sampler: Sampler):
+    """The sampling walk itself, over any tree given as ``children`` (node -> child nodes in the order they are
+    tried), ``tokens`` (node -> token id) and ``logits_at(node)`` (the target's logits (V,) after that node),
+    from root node 0.
+
+    Returns the accepted node ids, root first, and the probabilities (V,) the bonus token is drawn from: the
+    residual where a child was rejected, the full target distribution after a leaf."""
     node, path = 0, [0]
     while True:
-        probs = sampler.probs(logits[node][None])[0]
+        probs = sampler.probs(logits_at(node)[None])[0]
         kids = children.get(node)
         if not kids:
-            return torch.tensor(path, device=tree.tokens.device), sampler.draw(probs)
+            return path, probs
         residual = probs
         accepted = None
         for child in kids:
@@ -119,6 +128,6 @@ def verify_sampling(tree: DraftTree, logits, sampler: Sampler) -> tuple[torch.Te
                 break
             residual = residual / total
         if accepted is None:
-            return torch.tensor(path, device=tree.tokens.device), sampler.draw(residual)
+            return path, residual
         node = accepted
         path.append(node)

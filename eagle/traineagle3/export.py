@@ -42,7 +42,7 @@ HEAD_KEYS_EXCLUDED = ("embed_tokens.weight",)  # the target's embedding: loaded 
 def head_config(target, draft_vocab_size: int, layer_ids: list[int]):
     """The head's EConfig from the target's config: same hidden size, heads, KV heads, intermediate size,
     vocabulary, RMS eps and RoPE base; one layer."""
-    from eagle.model.configs import EConfig
+    from eagle.model.draft_config import EConfig
     from eagle.traineagle3.frozen_target import text_config
 
     tc = text_config(target)
@@ -91,7 +91,7 @@ def write_head_config(config, directory: str, dtype: torch.dtype | None = None) 
 
 def read_head_config(path: str):
     """The EConfig of a ``config.json`` written by :func:`write_head_config`."""
-    from eagle.model.configs import EConfig
+    from eagle.model.draft_config import EConfig
 
     with open(path) as f:
         return EConfig(**json.load(f))

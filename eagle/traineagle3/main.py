@@ -213,9 +213,9 @@ def init_lm_head_from_target(head, target) -> None:
 def build_head(args, config, target, d2t: torch.Tensor, t2d: torch.Tensor, init_state: dict | None):
     """The EAGLE-3 head to train: the target's (frozen) embedding, the draft vocabulary map, and the weights of
     ``--init_head`` or the ``--lm_head_init`` initialisation."""
-    from eagle.model.cnets import Model
+    from eagle.model.draft_head import Eagle3DraftHead
 
-    head = Model(config)
+    head = Eagle3DraftHead(config)
     with torch.no_grad():
         head.embed_tokens.weight.copy_(target.get_input_embeddings().weight.float())
         head.d2t.copy_(d2t)
