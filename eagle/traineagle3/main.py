@@ -232,22 +232,6 @@ def build_head(args, config, target, d2t: torch.Tensor, t2d: torch.Tensor, init_
     return head
 
 
-@torch.no_grad()
-def init_lm_head_from_target(head, target) -> None:
-    """Copy the target's output-embedding rows of the draft vocabulary into the head's LM head, and the target's
-    final RMSNorm weight into the head's norm (skipped for Gemma-style ``1 + w`` norms)."""
-    output = target.get_output_embeddings()
-    if output is None or output.weight.shape[1] != head.lm_head.weight.shape[1]:
-        logger.warning("The target's LM head does not fit the draft head: random LM head initialisation.")
-        return
-    ids = torch.arange(head.draft_vocab_size) + head.d2t.cpu() if head.reduced_vocab else torch.arange(head.vocab_size)
-    head.lm_head.weight.copy_(output.weight[ids.to(output.weight.device)].float())
-    norm = getattr(target.base_model, "norm", None)
-    weight = getattr(norm, "weight", None)
-    if weight is not None and weight.shape == head.norm.weight.shape and "gemma" not in type(norm).__name__.lower():
-        head.norm.weight.copy_(weight.float())
-
-
 def target_cache_dir(savedir: str, data_path: str, key: list) -> str:
     """savedir/target_cache/<hash of the data file, target, feature layers, precision, top-k, draft vocabulary>."""
     from eagle.traineagle3.data import file_fingerprint
