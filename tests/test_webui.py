@@ -17,15 +17,17 @@ os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 
 from eagle.application import highlight, prompts  # noqa: E402
 from eagle.application.streaming import EAGLE, PLAIN, ChatRunner, PromptError  # noqa: E402
+from eagle.model.generation import Step  # noqa: E402
 
 FAKE_ANSWER = "Hello! EAGLE drafts\n- make it *fast*\n- `x < y`"
 FAKE_CHUNKS = [1, 3, 1, 4, 2]  # tokens per yield after the prefill's single token, cycled
 
 
 class FakeModel:
-    """Scripted stand-in for ``EaModel``: answers ``answer`` (then EOS) whatever the prompt, ``ea_generate`` in
-    ``chunks``-sized steps (all but the last token of each step "accepted drafts"), ``naive_generate`` one token
-    per step, sleeping ``delay`` seconds per step. Records the keyword arguments of each call."""
+    """Scripted stand-in for ``EaModel``: answers ``answer`` (then EOS) whatever the prompt, EAGLE
+    (``generate_steps``) in ``chunks``-sized steps (all but the last token of each step "accepted drafts"), plain
+    decoding (``use_eagle=False``) one token per step, sleeping ``delay`` seconds per step. Records the keyword
+    arguments of each call."""
 
     def __init__(self, tokenizer, answer: str = FAKE_ANSWER, chunks=FAKE_CHUNKS, delay: float = 0.0,
                  max_position_embeddings: int = 512):
@@ -37,23 +39,18 @@ class FakeModel:
         self.config = type("Config", (), {"max_position_embeddings": max_position_embeddings})()
         self.calls: list[dict] = []
 
-    def _stream(self, input_ids, sizes, max_new_tokens=512, **kwargs):
+    def generate_steps(self, input_ids, use_eagle=True, max_new_tokens=512, **kwargs):
         self.calls.append(dict(kwargs, max_new_tokens=max_new_tokens))
+        sizes = [1] + [self.chunks[i % len(self.chunks)] if use_eagle else 1 for i in range(len(self.answer_ids))]
         answer = self.answer_ids[:max_new_tokens]
         done = 0
-        for size in sizes:
+        for index, size in enumerate(sizes):
             if done >= len(answer):
                 return
             time.sleep(self.delay)
-            done = min(done + size, len(answer))
-            yield torch.cat([input_ids, torch.tensor([answer[:done]])], dim=1)
-
-    def ea_generate(self, input_ids, **kwargs):
-        sizes = [1] + [self.chunks[i % len(self.chunks)] for i in range(len(self.answer_ids))]
-        return self._stream(input_ids, sizes, **kwargs)
-
-    def naive_generate(self, input_ids, **kwargs):
-        return self._stream(input_ids, [1] * len(self.answer_ids), **kwargs)
+            tokens = answer[done:done + size]
+            done += len(tokens)
+            yield Step(torch.tensor(tokens), accepted=len(tokens) - 1 if index else 0)
 
 
 @pytest.fixture(scope="module")
@@ -274,6 +271,110 @@ def test_real_model_same_greedy_answer_eagle_and_plain_and_usable_after_stop(tin
     assert plain.token_ids == expected.tolist()
     assert sum(eagle.step_sizes) == eagle.new_tokens and eagle.steps <= plain.steps
     assert eagle.text == tiny_model.tokenizer.decode(expected, skip_special_tokens=True)
+
+
+# --------------------------------------------------------------------------------- the chat's buttons, no Gradio
+def _controller(tokenizer, **fake):
+    from eagle.application.chat import ChatController
+
+    model = FakeModel(tokenizer, **fake)
+    return ChatController(ChatRunner(model)), model
+
+
+def test_send_adds_a_pending_turn_and_a_refused_message_changes_nothing(tokenizer):
+    from eagle.application.chat import ChatTurn
+
+    controller, model = _controller(tokenizer, max_position_embeddings=64)
+    history = [ChatTurn("Hi", "Hello!", "Hello!")]
+    for refused in ("   ", "x" * 100):
+        with pytest.raises(PromptError):
+            controller.submit(refused, history, "s")
+    assert history == [ChatTurn("Hi", "Hello!", "Hello!")] and not model.calls
+    assert controller.submit("More", history, "s") == [*history, ChatTurn("More")]
+
+
+def test_an_answer_streams_into_the_last_turn_and_feeds_the_next_prompt(tokenizer):
+    from eagle.application.chat import NOT_COMPARING, AnswerSettings, ChatTurn, chat_messages, finished_turns
+
+    controller, model = _controller(tokenizer)
+    history = controller.submit("Hi", [], "s")
+    updates = list(controller.answer(history, AnswerSettings(), "s"))
+    last = updates[-1]
+    assert history == [ChatTurn("Hi")]  # the session's state is replaced by the updates, not changed in place
+    assert last.history[-1].answer == FAKE_ANSWER and "<mark" in last.history[-1].shown
+    assert last.messages == chat_messages(last.history) and last.messages[-1]["role"] == "assistant"
+    speed, per_step, accepted = last.speed
+    assert speed.endswith("tokens/s") and float(per_step) > 2 and float(accepted) > 1
+    assert last.comparison == NOT_COMPARING and last.plain_messages is None and not last.cleared
+    assert finished_turns(last.history) == [("Hi", FAKE_ANSWER)]
+    nothing_pending = list(controller.answer(last.history, AnswerSettings(), "s"))
+    assert nothing_pending == [] and len(model.calls) == 1
+
+
+def test_compare_answers_with_both_and_reports_the_speed_up(tokenizer):
+    from eagle.application.chat import MODE_COMPARE, AnswerSettings
+
+    controller, model = _controller(tokenizer, delay=0.002)
+    history = controller.submit("Hi", [], "s")
+    last = list(controller.answer(history, AnswerSettings(mode=MODE_COMPARE, highlight=False), "s"))[-1]
+    assert last.history[-1].answer == FAKE_ANSWER and "<mark" not in last.history[-1].shown
+    assert last.plain_messages[0] == {"role": "user", "content": "Hi"} and last.plain_label.endswith("tokens/s")
+    assert last.comparison.split("x")[0].replace(".", "").isdigit() and "vs plain" in last.comparison
+    assert len(model.calls) == 2
+
+
+def test_stop_keeps_the_partial_answer_and_skips_the_second_answer_of_a_comparison(tokenizer):
+    from eagle.application.chat import MODE_COMPARE, UPDATE_INTERVAL_S, AnswerSettings
+
+    controller, model = _controller(tokenizer, delay=UPDATE_INTERVAL_S)  # an update after every step
+    controller.stop("s")  # pressed while idle: does not stop the next answer
+    history = controller.submit("Hi", [], "s")
+    updates = controller.answer(history, AnswerSettings(mode=MODE_COMPARE), "s")
+    first = next(updates)
+    controller.stop("other tab")  # another session's Stop is not ours
+    assert next(updates).history[-1].answer != first.history[-1].answer  # still answering
+    controller.stop("s")
+    stopped = list(updates)
+    assert len(stopped) == 1 and stopped[0].history[-1].answer  # one last update, the partial answer kept
+    assert FAKE_ANSWER.startswith(stopped[0].history[-1].answer) and stopped[0].history[-1].answer != FAKE_ANSWER
+    assert len(model.calls) == 1  # plain decoding of the comparison never started
+    controller.forget("other tab")
+    controller.stop("s")
+    updates = controller.answer(controller.regenerate(stopped[0].history, "s"), AnswerSettings(), "s")
+    controller.stop("s")  # before the first step: the answer ends after it, with its one token
+    (only,) = list(updates)
+    assert only.history[-1].answer == tokenizer.decode(model.answer_ids[:1]) and only.history[-1].shown
+
+
+def test_clear_ends_the_answer_with_an_empty_chat(tokenizer):
+    from eagle.application.chat import AnswerSettings, AnswerUpdate
+
+    controller, _ = _controller(tokenizer)
+    updates = controller.answer(controller.submit("Hi", [], "s"), AnswerSettings(), "s")
+    next(updates)
+    assert controller.clear("s") == AnswerUpdate.empty_chat()
+    assert list(updates) == [AnswerUpdate.empty_chat()]  # the last update clears again, after any in flight
+    assert AnswerUpdate.empty_chat().history == [] and AnswerUpdate.empty_chat().cleared
+
+
+def test_regenerate_reopens_the_last_turn(tokenizer):
+    from eagle.application.chat import ChatTurn, NothingToRegenerate
+
+    controller, _ = _controller(tokenizer)
+    with pytest.raises(NothingToRegenerate, match="send a message first"):
+        controller.regenerate([], "s")
+    history = [ChatTurn("Hi", "Hello!", "Hello!"), ChatTurn("Again", "Sure", "**Sure**")]
+    assert controller.regenerate(history, "s") == [history[0], ChatTurn("Again")]
+
+
+def test_the_api_streams_plain_dicts_and_refuses_bad_input(tokenizer):
+    from eagle.application.chat import AnswerSettings
+
+    controller, _ = _controller(tokenizer)
+    *_, last = controller.api_stream("Hi", [["Earlier", "Answer"]], PLAIN, AnswerSettings(max_new_tokens=5))
+    assert last["finished"] and last["new_tokens"] == 5 and last["steps"] == 5 and last["mean_accepted"] == 0
+    with pytest.raises(ValueError, match="unknown decoding mode"):
+        list(controller.api_stream("Hi", None, "fast", AnswerSettings()))
 
 
 # ------------------------------------------------------------------------------------------------------ the app

@@ -86,8 +86,8 @@ class ReplyProgress:
 class ChatRunner:
     """Prompts and streamed answers for one loaded model.
 
-    ``model``: an ``EaModel`` or anything with ``tokenizer``, ``ea_generate`` and ``naive_generate`` of the same
-    signature and yield semantics; ``model_type``: see :mod:`eagle.application.prompts` (``None`` = the tokenizer's
+    ``model``: an ``EaModel`` or anything with ``tokenizer`` and ``generate_steps`` of the same signature, yielding
+    the loop's :class:`~eagle.model.generation.Step` objects (their ``tokens``); ``model_type``: see :mod:`eagle.application.prompts` (``None`` = the tokenizer's
     chat template); ``max_length``: prompt plus answer, in tokens (capped by the model's position limit).
     """
 
@@ -118,22 +118,21 @@ class ChatRunner:
                top_p: float = 0.0, top_k: int = 0, max_new_tokens: int = 512) -> Iterator[ReplyProgress]:
         """Generate an answer, yielding a :class:`ReplyProgress` after every target forward pass.
 
-        ``mode``: ``"eagle"`` (speculative, ``ea_generate``) or ``"plain"`` (``naive_generate``). The last snapshot
+        ``mode``: ``"eagle"`` (speculative) or ``"plain"`` (``generate_steps(use_eagle=False)``). The last snapshot
         has ``finished`` (or ``interrupted``) set. The same object is yielded each time, updated in place.
         """
         if mode not in (EAGLE, PLAIN):
             raise ValueError(f"unknown decoding mode {mode!r}; expected {EAGLE!r} or {PLAIN!r}")
         ids = prompt.input_ids if isinstance(prompt, Prompt) else list(prompt)
         input_ids = torch.tensor([ids], dtype=torch.long, device=self.model.device)
-        generate = self.model.ea_generate if mode == EAGLE else self.model.naive_generate
         kwargs = dict(temperature=float(temperature), top_p=float(top_p), top_k=int(top_k),
                       max_new_tokens=int(max_new_tokens), max_length=self.max_length,
-                      is_llama3=self.model_type.is_llama3)
+                      is_llama3=self.model_type.is_llama3, use_eagle=mode == EAGLE)
         progress = ReplyProgress(mode=mode)
         guard = self._guard
         with guard.lock:
             generation = guard.current = next(guard.counter)
-            steps = generate(input_ids, **kwargs)
+            steps = self.model.generate_steps(input_ids, **kwargs)
         try:
             while True:
                 with guard.lock:
@@ -141,7 +140,7 @@ class ChatRunner:
                         progress.interrupted = True
                         new_ids = None
                     else:
-                        new_ids = self._advance(steps, progress, len(ids))
+                        new_ids = self._advance(steps, progress)
                 if progress.interrupted:
                     logger.info("a newer generation took over the model; this one stops")
                     yield progress
@@ -160,12 +159,12 @@ class ChatRunner:
             steps.close()
 
     @staticmethod
-    def _advance(steps, progress: ReplyProgress, prompt_length: int) -> list[int] | None:
+    def _advance(steps, progress: ReplyProgress) -> list[int] | None:
         """Run the model one step; the ids it added, or None when generation has ended. Timed."""
         start = time.perf_counter()
         with torch.no_grad():  # grad mode is per thread, and the server may resume us in another one
-            out = next(steps, None)
-            new_ids = None if out is None else out[0, prompt_length + progress.new_tokens:].tolist()
+            step = next(steps, None)
+            new_ids = None if step is None else step.tokens.tolist()
         progress.seconds += time.perf_counter() - start
         return new_ids
 

@@ -7,250 +7,261 @@ loaded model and returns the ``gr.Blocks`` app; :func:`main` parses flags, loads
 Every event that runs the model shares one queue slot (``concurrency_id="eagle-model"``, limit 1): two browser
 tabs or API clients wait for each other instead of interleaving on the model's KV cache.
 
-Stop and Clear do not cancel the running event (a Gradio cancel racing a streamed update can leave the chat showing
-"Error"): they flag the session, and its answer ends after the step in progress like a finished one. After Stop the
-partial answer stays in the chat (and in the prompt of the next turn); after Clear the answer's last update is an
-empty chat, so that an update already on its way cannot bring the old conversation back.
+What Send, Regenerate, Stop and Clear do is :class:`eagle.application.chat.ChatController`'s (plain data, tested
+without Gradio; Stop and Clear flag the session rather than cancel the event, see there). This module lays out the
+page (``_layout``), turns the controller's data into Gradio updates (``_Events``) and wires the events (``_wire``).
+The model flags are :mod:`eagle.cli`'s.
 """
 
 import argparse
 import logging
 import os
-import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 from .. import cli
 from ..cli import add_model_arguments
+from .chat import (  # noqa: F401  (the UI's modes and texts, importable here as before)
+    EMPTY_ANSWER, MODE_COMPARE, MODE_EAGLE, MODE_PLAIN, MODES, NOT_COMPARING, PLAIN_PANEL_LABEL, STOPPED_EMPTY,
+    UPDATE_INTERVAL_S, AnswerSettings, AnswerUpdate, ChatController, ChatTurn, NothingToRegenerate, chat_messages,
+)
 from .prompts import MODEL_TYPES
-from .streaming import EAGLE, PLAIN, ChatRunner, PromptError, ReplyProgress
+from .streaming import EAGLE, ChatRunner, PromptError
 
 logger = logging.getLogger(__name__)
 
 MODEL_QUEUE = "eagle-model"
-MODE_EAGLE, MODE_PLAIN, MODE_COMPARE = "EAGLE", "Plain decoding", "Compare both"
-MODES = {MODE_EAGLE: [EAGLE], MODE_PLAIN: [PLAIN], MODE_COMPARE: [EAGLE, PLAIN]}
-#: Least time between two screen updates while streaming (the last update of an answer is always sent).
-UPDATE_INTERVAL_S = 0.05
-EMPTY_ANSWER = "*(empty answer)*"
-STOPPED_EMPTY = "*(stopped before the first token)*"
-STOP, CLEAR = "stop", "clear"
-
-# A conversation in session state: [user message, plain answer or None while pending, answer as displayed].
-HistoryEntry = list
+#: A conversation in session state (the old name of :class:`~eagle.application.chat.ChatTurn`).
+HistoryEntry = ChatTurn
 
 
-def _turns(history: list[HistoryEntry]) -> list[tuple[str, str]]:
-    return [(user, answer) for user, answer, _ in history if answer is not None]
+def _describe(model, runner: ChatRunner, model_name: str | None) -> str:
+    head = {True: "EAGLE-3 head", False: "EAGLE-1/2 head"}.get(getattr(model, "use_eagle3", None), "EAGLE head")
+    name = model_name or getattr(model, "base_model_name_or_path", None) or type(model).__name__
+    described = f"**Model:** {os.path.basename(os.path.normpath(str(name)))}"
+    return described + f" with an {head}; prompt format: {runner.model_type.name}; context: {runner.max_length} tokens."
 
 
-def _chat_messages(history: list[HistoryEntry]) -> list[dict[str, str]]:
-    messages = []
-    for user, _, shown in history:
-        messages.append({"role": "user", "content": user})
-        if shown is not None:
-            messages.append({"role": "assistant", "content": shown})
-    return messages
+@dataclass
+class _Page:
+    """The components of the page that events read or write."""
+
+    history: object
+    chatbot: object
+    plain_chat: object
+    message: object
+    send: object
+    stop: object
+    regenerate: object
+    clear: object
+    mode: object
+    highlight: object
+    temperature: object
+    top_p: object
+    top_k: object
+    max_new_tokens: object
+    speed: object
+    per_step: object
+    accepted: object
+    speedup: object
+
+    @property
+    def answer_inputs(self) -> list:
+        return [self.history, self.mode, self.highlight, self.temperature, self.top_p, self.top_k,
+                self.max_new_tokens]
+
+    @property
+    def answer_outputs(self) -> list:
+        return [self.history, self.chatbot, self.speed, self.per_step, self.accepted, self.speedup, self.plain_chat]
 
 
-def _speed_figures(progress: ReplyProgress | None) -> tuple[str, str, str]:
-    """(tokens/s, tokens per target step, accepted draft tokens per step) as shown in the stats boxes."""
-    if progress is None or progress.new_tokens == 0:
-        return "", "", ""
-    accepted = f"{progress.mean_accepted:.2f}" if progress.mode == EAGLE else "0 (plain decoding)"
-    return f"{progress.tokens_per_second:.2f} tokens/s", f"{progress.tokens_per_step:.2f}", accepted
+def _layout(gr, described: str, max_new_tokens: int, max_length: int, temperature: float, top_p: float) -> _Page:
+    """The page's components, in order (inside a ``gr.Blocks``)."""
+    gr.Markdown("# EAGLE chat: speculative decoding vs plain decoding\n" + described)
+    history = gr.State([])
+    with gr.Row():
+        speed = gr.Textbox(label="Speed", interactive=False, elem_id="eagle-speed")
+        per_step = gr.Textbox(label="Tokens per target forward pass", interactive=False,
+                              elem_id="eagle-tokens-per-step")
+        accepted = gr.Textbox(label="Mean accepted draft tokens per step", interactive=False, elem_id="eagle-accepted")
+        speedup = gr.Textbox(label="Speed-up over plain decoding", interactive=False, elem_id="eagle-speedup",
+                             value=NOT_COMPARING)
+    with gr.Row(equal_height=True):
+        chatbot = gr.Chatbot(label="Chat", elem_id="eagle-chat", height=460, feedback_options=None,
+                             buttons=["copy", "copy_all"], scale=1)
+        plain_chat = gr.Chatbot(label=PLAIN_PANEL_LABEL, elem_id="eagle-plain-chat", height=460,
+                                feedback_options=None, buttons=["copy", "copy_all"], visible=False, scale=1)
+    with gr.Row():
+        message = gr.Textbox(placeholder="Type a message and press Enter", show_label=False, scale=8,
+                             elem_id="eagle-message", autofocus=True)
+        send = gr.Button("Send", variant="primary", scale=1, elem_id="eagle-send")
+    with gr.Row():
+        stop = gr.Button("Stop", variant="stop", elem_id="eagle-stop")
+        regenerate = gr.Button("Regenerate", elem_id="eagle-regenerate")
+        clear = gr.Button("Clear", elem_id="eagle-clear")
+    with gr.Accordion("Settings", open=True):
+        with gr.Row():
+            mode = gr.Radio(list(MODES), value=MODE_EAGLE, label="Decoding", elem_id="eagle-mode")
+            highlight = gr.Checkbox(value=True, label="Highlight tokens accepted from EAGLE drafts",
+                                    elem_id="eagle-highlight")
+        with gr.Row():
+            temperature_slider = gr.Slider(0.0, 2.0, value=temperature, step=0.01, label="Temperature (0 = greedy)")
+            top_p_slider = gr.Slider(0.0, 1.0, value=top_p, step=0.01, label="Top-p (0 or 1 = off)")
+            top_k_slider = gr.Slider(0, 200, value=0, step=1, label="Top-k (0 = off)")
+            max_tokens_slider = gr.Slider(1, max(max_new_tokens, max_length - 1), value=max_new_tokens, step=1,
+                                          label="Max new tokens")
+    return _Page(history, chatbot, plain_chat, message, send, stop, regenerate, clear, mode, highlight,
+                 temperature_slider, top_p_slider, top_k_slider, max_tokens_slider, speed, per_step, accepted, speedup)
 
 
-def _comparison(eagle: ReplyProgress | None, plain: ReplyProgress | None, comparing: bool) -> str:
-    if eagle is None or plain is None or not plain.tokens_per_second:
-        return "measuring..." if comparing else f"choose '{MODE_COMPARE}' to measure"
-    ratio = eagle.tokens_per_second / plain.tokens_per_second
-    return (f"{ratio:.2f}x  (EAGLE {eagle.tokens_per_second:.2f} vs plain {plain.tokens_per_second:.2f} tokens/s)")
+class _Events:
+    """The event handlers: each asks the :class:`ChatController` and turns its plain data into Gradio updates."""
+
+    def __init__(self, gr, controller: ChatController, max_new_tokens: int):
+        self.gr = gr
+        self.controller = controller
+        self.max_new_tokens = max_new_tokens
+
+    def _inputs(self, enabled: bool):
+        """Updates for (message box, Send, Regenerate): one answer at a time per chat."""
+        return tuple(self.gr.update(interactive=enabled) for _ in range(3))
+
+    def _answer_outputs(self, update: AnswerUpdate) -> tuple:
+        """An update for ``_Page.answer_outputs``."""
+        plain = (self.gr.update() if update.plain_messages is None
+                 else self.gr.update(value=update.plain_messages, label=update.plain_label))
+        return (update.history, update.messages, *update.speed, update.comparison, plain)
+
+    def submit(self, message: str, history: list[ChatTurn], session: str):
+        """Add the message to the chat, answer pending; a refused message stays in the box, with a warning."""
+        gr = self.gr
+        try:
+            history = self.controller.submit(message, history, session)
+        except PromptError as err:
+            gr.Warning(str(err), title="Cannot send this message")
+            return gr.update(), history, gr.update(), gr.update(), gr.update()
+        return gr.update(value="", interactive=False), history, chat_messages(history), *self._inputs(False)[1:]
+
+    def regenerate(self, history: list[ChatTurn], session: str):
+        gr = self.gr
+        try:
+            history = self.controller.regenerate(history, session)
+        except NothingToRegenerate as err:
+            gr.Warning(str(err), title="Nothing to regenerate")
+            return history, gr.update(), gr.update(), gr.update(), gr.update()
+        return history, chat_messages(history), *self._inputs(False)
+
+    def respond(self, history: list[ChatTurn], mode: str, highlight: bool, temperature: float, top_p: float,
+                top_k: float, max_new_tokens: float, session: str):
+        """Stream the answer to the last (pending) message as updates for ``_Page.answer_outputs``."""
+        settings = AnswerSettings(mode, highlight, temperature, top_p, int(top_k), int(max_new_tokens))
+        try:
+            for update in self.controller.answer(history, settings, session):
+                yield self._answer_outputs(update)
+        except PromptError as err:  # submit() already checked; kept so a bad state never reaches the model
+            raise self.gr.Error(str(err), title="Cannot answer this message", print_exception=False) from None
+
+    def unlock(self):
+        return self._inputs(True)
+
+    def clear(self, session: str):
+        """Empty the chat; a running answer ends, and clears the chat once more."""
+        cleared = self._answer_outputs(self.controller.clear(session))
+        return self.gr.update(value="", interactive=True), *cleared, *self._inputs(True)[1:]
+
+    def show_compare_panel(self, mode: str):
+        return self.gr.update(visible=mode == MODE_COMPARE)
+
+    def api_generate(self):
+        """The ``/generate`` API function (its signature is the API's)."""
+        controller, gr = self.controller, self.gr
+
+        def generate(message: str, history: list[list[str]] | None = None, mode: str = EAGLE,
+                     temperature: float = 0.0, top_p: float = 0.0, top_k: int = 0,
+                     max_new_tokens: int = self.max_new_tokens) -> Iterator[dict]:
+            """Answer ``message`` after ``history`` ([[user, answer], ...]) with ``mode`` "eagle" or "plain".
+            Streams dicts: text, new_tokens, steps, tokens_per_second, tokens_per_step, mean_accepted, finished."""
+            settings = AnswerSettings(temperature=temperature, top_p=top_p, top_k=int(top_k),
+                                      max_new_tokens=int(max_new_tokens))
+            try:
+                yield from controller.api_stream(message, history, mode, settings)
+            except ValueError as err:  # PromptError, or a bad mode/setting
+                raise gr.Error(str(err), print_exception=False) from None
+
+        return generate
+
+
+def _session_handlers(gr, events: _Events, controller: ChatController) -> dict:
+    """The handlers that need the browser session: Gradio passes it to a parameter annotated ``gr.Request``."""
+
+    def submit(message: str, history: list[ChatTurn], request: gr.Request):
+        return events.submit(message, history, request.session_hash)
+
+    def regenerate(history: list[ChatTurn], request: gr.Request):
+        return events.regenerate(history, request.session_hash)
+
+    def respond(history: list[ChatTurn], mode: str, highlight: bool, temperature: float, top_p: float,
+                top_k: float, max_new_tokens: float, request: gr.Request):
+        yield from events.respond(history, mode, highlight, temperature, top_p, top_k, max_new_tokens,
+                                  request.session_hash)
+
+    def stop(request: gr.Request):
+        controller.stop(request.session_hash)  # the answer ends at its next step, then .then(unlock)
+
+    def clear(request: gr.Request):
+        return events.clear(request.session_hash)
+
+    def forget(request: gr.Request):
+        controller.forget(request.session_hash)
+
+    return dict(submit=submit, regenerate=regenerate, respond=respond, stop=stop, clear=clear, forget=forget)
+
+
+def _wire(gr, page: _Page, events: _Events, demo) -> None:
+    """Connect the page's events to the handlers; every event that runs the model shares one queue slot."""
+    model_events = dict(concurrency_limit=1, concurrency_id=MODEL_QUEUE)
+    light = dict(queue=False, api_visibility="private")
+    # Queued (so that a warning shows as a toast) but never waiting for the model.
+    checks = dict(concurrency_limit=None, api_visibility="private", show_progress="hidden")
+    inputs = [page.message, page.send, page.regenerate]
+    on = _session_handlers(gr, events, events.controller)
+    answering = []
+    for trigger in (page.message.submit, page.send.click):
+        answering.append(
+            trigger(on["submit"], [page.message, page.history],
+                    [page.message, page.history, page.chatbot, page.send, page.regenerate], **checks)
+            .success(on["respond"], page.answer_inputs, page.answer_outputs, api_visibility="private",
+                     **model_events))
+    answering.append(
+        page.regenerate.click(on["regenerate"], [page.history], [page.history, page.chatbot, *inputs], **checks)
+        .success(on["respond"], page.answer_inputs, page.answer_outputs, api_visibility="private", **model_events))
+    for event in answering:
+        event.then(events.unlock, None, inputs, **light)
+    page.stop.click(on["stop"], None, None, **light)
+    cleared = [page.message, *page.answer_outputs, page.send, page.regenerate]
+    page.clear.click(on["clear"], None, cleared, **light)
+    page.chatbot.clear(on["clear"], None, cleared, **light)  # the chat's own trash button
+    demo.unload(on["forget"])
+    page.mode.change(events.show_compare_panel, [page.mode], [page.plain_chat], **light)
+    gr.api(events.api_generate(), api_name="generate", **model_events)
 
 
 def build_demo(model, model_type: str | None = None, max_new_tokens: int = 512, max_length: int = 2048,
                model_name: str | None = None, temperature: float = 0.5, top_p: float = 0.9):
     """The chat app for a loaded ``model`` (an ``EaModel``, or anything with its ``tokenizer``/``device``/
-    ``ea_generate``/``naive_generate``). Returns a ``gr.Blocks``; call ``.queue().launch(...)`` or use
-    :func:`launch`. ``model_type`` picks the prompt format (see ``eagle.application.prompts``; ``None`` = the
-    tokenizer's own chat template); ``max_new_tokens``, ``temperature`` and ``top_p`` are the initial control values.
+    ``generate_steps``). Returns a ``gr.Blocks``; call ``.queue().launch(...)`` or use :func:`launch`.
+    ``model_type`` picks the prompt format (see ``eagle.application.prompts``; ``None`` = the tokenizer's own chat
+    template); ``max_new_tokens``, ``temperature`` and ``top_p`` are the initial control values. What the buttons
+    do is :class:`~eagle.application.chat.ChatController`'s; this function lays out the page and wires it.
     """
     import gradio as gr
 
     runner = ChatRunner(model, model_type=model_type, max_length=max_length)
-    head = {True: "EAGLE-3 head", False: "EAGLE-1/2 head"}.get(getattr(model, "use_eagle3", None), "EAGLE head")
-    name = model_name or getattr(model, "base_model_name_or_path", None) or type(model).__name__
-    described = f"**Model:** {os.path.basename(os.path.normpath(str(name)))}"
-    described += f" with an {head}; prompt format: {runner.model_type.name}; context: {runner.max_length} tokens."
-
-    # session hash -> STOP or CLEAR: the session's answer (running, or still queued) ends at its next step.
-    stop_requests: dict[str, str] = {}
-
-    def request_stop(request: gr.Request):
-        stop_requests[request.session_hash] = STOP
-
-    def forget_session(request: gr.Request):
-        stop_requests.pop(request.session_hash, None)
-
-    def submit(message: str, history: list[HistoryEntry], request: gr.Request):
-        """Add the message to the chat, answer pending; a refused message stays in the box, with a warning."""
-        stop_requests.pop(request.session_hash, None)  # a Stop pressed while idle does not stop the next answer
-        try:
-            runner.prompt(_turns(history), message)
-        except PromptError as err:
-            gr.Warning(str(err), title="Cannot send this message")
-            return gr.update(), history, gr.update(), gr.update(), gr.update()
-        history = history + [[message, None, None]]
-        return gr.update(value="", interactive=False), history, _chat_messages(history), *_inputs(False)[1:]
-
-    def prepare_regenerate(history: list[HistoryEntry], request: gr.Request):
-        stop_requests.pop(request.session_hash, None)
-        if not history:
-            gr.Warning("Nothing to regenerate yet: send a message first.", title="Nothing to regenerate")
-            return history, gr.update(), gr.update(), gr.update(), gr.update()
-        history = history[:-1] + [[history[-1][0], None, None]]
-        return history, _chat_messages(history), *_inputs(False)
-
-    def respond(history: list[HistoryEntry], mode: str, highlight: bool, temperature: float, top_p: float,
-                top_k: float, max_new_tokens: float, request: gr.Request):
-        """Stream the answer to the last (pending) message; yields updates for ``answer_outputs``. Ends early,
-        keeping what it has, when the session asks to stop."""
-        if not history or history[-1][1] is not None:
-            return  # nothing pending: the message was refused
-        session = request.session_hash
-        user = history[-1][0]
-        try:
-            prompt = runner.prompt(_turns(history[:-1]), user)
-        except PromptError as err:  # submit() already checked; kept so a bad state never reaches the model
-            raise gr.Error(str(err), title="Cannot answer this message", print_exception=False) from None
-        history = [list(entry) for entry in history]
-        results: dict[str, ReplyProgress] = {}
-        first = MODES[mode][0]
-        plain_panel = gr.update()
-        for decoding in MODES[mode]:
-            last_update = 0.0
-            stream = runner.stream(prompt, decoding, temperature, top_p, int(top_k), int(max_new_tokens))
-            try:
-                for progress in stream:
-                    results[decoding] = progress
-                    stop = stop_requests.pop(session, None)
-                    if stop == CLEAR:  # an update sent before Clear may reach the page after it: clear again, last
-                        yield cleared_answer()
-                        return
-                    done = progress.finished or progress.interrupted or stop == STOP
-                    if not done and time.perf_counter() - last_update < UPDATE_INTERVAL_S:
-                        continue
-                    last_update = time.perf_counter()
-                    shown = runner.render(progress, highlight) or (
-                        (STOPPED_EMPTY if stop else EMPTY_ANSWER) if done else "")
-                    if decoding == first:  # a stopped answer stays in the chat, and in the prompt of the next turn
-                        history[-1][1:] = [progress.text, shown]
-                    else:
-                        plain_panel = gr.update(
-                            value=[{"role": "user", "content": user}, {"role": "assistant", "content": shown}],
-                            label=f"Plain decoding: {progress.tokens_per_second:.2f} tokens/s")
-                    yield (history, _chat_messages(history), *_speed_figures(results[first]),
-                           _comparison(results.get(EAGLE), results.get(PLAIN), mode == MODE_COMPARE), plain_panel)
-                    if stop:
-                        return  # Stop: the comparison's second answer is not started either
-            finally:
-                stream.close()
-
-    def _inputs(enabled: bool):
-        """Updates for (message box, Send, Regenerate): one answer at a time per chat."""
-        return tuple(gr.update(interactive=enabled) for _ in range(3))
-
-    def unlock():
-        return _inputs(True)
-
-    def cleared_answer():
-        """``answer_outputs`` of an empty chat."""
-        return ([], [], "", "", "", f"choose '{MODE_COMPARE}' to measure",
-                gr.update(value=[], label="Plain decoding (same prompt)"))
-
-    def clear(request: gr.Request):
-        stop_requests[request.session_hash] = CLEAR  # a running answer ends, and clears the chat once more
-        return gr.update(value="", interactive=True), *cleared_answer(), *_inputs(True)[1:]
-
-    def show_compare_panel(mode: str):
-        return gr.update(visible=mode == MODE_COMPARE)
-
-    def api_generate(message: str, history: list[list[str]] | None = None, mode: str = EAGLE,
-                     temperature: float = 0.0, top_p: float = 0.0, top_k: int = 0,
-                     max_new_tokens: int = max_new_tokens) -> Iterator[dict]:
-        """Answer ``message`` after ``history`` ([[user, answer], ...]) with ``mode`` "eagle" or "plain".
-        Streams dicts: text, new_tokens, steps, tokens_per_second, tokens_per_step, mean_accepted, finished."""
-        try:
-            prompt = runner.prompt([tuple(turn) for turn in history or []], message)
-            stream = runner.stream(prompt, mode, temperature, top_p, int(top_k), int(max_new_tokens))
-            for progress in stream:
-                yield {"text": progress.text, "new_tokens": progress.new_tokens, "steps": progress.steps,
-                       "tokens_per_second": progress.tokens_per_second, "tokens_per_step": progress.tokens_per_step,
-                       "mean_accepted": progress.mean_accepted, "finished": progress.finished}
-        except ValueError as err:  # PromptError, or a bad mode/setting
-            raise gr.Error(str(err), print_exception=False) from None
-
+    events = _Events(gr, ChatController(runner), max_new_tokens)
     with gr.Blocks(title="EAGLE chat", analytics_enabled=False) as demo:
-        gr.Markdown("# EAGLE chat: speculative decoding vs plain decoding\n" + described)
-        history = gr.State([])
-        with gr.Row():
-            speed = gr.Textbox(label="Speed", interactive=False, elem_id="eagle-speed")
-            per_step = gr.Textbox(label="Tokens per target forward pass", interactive=False,
-                                  elem_id="eagle-tokens-per-step")
-            accepted = gr.Textbox(label="Mean accepted draft tokens per step", interactive=False,
-                                  elem_id="eagle-accepted")
-            speedup = gr.Textbox(label="Speed-up over plain decoding", interactive=False, elem_id="eagle-speedup",
-                                 value=f"choose '{MODE_COMPARE}' to measure")
-        with gr.Row(equal_height=True):
-            chatbot = gr.Chatbot(label="Chat", elem_id="eagle-chat", height=460, feedback_options=None,
-                                 buttons=["copy", "copy_all"], scale=1)
-            plain_chat = gr.Chatbot(label="Plain decoding (same prompt)", elem_id="eagle-plain-chat", height=460,
-                                    feedback_options=None, buttons=["copy", "copy_all"], visible=False, scale=1)
-        with gr.Row():
-            message = gr.Textbox(placeholder="Type a message and press Enter", show_label=False, scale=8,
-                                 elem_id="eagle-message", autofocus=True)
-            send = gr.Button("Send", variant="primary", scale=1, elem_id="eagle-send")
-        with gr.Row():
-            stop = gr.Button("Stop", variant="stop", elem_id="eagle-stop")
-            regenerate = gr.Button("Regenerate", elem_id="eagle-regenerate")
-            clear_button = gr.Button("Clear", elem_id="eagle-clear")
-        with gr.Accordion("Settings", open=True):
-            with gr.Row():
-                mode = gr.Radio(list(MODES), value=MODE_EAGLE, label="Decoding", elem_id="eagle-mode")
-                highlight = gr.Checkbox(value=True, label="Highlight tokens accepted from EAGLE drafts",
-                                        elem_id="eagle-highlight")
-            with gr.Row():
-                temperature_slider = gr.Slider(0.0, 2.0, value=temperature, step=0.01,
-                                               label="Temperature (0 = greedy)")
-                top_p_slider = gr.Slider(0.0, 1.0, value=top_p, step=0.01, label="Top-p (0 or 1 = off)")
-                top_k_slider = gr.Slider(0, 200, value=0, step=1, label="Top-k (0 = off)")
-                max_tokens_slider = gr.Slider(1, max(max_new_tokens, runner.max_length - 1), value=max_new_tokens,
-                                              step=1, label="Max new tokens")
-
-        answer_inputs = [history, mode, highlight, temperature_slider, top_p_slider, top_k_slider, max_tokens_slider]
-        answer_outputs = [history, chatbot, speed, per_step, accepted, speedup, plain_chat]
-        model_events = dict(concurrency_limit=1, concurrency_id=MODEL_QUEUE)
-        light = dict(queue=False, api_visibility="private")
-        # Queued (so that a warning shows as a toast) but never waiting for the model.
-        checks = dict(concurrency_limit=None, api_visibility="private", show_progress="hidden")
-
-        inputs = [message, send, regenerate]
-        answering = []
-        for trigger in (message.submit, send.click):
-            answering.append(
-                trigger(submit, [message, history], [message, history, chatbot, send, regenerate], **checks)
-                .success(respond, answer_inputs, answer_outputs, api_visibility="private", **model_events))
-        answering.append(
-            regenerate.click(prepare_regenerate, [history], [history, chatbot, *inputs], **checks)
-            .success(respond, answer_inputs, answer_outputs, api_visibility="private", **model_events))
-        for event in answering:
-            event.then(unlock, None, inputs, **light)
-        stop.click(request_stop, None, None, **light)  # the answer ends at its next step, then .then(unlock)
-        cleared = [message, history, chatbot, speed, per_step, accepted, speedup, plain_chat, send, regenerate]
-        clear_button.click(clear, None, cleared, **light)
-        chatbot.clear(clear, None, cleared, **light)  # the chat's own trash button
-        demo.unload(forget_session)
-        mode.change(show_compare_panel, [mode], [plain_chat], **light)
-        gr.api(api_generate, api_name="generate", **model_events)
+        page = _layout(gr, _describe(model, runner, model_name), max_new_tokens, runner.max_length, temperature,
+                       top_p)
+        _wire(gr, page, events, demo)
     return demo
 
 
