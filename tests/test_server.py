@@ -377,3 +377,18 @@ def test_embedded_default_pair_serves_eagenerate_answers():
     text, new_tokens = reference(model, chat_ids(model, message), 24)
     assert answer.choices[0].message.content == text and answer.usage.completion_tokens == new_tokens
     assert answer.model_extra["eagle"]["accepted_tokens"] > 0  # the trained head's drafts are accepted
+
+
+def test_serve_benchmark_measures_both_modes_with_identical_greedy_answers(tiny_pair, tmp_path):
+    from eagle.evaluation import serve_benchmark
+
+    base_dir, head_dir = tiny_pair
+    results = serve_benchmark.main(["--base-model-path", str(base_dir), "--ea-model-path", str(head_dir),
+                                    "--clients", "1", "2", "--requests-per-client", "1", "--min-requests", "2",
+                                    "--max-tokens", "6", "--num-prompts", "2", "--output-dir", str(tmp_path)])
+    runs = {(row["clients"], row["mode"]): row for row in results["rows"]}
+    assert set(runs) == {(1, "eagle"), (1, "plain"), (2, "eagle"), (2, "plain")}
+    assert all(row["requests"] == 2 and row["tokens"] > 0 and row["tokens_per_s"] > 0 for row in runs.values())
+    assert results["greedy_identical"] == "2 of 2"
+    for name in ("serve_benchmark.json", "serve_benchmark.md", "serve_benchmark.png"):
+        assert (tmp_path / name).stat().st_size > 0
