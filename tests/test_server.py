@@ -348,9 +348,14 @@ def test_a_client_that_disconnects_frees_its_place(tiny_model):
         wait_until(lambda: metric(server, "eagle_queue_depth") == 1, "the second request to wait")
         queued.close()  # gone while waiting: out of the queue at once
         wait_until(lambda: metric(server, "eagle_queue_depth") == 0, "the queue to free the place")
+        with pytest.raises(httpx.TimeoutException):  # a whole (not streamed) answer, given up while waiting
+            httpx.post(server.url + "/v1/chat/completions", timeout=1.0, json={
+                "model": NAME, "messages": [{"role": "user", "content": PROMPTS[2]}], "max_tokens": 8})
+        wait_until(lambda: metric(server, 'eagle_requests_total{outcome="cancelled"}') == 2, "the queue to drop it")
+        assert metric(server, "eagle_queue_depth") == 0
         running.close()  # gone mid-answer: stopped after the step in progress
         model.gate.set()
-        wait_until(lambda: metric(server, 'eagle_requests_total{outcome="cancelled"}') == 2, "both cancellations")
+        wait_until(lambda: metric(server, 'eagle_requests_total{outcome="cancelled"}') == 3, "all cancellations")
         wait_until(lambda: metric(server, "eagle_running_requests") == 0, "the worker to be free")
         assert model.steps_run <= 3  # the 60-token answer was not generated to its end
         expected = reference(tiny_model, chat_ids(tiny_model, PROMPTS[2]), 8)[0]
