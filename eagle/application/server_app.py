@@ -172,7 +172,8 @@ def _params(body: schema.SamplingRequest, budget: int | None, prompt_length: int
         raise APIError(400, "The prompt is empty.", param="prompt")
     if prompt_length >= max_length:
         raise APIError(400, f"The prompt is {prompt_length} tokens long; this server's context holds {max_length} "
-                       "tokens, prompt and answer together. Send a shorter prompt.", param="messages",
+                       "tokens, prompt and answer together. Send a shorter prompt.",
+                       param="messages" if isinstance(body, ChatCompletionRequest) else "prompt",
                        code="context_length_exceeded")
     budget = budget or settings.default_max_tokens
     return GenerationParams(max_new_tokens=min(budget, max_length - prompt_length), temperature=body.temperature,
