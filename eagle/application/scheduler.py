@@ -1,0 +1,296 @@
+"""The server's model worker: one thread owns the model and runs the queued requests.
+
+Requests wait in a bounded queue (:meth:`Scheduler.submit` refuses with a 429 :class:`APIError` when it is full).
+The worker takes a batch of waiting requests, runs it with :meth:`Scheduler.run_batch`, which generates step by
+step and hands each request its new text through its ``deliver`` callback, and takes the next batch. Between two
+steps it drops requests that were cancelled (a client that went away), so their place is freed at once.
+
+The engine generates one sequence at a time (``EaModel.generate_steps``), so a batch holds one request today:
+:meth:`Scheduler._batch_steps` is the one place that turns a batch into per-request steps, and where a batched
+engine plugs in (then waiting requests join at the next batch start, up to ``max_batch_size``).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from .openai_schema import APIError
+from .text_stream import TextStream
+
+logger = logging.getLogger(__name__)
+
+EAGLE, PLAIN = "eagle", "plain"
+
+
+@dataclass
+class GenerationParams:
+    """What one request asks for. ``top_p`` / ``top_k`` of 0 mean off; ``temperature`` 0 is greedy."""
+
+    max_new_tokens: int
+    temperature: float = 0.0
+    top_p: float = 0.0
+    top_k: int = 0
+    stop: Sequence[str] = ()
+    seed: int | None = None
+
+
+@dataclass
+class Update:
+    """Sent to a request after each step: new ``text``; at the end ``finish_reason`` ("stop" or "length") or
+    ``error``, and the request's final counts."""
+
+    text: str = ""
+    finish_reason: str | None = None
+    error: APIError | None = None
+    completion_tokens: int = 0
+    steps: int = 0
+    accepted: int = 0
+
+    @property
+    def final(self) -> bool:
+        return self.finish_reason is not None or self.error is not None
+
+
+@dataclass(eq=False)
+class GenerationRequest:
+    """One queued generation. ``deliver`` is called from the worker thread with each :class:`Update`."""
+
+    prompt_ids: list[int]
+    params: GenerationParams
+    deliver: Callable[[Update], None]
+    text: TextStream
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    completion_tokens: int = 0
+    steps: int = 0
+    accepted: int = 0
+    done: bool = False
+
+    def finish(self, reason: str | None = None, error: APIError | None = None, text: str = "") -> None:
+        self.done = True
+        self.deliver(Update(text=text, finish_reason=reason, error=error, completion_tokens=self.completion_tokens,
+                            steps=self.steps, accepted=self.accepted))
+
+
+class Metrics:
+    """Counters for ``/metrics`` (Prometheus text format)."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.requests = collections.Counter()  # by outcome: ok, error, cancelled, rejected
+        self.prompt_tokens = self.generated_tokens = self.steps = self.verify_steps = self.accepted = 0
+        self.busy_seconds = 0.0
+        self.batch_size = 0
+
+    def count(self, outcome: str) -> None:
+        with self.lock:
+            self.requests[outcome] += 1
+
+    def record_step(self, new_tokens: int, accepted: int, first: bool) -> None:
+        with self.lock:
+            self.generated_tokens += new_tokens
+            self.steps += 1
+            if not first:
+                self.verify_steps += 1
+                self.accepted += accepted
+
+    def render(self, queue_depth: int, running: int, mode: str) -> str:
+        with self.lock:
+            rate = self.generated_tokens / self.busy_seconds if self.busy_seconds else 0.0
+            mean_accepted = self.accepted / self.verify_steps if self.verify_steps else 0.0
+            lines = ["# HELP eagle_requests_total Requests by outcome.", "# TYPE eagle_requests_total counter"]
+            lines += [f'eagle_requests_total{{outcome="{k}"}} {self.requests[k]}'
+                      for k in ("ok", "error", "cancelled", "rejected")]
+            for name, kind, value, text in [
+                ("prompt_tokens_total", "counter", self.prompt_tokens, "Prompt tokens of finished requests."),
+                ("generated_tokens_total", "counter", self.generated_tokens, "Generated tokens."),
+                ("steps_total", "counter", self.steps, "Target forward passes (prefills included)."),
+                ("busy_seconds_total", "counter", round(self.busy_seconds, 6), "Seconds the model was generating."),
+                ("tokens_per_second", "gauge", round(rate, 4), "Generated tokens per busy second."),
+                ("mean_accepted_tokens_per_step", "gauge", round(mean_accepted, 4),
+                 f"Accepted draft tokens per verification step ({mode} decoding)."),
+                ("queue_depth", "gauge", queue_depth, "Requests waiting for the model."),
+                ("running_requests", "gauge", running, "Requests being generated."),
+                ("batch_size", "gauge", self.batch_size, "Requests in the batch running now."),
+            ]:
+                lines += [f"# HELP eagle_{name} {text}", f"# TYPE eagle_{name} {kind}", f"eagle_{name} {value}"]
+        return "\n".join(lines) + "\n"
+
+
+class Scheduler:
+    """Owns ``model`` (an ``EaModel``) in one worker thread; see the module docstring.
+
+    ``max_queue``: requests that may wait (besides the running batch); ``max_batch_size``: requests per batch
+    once the engine batches (1 today); ``max_length``: prompt plus answer, in tokens; ``use_eagle``: EAGLE or plain
+    decoding; ``is_llama3``: also stop at ``<|eot_id|>``.
+    """
+
+    def __init__(self, model, max_queue: int = 64, max_batch_size: int = 1, max_length: int = 2048,
+                 use_eagle: bool = True, is_llama3: bool = False):
+        if max_queue < 1 or max_batch_size < 1:
+            raise ValueError(f"max_queue and max_batch_size must be >= 1, got {max_queue} and {max_batch_size}")
+        self.model, self.max_queue, self.max_length = model, max_queue, max_length
+        self.max_batch_size = max_batch_size
+        self.batch_capacity = 1  # the engine runs one sequence at a time (see _batch_steps)
+        self.use_eagle, self.is_llama3 = use_eagle, is_llama3
+        self.mode = EAGLE if use_eagle else PLAIN
+        self.metrics = Metrics()
+        self._waiting: collections.deque[GenerationRequest] = collections.deque()
+        self._running: list[GenerationRequest] = []
+        self._cond = threading.Condition()
+        self._closing = False
+        self._thread: threading.Thread | None = None
+
+    # ------------------------------------------------------------------------------------------- client side
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._work, name="eagle-model-worker", daemon=True)
+        self._thread.start()
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Stop taking requests, cancel those waiting or running, and wait for the worker."""
+        with self._cond:
+            self._closing = True
+            waiting, self._waiting = list(self._waiting), collections.deque()
+            for request in self._running:
+                request.cancelled.set()
+            self._cond.notify_all()
+        for request in waiting:
+            request.finish(error=APIError(503, "The server is shutting down.", type="server_error"))
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def submit(self, request: GenerationRequest) -> None:
+        """Queue ``request``; :class:`APIError` 429 (with ``Retry-After``) when the queue is full."""
+        with self._cond:
+            if self._closing:
+                raise APIError(503, "The server is shutting down.", type="server_error")
+            if len(self._waiting) >= self.max_queue:
+                self.metrics.count("rejected")
+                raise APIError(429, f"The server is busy: {len(self._waiting)} requests are already waiting "
+                               f"(--max-queue {self.max_queue}). Retry later.", type="rate_limit_error",
+                               code="queue_full", headers={"Retry-After": "1"})
+            self._waiting.append(request)
+            self._cond.notify_all()
+
+    def cancel(self, request: GenerationRequest) -> None:
+        """Give up ``request``: out of the queue at once, or stopped after the step in progress."""
+        request.cancelled.set()
+        with self._cond:
+            if request in self._waiting:
+                self._waiting.remove(request)
+                self.metrics.count("cancelled")
+
+    def queue_depth(self) -> int:
+        return len(self._waiting)
+
+    def running(self) -> int:
+        return len(self._running)
+
+    def render_metrics(self) -> str:
+        return self.metrics.render(self.queue_depth(), self.running(), self.mode)
+
+    # ------------------------------------------------------------------------------------------- worker side
+    def _next_batch(self) -> list[GenerationRequest] | None:
+        with self._cond:
+            while not self._waiting and not self._closing:
+                self._cond.wait()
+            if self._closing:
+                return None
+            size = min(self.batch_capacity, self.max_batch_size, len(self._waiting))
+            self._running = [self._waiting.popleft() for _ in range(size)]
+            self.metrics.batch_size = size
+            return list(self._running)
+
+    def _work(self) -> None:
+        while (batch := self._next_batch()) is not None:
+            try:
+                self.run_batch(batch)
+            finally:
+                with self._cond:
+                    self._running = []
+                    self.metrics.batch_size = 0
+
+    def run_batch(self, batch: list[GenerationRequest]) -> None:
+        """Generate every request of ``batch`` to its end, delivering text after each step; an error ends the
+        batch's unfinished requests with a 500 and leaves the worker serving."""
+        start = time.perf_counter()
+        try:
+            for request, step in self._batch_steps(batch):
+                self._deliver_step(request, step)
+        except Exception as err:  # noqa: BLE001 - reported to the clients, logged, and the worker goes on
+            logger.exception("generation failed")
+            for request in batch:
+                if not request.done:
+                    self.metrics.count("error")
+                    request.finish(error=APIError(500, f"Internal error during generation: {err}",
+                                                  type="server_error"))
+        finally:
+            with self.metrics.lock:
+                self.metrics.busy_seconds += time.perf_counter() - start
+
+    def _batch_steps(self, batch: list[GenerationRequest]) -> Iterator[tuple[GenerationRequest, object]]:
+        """``(request, Step)`` pairs as the engine produces them; ends each request (stop token, budget, stop
+        string, cancellation). One request at a time until the engine batches."""
+        for request in batch:
+            if request.cancelled.is_set():
+                self.metrics.count("cancelled")
+                continue
+            steps = self._steps_of(request)
+            try:
+                for step in steps:
+                    yield request, step
+                    if request.done or request.cancelled.is_set():
+                        break
+            finally:
+                steps.close()
+            self._end(request)
+
+    def _steps_of(self, request: GenerationRequest):
+        params = request.params
+        generator = None
+        if params.seed is not None:
+            generator = torch.Generator(device=self.model.device).manual_seed(params.seed)
+        input_ids = torch.tensor([request.prompt_ids], dtype=torch.long)
+        return self.model.generate_steps(input_ids, temperature=params.temperature, top_p=params.top_p,
+                                         top_k=params.top_k, max_new_tokens=params.max_new_tokens,
+                                         max_length=self.max_length, is_llama3=self.is_llama3,
+                                         use_eagle=self.use_eagle, generator=generator)
+
+    def _deliver_step(self, request: GenerationRequest, step) -> None:
+        tokens = step.tokens.tolist()
+        first = request.steps == 0
+        request.steps += 1
+        request.completion_tokens += len(tokens)
+        if not first:
+            request.accepted += int(step.accepted)
+        self.metrics.record_step(len(tokens), int(step.accepted), first)
+        text = request.text.add(tokens)
+        if request.text.stopped:
+            self._finish(request, "stop", text)
+        elif text:
+            request.deliver(Update(text=text))
+
+    def _end(self, request: GenerationRequest) -> None:
+        """After the last step: the final text and why it ended (unless already ended or cancelled)."""
+        if request.cancelled.is_set() and not request.done:
+            self.metrics.count("cancelled")
+            request.done = True
+            return
+        if request.done:
+            return
+        text = request.text.add([], final=True)
+        stop_ids = self.model.stop_token_ids(self.is_llama3)
+        ended_by_stop_token = bool(request.text.token_ids) and request.text.token_ids[-1] in stop_ids
+        self._finish(request, "stop" if ended_by_stop_token or request.text.stopped else "length", text)
+
+    def _finish(self, request: GenerationRequest, reason: str, text: str) -> None:
+        with self.metrics.lock:
+            self.metrics.prompt_tokens += len(request.prompt_ids)
+        self.metrics.count("ok")
+        request.finish(reason, text=text)

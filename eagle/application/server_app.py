@@ -1,0 +1,278 @@
+"""The OpenAI-compatible FastAPI app around a loaded ``EaModel``: :func:`build_app`.
+
+Endpoints: ``GET /v1/models``, ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /health``,
+``GET /metrics``. Generation runs in the :class:`~eagle.application.scheduler.Scheduler`'s worker thread; each
+request gets its text through an asyncio queue fed from that thread. Requests, answers and errors follow the
+OpenAI API (see :mod:`eagle.application.openai_schema`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from . import openai_schema as schema
+from .openai_schema import APIError, ChatCompletionRequest, CompletionRequest
+from .prompts import encode_prompt, get_model_type
+from .scheduler import GenerationParams, GenerationRequest, Scheduler, Update
+from .text_stream import TextStream
+
+logger = logging.getLogger(__name__)
+
+#: How often a waiting non-streamed request checks that its client is still connected.
+DISCONNECT_POLL_S = 0.25
+
+
+@dataclass
+class ServerSettings:
+    """``served_model_name``: the one model name clients use; ``api_key``: when set, every ``/v1`` request needs
+    ``Authorization: Bearer <key>``; ``model_type``: prompt format for chat (None = the tokenizer's chat template);
+    ``default_max_tokens``: the answer budget when a request sets none."""
+
+    served_model_name: str
+    api_key: str | None = None
+    model_type: str | None = None
+    default_max_tokens: int = 512
+
+
+class _Channel:
+    """Updates from the worker thread to one request's coroutine."""
+
+    def __init__(self):
+        self.loop = asyncio.get_running_loop()
+        self.queue: asyncio.Queue[Update] = asyncio.Queue()
+
+    def deliver(self, update: Update) -> None:
+        with contextlib.suppress(RuntimeError):  # the event loop is gone: nobody is listening any more
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, update)
+
+
+def build_app(model, scheduler: Scheduler, settings: ServerSettings) -> FastAPI:
+    """The app. The scheduler's worker starts with the app (lifespan) and stops with it."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        scheduler.start()
+        try:
+            yield
+        finally:
+            scheduler.close()
+
+    app = FastAPI(title="eagle OpenAI-compatible server", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.scheduler, app.state.settings, app.state.model = scheduler, settings, model
+    _add_error_handlers(app)
+    _add_routes(app, model, scheduler, settings)
+    return app
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, err: APIError):
+        return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, err: StarletteHTTPException):
+        kind = "not_found_error" if err.status_code == 404 else "invalid_request_error"
+        return JSONResponse(APIError(err.status_code, f"{request.method} {request.url.path}: {err.detail}",
+                                     type=kind).body(), status_code=err.status_code)
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, err: Exception):
+        logger.exception("internal error while answering %s %s", request.method, request.url.path)
+        return JSONResponse(APIError(500, f"Internal server error: {err}", type="server_error").body(),
+                            status_code=500)
+
+
+def _add_routes(app: FastAPI, model, scheduler: Scheduler, settings: ServerSettings) -> None:
+    name = settings.served_model_name
+
+    async def authenticate(request: Request) -> None:
+        if settings.api_key:
+            given = request.headers.get("authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {settings.api_key}".encode()):
+                raise APIError(401, "Missing or wrong API key: send the header 'Authorization: Bearer <key>'.",
+                               code="invalid_api_key")
+
+    api = APIRouter(prefix="/v1", dependencies=[Depends(authenticate)])
+
+    @api.get("/models")
+    async def list_models():
+        return {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "eagle"}]}
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok", "model": name, "mode": scheduler.mode, "queue_depth": scheduler.queue_depth(),
+                "running": scheduler.running()}
+
+    @app.get("/metrics")
+    async def metrics():
+        return PlainTextResponse(scheduler.render_metrics(), media_type="text/plain; version=0.0.4")
+
+    @api.post("/chat/completions")
+    async def chat_completions(request: Request):
+        body = schema.parse_request(ChatCompletionRequest, await request.body())
+        _check_model(body.model, name)
+        prompt_ids = chat_prompt_ids(model.tokenizer, body.messages, settings.model_type)
+        budget = body.max_completion_tokens or body.max_tokens
+        return await _answer(request, body, prompt_ids, budget, chat=True, model=model, scheduler=scheduler,
+                             settings=settings)
+
+    @api.post("/completions")
+    async def completions(request: Request):
+        body = schema.parse_request(CompletionRequest, await request.body())
+        _check_model(body.model, name)
+        prompt_ids = encode_prompt(model.tokenizer, body.prompt, template_has_special_tokens=False)
+        return await _answer(request, body, prompt_ids, body.max_tokens, chat=False, model=model,
+                             scheduler=scheduler, settings=settings)
+
+    app.include_router(api)
+
+
+def _check_model(requested: str | None, served: str) -> None:
+    if requested is not None and requested != served:
+        raise APIError(404, f"The model '{requested}' does not exist; this server serves '{served}'.",
+                       param="model", code="model_not_found")
+
+
+def chat_prompt_ids(tokenizer, messages: list[schema.ChatMessage], model_type: str | None) -> list[int]:
+    """Token ids of the chat prompt: the tokenizer's chat template (``model_type`` None), or one of
+    :data:`eagle.application.prompts.MODEL_TYPES`, which take user/assistant turns ending with a user message."""
+    kind = get_model_type(model_type)
+    conversation = [{"role": m.role, "content": m.text()} for m in messages]
+    if model_type is None:
+        if not getattr(tokenizer, "chat_template", None):
+            raise APIError(500, "The model's tokenizer has no chat template; start the server with --model-type.",
+                           type="server_error")
+        try:
+            text = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+        except Exception as err:  # noqa: BLE001 - a template's own refusal (say, roles out of order) is the user's
+            raise APIError(400, f"The chat template refused these messages: {err}", param="messages") from None
+        return encode_prompt(tokenizer, text, True)
+    roles = [m["role"] for m in conversation]
+    if roles[-1] != "user" or any(r != ("user" if i % 2 == 0 else "assistant") for i, r in enumerate(roles)):
+        raise APIError(400, f"The prompt format '{model_type}' takes user and assistant messages in turn, starting "
+                       "and ending with a user message (no system message).", param="messages")
+    turns = [(conversation[i]["content"], conversation[i + 1]["content"]) for i in range(0, len(roles) - 1, 2)]
+    return encode_prompt(tokenizer, kind.build_text(tokenizer, turns, conversation[-1]["content"]),
+                         kind.template_has_special_tokens)
+
+
+def _params(body: schema.SamplingRequest, budget: int | None, prompt_length: int, max_length: int,
+            settings: ServerSettings) -> GenerationParams:
+    if not prompt_length:
+        raise APIError(400, "The prompt is empty.", param="prompt")
+    if prompt_length >= max_length:
+        raise APIError(400, f"The prompt is {prompt_length} tokens long; this server's context holds {max_length} "
+                       "tokens, prompt and answer together. Send a shorter prompt.",
+                       param="messages" if isinstance(body, ChatCompletionRequest) else "prompt",
+                       code="context_length_exceeded")
+    budget = budget or settings.default_max_tokens
+    return GenerationParams(max_new_tokens=min(budget, max_length - prompt_length), temperature=body.temperature,
+                            top_p=body.top_p, top_k=max(body.top_k, 0), stop=list(body.stop), seed=body.seed)
+
+
+async def _answer(request: Request, body: schema.SamplingRequest, prompt_ids: list[int], budget: int | None,
+                  chat: bool, model, scheduler: Scheduler, settings: ServerSettings):
+    params = _params(body, budget, len(prompt_ids), scheduler.max_length, settings)
+    channel = _Channel()
+    job = GenerationRequest(prompt_ids=prompt_ids, params=params, deliver=channel.deliver,
+                            text=TextStream(model.tokenizer, params.stop))
+    scheduler.submit(job)  # 429 when the queue is full, before any answer starts
+    answer = _Answer(("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex, settings.served_model_name,
+                     int(time.time()), chat, len(prompt_ids), scheduler.mode)
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return StreamingResponse(_stream(answer, job, channel, scheduler, include_usage),
+                                 media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    return await _collect(request, answer, job, channel, scheduler)
+
+
+@dataclass
+class _Answer:
+    """One answer's identity and how its objects are written."""
+
+    id: str
+    model: str
+    created: int
+    chat: bool
+    prompt_tokens: int
+    mode: str
+
+    def usage(self, update: Update) -> dict:
+        return schema.usage(self.prompt_tokens, update.completion_tokens)
+
+    def eagle(self, update: Update) -> dict:
+        return schema.eagle_stats(self.mode, update.steps, update.accepted, update.completion_tokens)
+
+    def whole(self, text: str, update: Update) -> dict:
+        if self.chat:
+            return schema.chat_completion(self.id, self.model, text, update.finish_reason, self.usage(update),
+                                          self.eagle(update), self.created)
+        return schema.completion(self.id, self.model, text, update.finish_reason, self.created, self.usage(update),
+                                 self.eagle(update))
+
+    def chunk(self, text: str | None, finish_reason: str | None = None, update: Update | None = None,
+              with_usage: bool = False, role: bool = False) -> dict:
+        usage_ = self.usage(update) if with_usage else None
+        eagle = self.eagle(update) if update is not None else None
+        if not self.chat:
+            return schema.completion(self.id, self.model, text, finish_reason, self.created, usage_, eagle)
+        delta = None if text is None else ({"role": "assistant", "content": text} if role else {"content": text})
+        return schema.chat_chunk(self.id, self.model, self.created, delta, finish_reason, usage_, eagle)
+
+
+async def _collect(request: Request, answer: _Answer, job: GenerationRequest, channel: _Channel,
+                   scheduler: Scheduler):
+    """Wait for the whole answer; cancel it if the client goes away meanwhile."""
+    parts = []
+    try:
+        while True:
+            try:
+                update = await asyncio.wait_for(channel.queue.get(), DISCONNECT_POLL_S)
+            except TimeoutError:
+                if await request.is_disconnected():
+                    logger.info("client of %s went away; request cancelled", answer.id)
+                    return JSONResponse({}, status_code=499)
+                continue
+            if update.error is not None:
+                raise update.error
+            parts.append(update.text)
+            if update.final:
+                return answer.whole("".join(parts), update)
+    finally:
+        if not job.done:
+            scheduler.cancel(job)
+
+
+async def _stream(answer: _Answer, job: GenerationRequest, channel: _Channel, scheduler: Scheduler,
+                  include_usage: bool):
+    """Server-sent events: a first chunk (the role), text deltas, a last chunk with the finish reason, the usage
+    chunk when asked for, then ``[DONE]``. A client that goes away cancels the generation."""
+    try:
+        yield schema.sse(answer.chunk("", role=True))
+        while True:
+            update = await channel.queue.get()
+            if update.error is not None:
+                yield schema.sse(update.error.body())
+                break
+            if update.text and not update.final:
+                yield schema.sse(answer.chunk(update.text))
+            if update.final:
+                yield schema.sse(answer.chunk(update.text, update.finish_reason, update))
+                if include_usage:
+                    yield schema.sse(answer.chunk(None, update=update, with_usage=True))
+                break
+        yield schema.sse("[DONE]")
+    finally:
+        if not job.done:
+            logger.info("client of %s went away; request cancelled", answer.id)
+            scheduler.cancel(job)

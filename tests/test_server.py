@@ -1,0 +1,399 @@
+"""The OpenAI-compatible server (eagle.application.server), through the official ``openai`` client and raw HTTP.
+
+Every server here listens on 127.0.0.1 on a free port, in a thread of the test process. Greedy answers are
+compared with ``EaModel.eagenerate`` on the same prompt. :class:`ControlledModel` wraps the tiny model so a test
+can hold the worker between steps (to fill the queue, or to disconnect mid-answer) or make it fail, without
+relying on timing. Every wait has a time limit.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import json
+import threading
+import time
+
+import httpx
+import pytest
+import torch
+
+openai = pytest.importorskip("openai")
+
+from eagle.application.prompts import encode_prompt  # noqa: E402
+from eagle.application.server import BackgroundServer, create_app, parse_args  # noqa: E402
+from eagle.application.text_stream import TextStream  # noqa: E402
+
+NAME = "tiny-eagle"
+PROMPTS = ["Hi there", "What is 2+2?", "Tell me a story.", "abc", "Name a colour.", "Why?", "Count to five.",
+           "Write a haiku."]
+WAIT_S = 60  # upper bound of any single wait in these tests
+
+
+class ControlledModel:
+    """The wrapped ``EaModel`` with hooks in ``generate_steps``: while ``gate`` is cleared the worker waits before
+    each step; a prompt containing ``fail_token`` raises inside the engine. Counts the steps run."""
+
+    def __init__(self, model):
+        self._model = model
+        self.gate = threading.Event()
+        self.gate.set()
+        self.fail_token: int | None = None
+        self.steps_run = 0
+
+    def __getattr__(self, name):
+        return getattr(self._model, name)
+
+    def generate_steps(self, input_ids, **kwargs):
+        if self.fail_token is not None and self.fail_token in input_ids[0].tolist():
+            raise RuntimeError("simulated engine failure")
+        inner = self._model.generate_steps(input_ids, **kwargs)
+
+        def steps():
+            try:
+                for step in inner:
+                    assert self.gate.wait(WAIT_S), "the test never opened the gate"
+                    self.steps_run += 1
+                    yield step
+            finally:
+                inner.close()
+
+        return steps()
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tiny_pair):
+    from eagle.model.ea_model import EaModel
+
+    base_dir, head_dir = tiny_pair
+    torch.manual_seed(0)
+    return EaModel.from_pretrained(base_model_path=str(base_dir), ea_model_path=str(head_dir), total_token=12,
+                                   depth=3, top_k=4)
+
+
+@pytest.fixture(scope="module")
+def served(tiny_model):
+    """A server on the tiny model with default settings, shared by the tests that only read answers."""
+    with BackgroundServer(create_app(tiny_model, served_model_name=NAME)) as server:
+        yield server
+
+
+@contextlib.contextmanager
+def serve(model, **settings):
+    with BackgroundServer(create_app(model, served_model_name=NAME, **settings)) as server:
+        yield server
+
+
+def client(server, api_key: str = "unused") -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=api_key, max_retries=0, timeout=WAIT_S)
+
+
+def chat_ids(model, message: str) -> list[int]:
+    text = model.tokenizer.apply_chat_template([{"role": "user", "content": message}], tokenize=False,
+                                               add_generation_prompt=True)
+    return encode_prompt(model.tokenizer, text, True)
+
+
+def reference(model, prompt_ids: list[int], max_new_tokens: int) -> tuple[str, int]:
+    """(text, new tokens) of greedy ``eagenerate``."""
+    out = model.eagenerate(torch.tensor([prompt_ids]), temperature=0.0, max_new_tokens=max_new_tokens)
+    new = out[0, len(prompt_ids):].tolist()
+    return model.tokenizer.decode(new, skip_special_tokens=True), len(new)
+
+
+def ask(server, message: str, max_tokens: int = 24, **extra):
+    return client(server).chat.completions.create(model=NAME, messages=[{"role": "user", "content": message}],
+                                                  max_tokens=max_tokens, temperature=0, **extra)
+
+
+def metric(server, name: str) -> float:
+    for line in httpx.get(server.url + "/metrics", timeout=WAIT_S).text.splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{name} missing from /metrics")
+
+
+def wait_until(condition, what: str, limit: float = WAIT_S) -> None:
+    deadline = time.monotonic() + limit
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+def long_prompt(model, tokens: int = 60) -> str:
+    """A message whose greedy answer runs ``tokens`` tokens without a stop token."""
+    for message in PROMPTS + [f"Prompt number {i}" for i in range(40)]:
+        ids = chat_ids(model, message)
+        new = model.eagenerate(torch.tensor([ids]), max_new_tokens=tokens)[0, len(ids):].tolist()
+        if len(new) == tokens and not set(new) & model.stop_token_ids():
+            return message
+    pytest.skip("no prompt with a long answer for this tiny model")
+
+
+# ------------------------------------------------------------------------------------------------------ answers
+def test_models_lists_the_served_name(served):
+    assert [m.id for m in client(served).models.list().data] == [NAME]
+    assert httpx.get(served.url + "/health").json()["status"] == "ok"
+
+
+def test_chat_greedy_equals_eagenerate(served, tiny_model):
+    answer = ask(served, PROMPTS[0], max_tokens=30)
+    text, new_tokens = reference(tiny_model, chat_ids(tiny_model, PROMPTS[0]), 30)
+    assert answer.choices[0].message.content == text
+    assert answer.choices[0].message.role == "assistant"
+    assert answer.usage.prompt_tokens == len(chat_ids(tiny_model, PROMPTS[0]))
+    assert answer.usage.completion_tokens == new_tokens
+    assert answer.usage.total_tokens == answer.usage.prompt_tokens + new_tokens
+    assert answer.choices[0].finish_reason == ("length" if new_tokens == 30 else "stop")
+    eagle = answer.model_extra["eagle"]
+    assert eagle["mode"] == "eagle" and eagle["steps"] >= 1
+    assert eagle["tokens_per_step"] == pytest.approx(new_tokens / eagle["steps"], abs=1e-3)
+
+
+def test_streamed_answer_equals_the_whole_one(served):
+    whole = ask(served, PROMPTS[1], max_tokens=40)
+    stream = ask(served, PROMPTS[1], max_tokens=40, stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finish == [whole.choices[0].finish_reason]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    # raw server-sent events end with [DONE]
+    body = {"model": NAME, "messages": [{"role": "user", "content": PROMPTS[1]}], "max_tokens": 5, "stream": True}
+    raw = httpx.post(served.url + "/v1/chat/completions", json=body, timeout=WAIT_S)
+    assert raw.headers["content-type"].startswith("text/event-stream")
+    events = [line for line in raw.text.splitlines() if line]
+    assert events[-1] == "data: [DONE]" and all(e.startswith("data: ") for e in events)
+
+
+def test_completions_equals_eagenerate(served, tiny_model):
+    answer = client(served).completions.create(model=NAME, prompt="Once upon", max_tokens=20, temperature=0)
+    ids = encode_prompt(tiny_model.tokenizer, "Once upon", False)
+    text, new_tokens = reference(tiny_model, ids, 20)
+    assert answer.choices[0].text == text
+    assert (answer.usage.prompt_tokens, answer.usage.completion_tokens) == (len(ids), new_tokens)
+    streamed = client(served).completions.create(model=NAME, prompt="Once upon", max_tokens=20, temperature=0,
+                                                  stream=True)
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == text
+
+
+def test_stop_string_cuts_the_text_and_ends_generation(served, tiny_model):
+    message = long_prompt(tiny_model, 40)
+    full, _ = reference(tiny_model, chat_ids(tiny_model, message), 40)
+    stop = full[10:13]
+    cut = full.index(stop)
+    for stream in (False, True):
+        answer = ask(served, message, max_tokens=40, stop=[stop], stream=stream)
+        if stream:
+            text = "".join(c.choices[0].delta.content or "" for c in answer if c.choices)
+        else:
+            text = answer.choices[0].message.content
+            assert answer.choices[0].finish_reason == "stop"
+            assert answer.usage.completion_tokens < 40
+        assert text == full[:cut]
+
+
+def test_text_stream_holds_back_a_possible_stop_string(tiny_model):
+    stream = TextStream(tiny_model.tokenizer, stop=["xyz"])
+    encode = lambda s: tiny_model.tokenizer(s, add_special_tokens=False)["input_ids"]  # noqa: E731
+    assert stream.add(encode("abx")) == "ab"  # "x" may begin "xyz"
+    assert stream.add(encode("q")) == "xq"
+    assert stream.add(encode("xy")) == ""
+    assert stream.add(encode("z tail")) == "" and stream.stopped and stream.text == "abxq"
+
+
+def test_seeded_sampling_repeats(served):
+    answers = [client(served).chat.completions.create(model=NAME, messages=[{"role": "user", "content": "Hi"}],
+                                                      max_tokens=20, temperature=1.0, seed=7,
+                                                      extra_body={"top_k": 20})
+               .choices[0].message.content for _ in range(2)]
+    assert answers[0] == answers[1]
+
+
+# ------------------------------------------------------------------------------------------------- concurrency
+def test_eight_simultaneous_clients_get_their_answers_alone(served, tiny_model):
+    alone = {p: reference(tiny_model, chat_ids(tiny_model, p), 24)[0] for p in PROMPTS}
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        futures = {p: pool.submit(ask, served, p, 24) for p in PROMPTS}
+        answers = {p: f.result(timeout=4 * WAIT_S).choices[0].message.content for p, f in futures.items()}
+    assert answers == alone
+
+
+def test_load_64_requests_from_16_threads(served, tiny_model):
+    expected = {p: reference(tiny_model, chat_ids(tiny_model, p), 12)[0] for p in PROMPTS}
+    jobs = [PROMPTS[i % len(PROMPTS)] for i in range(64)]
+    ok_before = metric(served, 'eagle_requests_total{outcome="ok"}')
+
+    def one(message):
+        if jobs.index(message) % 2:  # half of them streamed
+            return "".join(c.choices[0].delta.content or "" for c in ask(served, message, 12, stream=True)
+                           if c.choices)
+        return ask(served, message, 12).choices[0].message.content
+
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        results = list(pool.map(one, jobs, timeout=300))
+    assert len(results) == 64
+    assert results == [expected[m] for m in jobs]
+    assert metric(served, 'eagle_requests_total{outcome="ok"}') - ok_before == 64
+    assert metric(served, "eagle_queue_depth") == 0
+
+
+# ------------------------------------------------------------------------------------------------------- errors
+def test_api_key_is_required_when_set(tiny_model, monkeypatch):
+    with serve(tiny_model, api_key="sesame") as server:
+        for key in ("wrong", None):
+            headers = {"Authorization": f"Bearer {key}"} if key else {}
+            response = httpx.get(server.url + "/v1/models", headers=headers)
+            assert response.status_code == 401
+            assert response.json()["error"]["code"] == "invalid_api_key"
+        with pytest.raises(openai.AuthenticationError):
+            client(server, "wrong").models.list()
+        assert client(server, "sesame").models.list().data[0].id == NAME
+        assert httpx.get(server.url + "/health").status_code == 200  # health stays open
+    monkeypatch.setenv("EAGLE_API_KEY", "from-env")
+    assert parse_args([]).api_key == "from-env"
+
+
+@pytest.mark.parametrize("body, param", [
+    (b"{not json", None),
+    (b"[1, 2]", None),
+    (json.dumps({"model": NAME}).encode(), "messages"),
+    (json.dumps({"messages": []}).encode(), "messages"),
+    (json.dumps({"messages": [{"role": "robot", "content": "x"}]}).encode(), "messages.0.role"),
+    (json.dumps({"messages": [{"role": "user", "content": "x"}], "temperature": -1}).encode(), "temperature"),
+    (json.dumps({"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}).encode(), "max_tokens"),
+    (json.dumps({"messages": [{"role": "user", "content": "x"}], "n": 2}).encode(), "n"),
+    (json.dumps({"messages": [{"role": "user", "content": "x"}], "stop": ["a"] * 5}).encode(), "stop"),
+    (json.dumps({"messages": [{"role": "user", "content": "x"}], "logprobs": True}).encode(), "logprobs"),
+    (json.dumps({"messages": [{"role": "user", "content": "x " * 400}]}).encode(), "messages"),
+])
+def test_malformed_or_unsupported_bodies_get_400(served, body, param):
+    response = httpx.post(served.url + "/v1/chat/completions", content=body,
+                          headers={"Content-Type": "application/json"})
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["type"] == "invalid_request_error" and error["param"] == param and error["message"]
+
+
+def test_prompt_too_long_says_so_and_unknown_model_gets_404(served):
+    with pytest.raises(openai.BadRequestError) as err:
+        ask(served, "x " * 400)
+    assert err.value.code == "context_length_exceeded"
+    with pytest.raises(openai.NotFoundError) as err:
+        client(served).chat.completions.create(model="gpt-9", messages=[{"role": "user", "content": "Hi"}])
+    assert err.value.code == "model_not_found"
+    assert ask(served, "Hi", 4).choices[0].message.content is not None  # still serving
+
+
+def test_internal_error_gives_500_and_the_server_keeps_serving(tiny_model):
+    model = ControlledModel(tiny_model)
+    model.fail_token = tiny_model.tokenizer.convert_tokens_to_ids("!")
+    with serve(model) as server:
+        with pytest.raises(openai.InternalServerError):
+            ask(server, "boom!")
+        stream = ask(server, "boom!", stream=True)
+        with pytest.raises(openai.APIError):
+            list(stream)
+        assert ask(server, "fine", 8).choices[0].message.content == reference(tiny_model, chat_ids(tiny_model,
+                                                                                                   "fine"), 8)[0]
+        assert metric(server, 'eagle_requests_total{outcome="error"}') == 2
+
+
+def test_full_queue_gets_429_with_retry_after(tiny_model):
+    model = ControlledModel(tiny_model)
+    expected = [reference(tiny_model, chat_ids(tiny_model, message), 8)[0] for message in PROMPTS[:2]]
+    model.gate.clear()  # the worker holds the first request at its first step
+    with serve(model, max_queue=1) as server, concurrent.futures.ThreadPoolExecutor(2) as pool:
+        running = pool.submit(ask, server, PROMPTS[0], 8)
+        wait_until(lambda: metric(server, "eagle_running_requests") == 1, "the first request to run")
+        waiting = pool.submit(ask, server, PROMPTS[1], 8)
+        wait_until(lambda: metric(server, "eagle_queue_depth") == 1, "the second request to wait")
+        response = httpx.post(server.url + "/v1/chat/completions", timeout=WAIT_S, json={
+            "model": NAME, "messages": [{"role": "user", "content": PROMPTS[2]}], "max_tokens": 8})
+        assert response.status_code == 429
+        assert int(response.headers["Retry-After"]) >= 1
+        assert response.json()["error"]["code"] == "queue_full"
+        model.gate.set()
+        answers = [future.result(timeout=WAIT_S).choices[0].message.content for future in (running, waiting)]
+        assert answers == expected
+
+
+class OpenStream:
+    """A streamed chat request, open after its first event; :meth:`close` drops the connection. (The line
+    iterator is kept: dropping it half read would close the connection.)"""
+
+    def __init__(self, server, message: str, max_tokens: int):
+        body = {"model": NAME, "messages": [{"role": "user", "content": message}], "max_tokens": max_tokens,
+                "stream": True}
+        self.context = httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=WAIT_S)
+        response = self.context.__enter__()
+        assert response.status_code == 200
+        self.lines = response.iter_lines()
+        assert next(self.lines).startswith("data: ")
+
+    def close(self) -> None:
+        self.context.__exit__(None, None, None)
+
+
+def test_a_client_that_disconnects_frees_its_place(tiny_model):
+    model = ControlledModel(tiny_model)
+    message = long_prompt(tiny_model, 60)
+    model.gate.clear()
+    with serve(model, max_queue=1) as server:
+        running = OpenStream(server, message, 60)
+        wait_until(lambda: metric(server, "eagle_running_requests") == 1, "the first request to run")
+        queued = OpenStream(server, PROMPTS[1], 8)
+        wait_until(lambda: metric(server, "eagle_queue_depth") == 1, "the second request to wait")
+        queued.close()  # gone while waiting: out of the queue at once
+        wait_until(lambda: metric(server, "eagle_queue_depth") == 0, "the queue to free the place")
+        with pytest.raises(httpx.TimeoutException):  # a whole (not streamed) answer, given up while waiting
+            httpx.post(server.url + "/v1/chat/completions", timeout=1.0, json={
+                "model": NAME, "messages": [{"role": "user", "content": PROMPTS[2]}], "max_tokens": 8})
+        wait_until(lambda: metric(server, 'eagle_requests_total{outcome="cancelled"}') == 2, "the queue to drop it")
+        assert metric(server, "eagle_queue_depth") == 0
+        running.close()  # gone mid-answer: stopped after the step in progress
+        model.gate.set()
+        wait_until(lambda: metric(server, 'eagle_requests_total{outcome="cancelled"}') == 3, "all cancellations")
+        wait_until(lambda: metric(server, "eagle_running_requests") == 0, "the worker to be free")
+        assert model.steps_run <= 3  # the 60-token answer was not generated to its end
+        expected = reference(tiny_model, chat_ids(tiny_model, PROMPTS[2]), 8)[0]
+        assert ask(server, PROMPTS[2], 8).choices[0].message.content == expected
+
+
+def test_help_lists_the_flags(capsys):
+    with pytest.raises(SystemExit):
+        parse_args(["--help"])
+    out = capsys.readouterr().out
+    for flag in ("--base-model-path", "--ea-model-path", "--api-key", "--max-queue", "--max-batch-size", "--no-eagle",
+                 "--served-model-name", "--lookup-tokens", "--pack-cpu-weights", "--model-type", "--port"):
+        assert flag in out
+
+
+def test_embedded_default_pair_serves_eagenerate_answers():
+    from eagle.defaults import load_default_model
+
+    model = load_default_model()
+    message = "Name three colours."
+    with BackgroundServer(create_app(model, served_model_name="default")) as server:
+        answer = client(server).chat.completions.create(
+            model="default", messages=[{"role": "user", "content": message}], max_tokens=24, temperature=0)
+    text, new_tokens = reference(model, chat_ids(model, message), 24)
+    assert answer.choices[0].message.content == text and answer.usage.completion_tokens == new_tokens
+    assert answer.model_extra["eagle"]["accepted_tokens"] > 0  # the trained head's drafts are accepted
+
+
+def test_serve_benchmark_measures_both_modes_with_identical_greedy_answers(tiny_pair, tmp_path):
+    from eagle.evaluation import serve_benchmark
+
+    base_dir, head_dir = tiny_pair
+    results = serve_benchmark.main(["--base-model-path", str(base_dir), "--ea-model-path", str(head_dir),
+                                    "--clients", "1", "2", "--requests-per-client", "1", "--min-requests", "2",
+                                    "--max-tokens", "6", "--num-prompts", "2", "--output-dir", str(tmp_path)])
+    runs = {(row["clients"], row["mode"]): row for row in results["rows"]}
+    assert set(runs) == {(1, "eagle"), (1, "plain"), (2, "eagle"), (2, "plain")}
+    assert all(row["requests"] == 2 and row["tokens"] > 0 and row["tokens_per_s"] > 0 for row in runs.values())
+    assert results["greedy_identical"] == "2 of 2"
+    for name in ("serve_benchmark.json", "serve_benchmark.md", "serve_benchmark.png"):
+        assert (tmp_path / name).stat().st_size > 0
