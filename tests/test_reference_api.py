@@ -72,7 +72,7 @@ def test_reference_names_are_the_engine_classes():
     assert cnets.Model is draft_head.Eagle3DraftHead and cnets1.Model is draft_head.Eagle1DraftHead
     assert cnets.Model is not cnets1.Model and configs.EConfig is draft_config.EConfig
     for name in ("prepare_logits_processor", "initialize_tree", "tree_decoding", "evaluate_posterior",
-                 "update_inference_inputs", "reset_tree_mode", "TOPK"):
+                 "update_inference_inputs", "reset_tree_mode", "generate_tree_buffers", "pad_path", "TOPK"):
         assert hasattr(utils, name), name
 
 
@@ -128,3 +128,28 @@ def test_reference_evaluate_posterior_samples_like_the_engine():
         assert int(torch.multinomial(probs, 1, generator=generator)[0]) == int(bonus)
         accepted_lengths.add(accept)
     assert len(accepted_lengths) > 1  # the walk both stopped early and went deeper
+
+
+def test_static_tree_buffers_of_the_reference_tree():
+    """``utils.generate_tree_buffers`` (reference name; the engine's trees are dynamic) on ``mc_sim_7b_63``: every
+    node sees exactly its ancestors, the retrieved paths are the 15 maximal ones, and each node indexes its rank in
+    its parent's block of TOPK candidates."""
+    from eagle.model.utils import TOPK, generate_tree_buffers
+
+    paths = sorted(choices.mc_sim_7b_63, key=lambda path: (len(path), path))
+    buffers = generate_tree_buffers(choices.mc_sim_7b_63)
+    mask, rows = buffers["tree_attn_mask"][0, 0], buffers["retrieve_indices"].tolist()
+    assert mask.shape == (26, 26) and len(rows) == 15 and rows == sorted(rows, key=lambda r: [v % 100 for v in r])  # -1 last
+    assert {node for row in rows for node in row if node >= 0} == set(range(26))
+    for row in rows:
+        nodes = [node for node in row if node >= 0]
+        assert nodes[0] == 0 and [paths[n - 1] for n in nodes[1:]] == [paths[nodes[-1] - 1][:k] for k in range(1, len(nodes))]
+        for depth, node in enumerate(nodes):
+            assert mask[node].nonzero().flatten().tolist() == nodes[: depth + 1]
+            assert int(buffers["tree_position_ids"][node]) == depth
+    blocks = {}
+    for node, path in enumerate(paths, start=1):
+        block, rank = divmod(int(buffers["tree_indices"][node]) - 1, TOPK)
+        assert rank == path[-1]
+        assert blocks.setdefault(tuple(path[:-1]), block) == block
+    assert sorted(blocks.values()) == list(range(len(blocks)))  # one block per expanded node, none skipped

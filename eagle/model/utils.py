@@ -151,3 +151,46 @@ def update_inference_inputs(input_ids, candidates, best_candidate, accept_length
 
 def reset_tree_mode(model) -> None:
     """Kept for compatibility: trees are passed explicitly here, so there is nothing to reset."""
+
+
+def pad_path(path: list[int], length: int, pad_value: int = -2) -> list[int]:
+    """``path`` padded with ``pad_value`` to ``length`` entries."""
+    return path + [pad_value] * (length - len(path))
+
+
+def generate_tree_buffers(tree_choices: list[list[int]], device="cpu") -> dict[str, torch.Tensor]:
+    """The buffers of a static tree (e.g. :data:`eagle.model.choices.mc_sim_7b_63`, paths of top-k ranks), as the
+    reference builds them; nothing in this package drafts static trees (EAGLE-2/3 trees are dynamic).
+
+    Nodes are the root and the paths sorted by (length, path). Returns ``tree_attn_mask`` (1, 1, N+1, N+1) float,
+    1 where a node sees itself, the root or an ancestor; ``tree_indices`` (N+1,), each node's index in the flat
+    vector [root, TOPK candidates of each expanded node in order]; ``tree_position_ids`` (N+1,) depths;
+    ``retrieve_indices`` (leaves, max depth + 1), the node ids of every maximal path, root first, -1 padded,
+    rows in lexicographic order with the padding last."""
+    paths = sorted((list(path) for path in tree_choices), key=lambda path: (len(path), path))
+    node_of = {(): 0, **{tuple(path): index + 1 for index, path in enumerate(paths)}}
+    size = len(paths) + 1
+    mask = torch.eye(size)
+    mask[:, 0] = 1.0
+    indices = torch.zeros(size, dtype=torch.long)
+    depths = torch.zeros(size, dtype=torch.long)
+    parent_order: dict[tuple, int] = {}  # expanded nodes, in the order their children are met
+    for path in paths:
+        node = node_of[tuple(path)]
+        for length in range(1, len(path)):
+            mask[node, node_of[tuple(path[:length])]] = 1.0
+        slot = parent_order.setdefault(tuple(path[:-1]), len(parent_order))
+        indices[node] = 1 + TOPK * slot + path[-1]
+        depths[node] = len(path)
+    prefixes = {tuple(path[:length]) for path in paths for length in range(1, len(path))}
+    leaves = [path for path in paths if tuple(path) not in prefixes]
+    width = max((len(path) for path in paths), default=0) + 1
+    rows = [pad_path([0] + [node_of[tuple(path[:length])] for length in range(1, len(path) + 1)], width, -1)
+            for path in leaves]
+    rows.sort(key=lambda row: [value if value >= 0 else size for value in row])
+    return {
+        "tree_attn_mask": mask[None, None].to(device),
+        "tree_indices": indices.to(device),
+        "tree_position_ids": depths.to(device),
+        "retrieve_indices": torch.tensor(rows, dtype=torch.long).reshape(len(rows), width).to(device),
+    }
