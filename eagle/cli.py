@@ -169,14 +169,14 @@ def add_placement_arguments(parser: argparse.ArgumentParser, draft_dtype: bool =
                         help="weights dtype; auto = float16 on an accelerator, float32 on the CPU")
     if draft_dtype:
         parser.add_argument("--draft-dtype", default="auto", choices=["auto", *DTYPES_BY_NAME],
-                                help="draft head dtype; auto = bfloat16 for the EAGLE-3 head of a float32 model on a CPU "
+                            help="draft head dtype; auto = bfloat16 for the EAGLE-3 head of a float32 model on a CPU "
                             "with native bfloat16 (AVX512-BF16/AMX), else the model dtype")
 
 
 def model_options(args: argparse.Namespace, need_head: bool = True) -> ModelOptions:
     """The :class:`ModelOptions` the parsed flags describe (before the embedded-pair rule is applied); flags a
     command does not have take the loader's defaults."""
-    quantization = "8bit" if getattr(args, "load_in_8bit", False) else "4bit" if getattr(args, "load_in_4bit", False) else None
+    quantization = next((bits for bits in ("8bit", "4bit") if getattr(args, f"load_in_{bits}", False)), None)
     return ModelOptions(
         base_model_path=args.base_model_path, ea_model_path=args.ea_model_path,
         use_eagle3=getattr(args, "use_eagle3", True),

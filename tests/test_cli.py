@@ -119,7 +119,8 @@ def test_one_template_system_for_the_web_ui_and_the_answer_scripts(tiny_tokenize
     from eagle.application import prompts
     from eagle.evaluation import templates as evaluation_templates
 
-    assert evaluation_templates.TEMPLATES is templates.TEMPLATES and evaluation_templates.encode_prompt is templates.encode_prompt
+    assert evaluation_templates.TEMPLATES is templates.TEMPLATES
+    assert evaluation_templates.encode_prompt is templates.encode_prompt
     assert prompts.get_model_type("llama-2-chat").system_message == templates.TEMPLATES["llama2chat"].system_message
     assert prompts.LLAMA2_SYSTEM_PROMPT is templates.LLAMA_SYSTEM_PROMPT
     tokenizer = AutoTokenizer.from_pretrained(tiny_tokenizer_dir)

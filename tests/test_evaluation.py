@@ -183,6 +183,25 @@ def test_alpha_reads_reference_alpha_counts(tmp_path):
         alpha.main([str(write_jsonl(tmp_path / "none.jsonl", [{"question_id": 1, "choices": [{"turns": []}]}]))])
 
 
+# ----------------------------------------------------------------------------------------- timed methods
+def test_timed_methods_read_the_generation_loops_steps(tiny_pair):
+    from eagle.evaluation.methods import eagle_generate, plain_generate
+    from eagle.model.ea_model import EaModel
+
+    model = EaModel.from_pretrained(base_model_path=str(tiny_pair[0]), ea_model_path=str(tiny_pair[1]),
+                                    total_token=8, depth=3, top_k=4)
+    ids = torch.tensor([[1, 44, 45, 46, 47, 44, 45]])
+    steps = list(model.generate_steps(ids, max_new_tokens=21))
+    eagle = eagle_generate(model, ids, max_new_tokens=21)
+    assert eagle.new_ids == torch.cat([step.tokens for step in steps]).tolist() == (
+        model.eagenerate(ids, max_new_tokens=21)[0, ids.shape[1]:].tolist())
+    assert eagle.forward_passes == len(steps) and eagle.steps == len(steps) - 1
+    assert eagle.accept_lengths[:-1] == [step.accepted for step in steps[1:-1]]  # the last may be cut short
+    assert eagle.new_tokens == 1 + sum(a + 1 for a in eagle.accept_lengths)
+    plain = plain_generate(model, ids, max_new_tokens=21)
+    assert plain.new_ids == eagle.new_ids and plain.accept_lengths == [] and plain.forward_passes == plain.new_tokens
+
+
 # -------------------------------------------------------------------------------- answer scripts end to end
 def test_eagle_version_is_explicit_per_script():
     from eagle.evaluation import gen_answer, gen_ea_answer_ds, gen_ea_answer_llama2chat, gen_ea_answer_qwen3
