@@ -19,77 +19,18 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-from dataclasses import dataclass
 
 import torch
 from tqdm import tqdm
 
-from eagle.model.drafter import EagleDrafter, TreeSettings
-from eagle.model.verify import greedy_path
+from eagle.model.drafter import TreeSettings
+from eagle.model.replay import Recording, Replay, record, replay  # noqa: F401  (their home before eagle.model.replay)
 
 from eagle.cli import HelpFormatter, add_model_arguments, load_model_from_args
 from eagle.templates import TEMPLATES, encode_prompt, get_template
 from .questions import load_questions, spread_over_categories
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class Recording:
-    """A prompt and the target's greedy answer: tokens (S + n,) and the head's input features (1, S + n, F)."""
-
-    prompt_length: int
-    tokens: torch.Tensor
-    features: torch.Tensor
-
-
-@dataclass
-class Replay:
-    """Per draft/verify step: the draft tokens accepted and the tree size verified (root included)."""
-
-    accept_lengths: list[int]
-    tree_sizes: list[int]
-
-    @property
-    def tau(self) -> float:
-        return sum(self.accept_lengths) / len(self.accept_lengths) + 1 if self.accept_lengths else 0.0
-
-    @property
-    def mean_tree_size(self) -> float:
-        return sum(self.tree_sizes) / len(self.tree_sizes) if self.tree_sizes else 0.0
-
-
-@torch.no_grad()
-def record(model, input_ids: torch.Tensor, max_new_tokens: int) -> Recording:
-    """Greedy answer to ``input_ids`` (1, S) by plain decoding, and the features of every position."""
-    tokens = model.naivegenerate(input_ids, max_new_tokens=max_new_tokens)[0]
-    target = model._eagle_target
-    cache = target.new_cache(tokens.shape[0])
-    out = target.forward(tokens[None], cache, torch.arange(tokens.shape[0]), last_logits_only=True)
-    return Recording(input_ids.shape[1], tokens, out.features)
-
-
-@torch.no_grad()
-def replay(head, recording: Recording, settings: TreeSettings) -> Replay:
-    """Run the EAGLE drafter with ``settings`` over ``recording``, accepting what greedy verification would."""
-    tokens, features, total = recording.tokens, recording.features, recording.tokens.shape[0]
-    drafter = EagleDrafter(head, settings)
-    drafter.reset()
-    root = recording.prompt_length  # position of the tree's root: the last committed token
-    new_features, next_tokens = features[:, :root], tokens[1 : root + 1][None]
-    result = Replay([], [])
-    while root < total - 1:
-        tree = drafter.draft(new_features, next_tokens)
-        answer = tokens[root + 1 :].tolist()  # what the target puts after a node at depth d is answer[d]
-        depths = tree.depths.tolist()
-        path, _ = greedy_path(tree, lambda node: answer[depths[node]] if depths[node] < len(answer) else -1)
-        accepted = len(path) - 1
-        result.accept_lengths.append(accepted)
-        result.tree_sizes.append(tree.size)
-        new_features = features[:, root : root + accepted + 1]
-        next_tokens = tokens[root + 1 : root + accepted + 2][None]
-        root += accepted + 1
-    return result
 
 
 def parse_trees(text: str) -> list[TreeSettings]:
