@@ -180,3 +180,25 @@ def test_total_token_minus_one_tunes_once_and_the_cache_is_reused(tiny_pair, tmp
                                     top_k=3, lookup_tokens=0)
     assert (fixed.tree_settings.depth, fixed.tree_settings.top_k, fixed.tree_settings.lookup_tokens) == (2, 3, 0)
     assert len(json.loads((tmp_path / "cache" / "trees.json").read_text())) == 2
+
+
+def test_write_tree_ships_the_tuned_tree_with_a_head(tiny_pair, tmp_path, monkeypatch):
+    """``python -m eagle.evaluation.simulate --write-tree HEAD_DIR``: a trainer's output gets its tree, which
+    ``from_pretrained`` then uses."""
+    from eagle.evaluation import simulate
+
+    base, head = tiny_pair
+    target = tmp_path / "trained-head"
+    shutil.copytree(head, target)
+    monkeypatch.setenv("EAGLE_TREE_CACHE", str(tmp_path / "trees.json"))
+    monkeypatch.setattr(autotune, "CALIBRATION_TOKENS", 8)
+    monkeypatch.setattr(autotune, "TOP_K_CHOICES", (2, 3))
+    monkeypatch.setattr(autotune, "MAX_DEPTH", 2)
+    monkeypatch.setattr(autotune, "REPEATS", 1)
+    [tree] = simulate.main(["--base-model-path", str(base), "--write-tree", str(target), "--device", "cpu"])
+    assert read_head_trees(str(target)) == {"cpu": tree}
+    assert tree["top_k"] in (2, 3) and 1 <= tree["depth"] <= 2
+    model = EaModel.from_pretrained(base_model_path=str(base), ea_model_path=str(target))
+    assert settings_dict(model.tree_settings) == tree
+    with pytest.raises(SystemExit, match="config.json"):
+        simulate.main(["--base-model-path", str(base), "--write-tree", str(tmp_path / "nothing-here")])

@@ -2,9 +2,11 @@
 
     python -m eagle.evaluation.simulate --trees 8/2/4/16,12/2/4/16      # the embedded default pair
     python -m eagle.evaluation.simulate --base-model-path BASE --ea-model-path HEAD --trees 60/7/10/0
+    python -m eagle.evaluation.simulate --base-model-path BASE --write-tree HEAD   # tune, write into HEAD
 
 Greedy verification accepts the longest tree path whose tokens are the target's own greedy continuation, so once
-that continuation is known the target is no longer needed to say what a tree would have accepted. ``record`` runs
+that continuation is known the target is no longer needed to say what a tree would have accepted. ``record``
+(:mod:`eagle.model.replay`) runs
 plain decoding once per prompt and one target forward over prompt + answer (the features the head reads);
 ``replay`` then runs the real drafter (head, tree selection, lookup branch) step by step and accepts what matches
 the recorded answer. Each tree setting costs only the head's passes, so a dozen settings take about as long as
@@ -23,11 +25,11 @@ import logging
 import torch
 from tqdm import tqdm
 
+from eagle.cli import HelpFormatter, add_model_arguments, load_model_from_args
 from eagle.model.drafter import TreeSettings
 from eagle.model.replay import Recording, Replay, record, replay  # noqa: F401  (their home before eagle.model.replay)
-
-from eagle.cli import HelpFormatter, add_model_arguments, load_model_from_args
 from eagle.templates import TEMPLATES, encode_prompt, get_template
+
 from .questions import load_questions, spread_over_categories
 
 logger = logging.getLogger(__name__)
@@ -70,12 +72,41 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--template", default="auto", choices=sorted(TEMPLATES),
                         help="Prompt template ('auto' = the tokenizer's chat template).")
     parser.add_argument("--output", default=None, help="Also write the results as JSON here.")
+    parser.add_argument("--write-tree", metavar="HEAD_DIR", default=None,
+                        help="Instead of comparing --trees: tune the whole tree on this device (what "
+                        "total_token=-1 does: size, depth, top-k and lookup branch from measured costs and the "
+                        "head's acceptance on built-in prompts) and write it into HEAD_DIR/config.json "
+                        "(eagle_tree, under this device's kind), so the head ships with its tree. HEAD_DIR is the "
+                        "head; the base model is --base-model-path (default: the embedded one).")
     return parser
+
+
+def write_tree(args) -> dict:
+    """``--write-tree HEAD_DIR``: tune the tree of HEAD_DIR on this device and write it into the head."""
+    from eagle.model.autotune import tune_tree
+    from eagle.model.head_tree import device_kind, read_head_trees, write_head_tree
+
+    if args.ea_model_path not in (None, args.write_tree):
+        raise SystemExit("--write-tree HEAD_DIR names the head to tune; leave --ea-model-path out.")
+    try:
+        read_head_trees(args.write_tree)  # a head directory with a readable config, before loading anything
+    except (OSError, ValueError) as err:
+        raise SystemExit(f"--write-tree: {err}") from None
+    args.ea_model_path = args.write_tree
+    model = load_model_from_args(args)  # the base model not given: the embedded one
+    settings = tune_tree(model, {}, use_cache=False)
+    path = write_head_tree(args.write_tree, device_kind(model.device), settings)
+    tree = {"total_token": settings.total_token, "depth": settings.depth, "top_k": settings.top_k,
+            "lookup_tokens": settings.lookup_tokens}
+    print(f"Wrote the {device_kind(model.device)} tree {tree} into {path}")
+    return tree
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     args = build_parser().parse_args(argv)
+    if args.write_tree:
+        return [write_tree(args)]
     trees = parse_trees(args.trees)
     if args.max_new_tokens <= 0 or args.num_questions <= 0:
         raise SystemExit("--max-new-tokens and --num-questions must be positive.")
