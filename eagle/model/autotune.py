@@ -4,7 +4,7 @@ The best tree is the one with the most tokens per second, and that is a product 
 
 - costs on this device: verifying a tree of n tokens after a realistic context (timed for a few sizes and
   interpolated), one draft of depth d and top-k k (timed), and the rest of a step (a plain decoding step minus a
-  one-token verification);
+  one-token verification); each the fastest of a few runs, since other work on the machine only adds time;
 - the head's acceptance on a few built-in calibration prompts: their greedy answers are recorded once with plain
   decoding (:func:`eagle.model.replay.record`), then the drafter drafts the deepest tree of each top-k at every
   position of every answer. Greedy verification accepts the longest path that spells the recorded continuation,
@@ -57,7 +57,7 @@ SIZE_CHOICES = (2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 60)
 LOOKUP_CHOICES = (0, 4, 8, 16, 32)
 VERIFY_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96)
 PREFIX = 256
-REPEATS = 3
+REPEATS = 5
 CACHE_VERSION = 1
 
 
@@ -245,41 +245,35 @@ def calibration_prompts(tokenizer) -> list[torch.Tensor]:
     return prompts
 
 
-def measure_acceptance(model, top_ks, max_depth: int, progress) -> tuple[CalibrationAcceptance, float]:
-    """Record the calibration answers (timing plain decoding: seconds per plain step is returned too) and sweep
-    every position with each top-k."""
-    recordings, plain_seconds, plain_tokens = [], 0.0, 0
+def measure_acceptance(model, top_ks, max_depth: int, progress) -> CalibrationAcceptance:
+    """Record the calibration answers and sweep every position with each top-k."""
+    recordings = []
     for ids in calibration_prompts(model.tokenizer):
-        ids = ids.to(model.device)
-        synchronize(model.device)
-        start = time.perf_counter()
-        recordings.append(record(model, ids, CALIBRATION_TOKENS))
-        synchronize(model.device)
-        plain_seconds += time.perf_counter() - start
-        plain_tokens += recordings[-1].tokens.shape[0] - ids.shape[1]
+        recordings.append(record(model, ids.to(model.device), CALIBRATION_TOKENS))
         progress.update(1)
     rows = {}
     for top_k in top_ks:
         rows[top_k] = [sweep_positions(model.ea_layer, rec, top_k, max_depth) for rec in recordings]
         progress.update(1)
-    return CalibrationAcceptance(rows), plain_seconds / max(plain_tokens, 1)
+    return CalibrationAcceptance(rows)
 
 
 # ---------------------------------------------------------------------------------------------------- costs
-def _median_seconds(run, repeats: int, device) -> float:
+def _best_seconds(run, repeats: int, device) -> float:
+    """The fastest of ``repeats`` timed runs after one warm-up: other work on the machine only ever adds time, so
+    the minimum is the estimate least disturbed by it."""
     timings = []
-    for _ in range(repeats + 1):  # the first run warms up
+    for _ in range(repeats + 1):
         synchronize(device)
         start = time.perf_counter()
         run()
         synchronize(device)
         timings.append(time.perf_counter() - start)
-    timings = sorted(timings[1:])
-    return timings[len(timings) // 2]
+    return min(timings[1:])
 
 
 def time_verification(model, size: int, prefix: int = PREFIX, repeats: int = REPEATS, top_k: int = 4) -> float:
-    """Median seconds of one verification of a ``size``-node tree after a ``prefix``-token context: the target
+    """Seconds of one verification of a ``size``-node tree after a ``prefix``-token context: the target
     forward plus reading the logits rows of a 3-token path (on a CPU only the rows read go through the LM head)."""
     target, vocab, device = model._eagle_target, model.vocab_size, model.device
     cache = target.new_cache(prefix + size + 1)
@@ -298,11 +292,11 @@ def time_verification(model, size: int, prefix: int = PREFIX, repeats: int = REP
 
     with torch.no_grad():
         target.forward(context, cache, torch.arange(prefix), last_logits_only=True)
-        return _median_seconds(run, repeats, device)
+        return _best_seconds(run, repeats, device)
 
 
 def time_draft(model, top_k: int, depth: int, prefix: int = PREFIX, repeats: int = REPEATS) -> float:
-    """Median seconds of one draft (a committed token, then the tree of ``top_k`` and ``depth``)."""
+    """Seconds of one draft (a committed token, then the tree of ``top_k`` and ``depth``)."""
     head, device = model.ea_layer, model.device
     generator = torch.Generator().manual_seed(0)
     features = torch.randn(1, prefix + 1, head.feature_size, generator=generator).to(device)
@@ -317,11 +311,30 @@ def time_draft(model, top_k: int, depth: int, prefix: int = PREFIX, repeats: int
         drafter.reset()
         drafter.draft(features[:, :prefix], tokens[:, :prefix])
         context_kv = drafter.committed_kv
-        return _median_seconds(run, repeats, device)
+        return _best_seconds(run, repeats, device)
 
 
-def measure_costs(model, top_ks, max_depth: int, plain_step: float, progress) -> StepCosts:
-    """Time verification at :data:`VERIFY_SIZES` and drafts of every top-k at depths 1 and ``max_depth``."""
+def time_plain_step(model, prefix: int = PREFIX, repeats: int = REPEATS) -> float:
+    """Seconds of the fastest plain decoding step after a ``prefix``-token prompt (the whole step of the loop)."""
+    generator = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, model.vocab_size, (1, prefix), generator=generator).to(model.device)
+    steps = model.generate_steps(prompt, max_new_tokens=repeats + 2, max_length=prefix + repeats + 3,
+                                 use_eagle=False)
+    timings, start = [], None
+    with torch.no_grad():
+        for _ in steps:
+            synchronize(model.device)
+            now = time.perf_counter()
+            if start is not None:
+                timings.append(now - start)
+            start = now
+    return min(timings[1:] or timings)
+
+
+def measure_costs(model, top_ks, max_depth: int, progress) -> StepCosts:
+    """Time verification at :data:`VERIFY_SIZES`, drafts of every top-k at depths 1 and ``max_depth``, and a
+    plain step (what a step costs besides its draft and its verification: the plain step less a one-token
+    verification)."""
     verify_seconds = []
     for size in VERIFY_SIZES:
         verify_seconds.append(time_verification(model, size))
@@ -332,6 +345,7 @@ def measure_costs(model, top_ks, max_depth: int, plain_step: float, progress) ->
         per_depth[top_k] = max(deep - shallow, 0.0) / (max(max_depth, 2) - 1)
         base[top_k] = max(shallow - per_depth[top_k], 0.0)
         progress.update(1)
+    plain_step = time_plain_step(model)
     overhead = max(plain_step - verify_seconds[0], 0.0)
     return StepCosts(list(VERIFY_SIZES), verify_seconds, base, per_depth, overhead, plain_step)
 
@@ -422,8 +436,8 @@ def tune_tree(model, fixed: dict | None = None, use_cache: bool = True) -> TreeS
     sweep_ks = sorted(set(top_ks) | ({REFERENCE_TREE.top_k} if not fixed else set()))
     with torch.no_grad(), tqdm(total=len(CALIBRATION_PROMPTS) + 2 * len(sweep_ks) + len(VERIFY_SIZES),
                                desc="tuning the draft tree") as progress:
-        acceptance, plain_step = measure_acceptance(model, sweep_ks, max_depth, progress)
-        costs = measure_costs(model, sweep_ks, max_depth, plain_step, progress)
+        acceptance = measure_acceptance(model, sweep_ks, max_depth, progress)
+        costs = measure_costs(model, sweep_ks, max_depth, progress)
     ranking = choose_tree(space, acceptance, costs)
     log_choice(ranking, acceptance, costs, device_kind(model.device))
     best = ranking[0]
