@@ -83,6 +83,8 @@ class ModelOptions:
         from eagle import defaults
 
         base, head, tree = defaults.resolve_model_paths(self.base_model_path, self.ea_model_path, self.need_head)
+        if self.total_token == -1:
+            tree = {}  # total_token=-1 tunes every setting not given (EaModel.from_pretrained)
         tree.update(self.tree)
         return dataclasses.replace(self, base_model_path=base, ea_model_path=head, **tree)
 

@@ -36,15 +36,20 @@ def default_ea_model_path() -> str:
         )
     return str(DEFAULT_HEAD_DIR)
 
-# Tree settings tuned for the default pair on a 2-core CPU, where every verified tree token costs time
-# (see README, "Embedded default"). On a GPU, larger trees (the reference's 60/7/10) pay off. lookup_tokens: the
-# prompt-lookup branch grafted onto each tree (eagle/model/lookup.py); 0 would draft with the head alone.
-DEFAULT_TREE = {"total_token": 8, "depth": 2, "top_k": 4, "lookup_tokens": 16}
+# The tree tuned for the default pair lives in the head's config.json ("eagle_tree", see eagle/model/head_tree.py),
+# by kind of device. On a 2-core CPU: 8/2/4 plus the prompt-lookup branch (lookup_tokens=16), small and shallow
+# because every verified tree token costs time there (see README, "Embedded default"). No GPU tree has been
+# measured, so a GPU gets the reference's 60/7/10.
 
 
-def default_tree_settings() -> dict:
-    """``{"total_token", "depth", "top_k", "lookup_tokens"}`` for the embedded default pair."""
-    return dict(DEFAULT_TREE)
+def default_tree_settings(kind: str = "cpu") -> dict:
+    """``{"total_token", "depth", "top_k", "lookup_tokens"}`` the embedded default head carries for ``kind`` of
+    device (its config.json's ``eagle_tree``; the reference's defaults for a kind it has no tree for)."""
+    from dataclasses import asdict
+
+    from eagle.model.head_tree import read_head_trees, resolve_tree
+
+    return asdict(resolve_tree({}, read_head_trees(default_ea_model_path()).get(kind))[0])
 
 
 def resolve_model_paths(base_model_path: str | None, ea_model_path: str | None,

@@ -179,7 +179,7 @@ def test_drafter_expansion_matches_explicit_chains(tiny_target):
     (committed context, then the parent's chain fed back one pair at a time) gives it: the tree attention and
     the expansion KV of the drafter are exact."""
     model, root = tiny_target
-    head = load_ea_layer(str(root / "head"), model, True, 20, 3, 3, 1.0,  # full vocabulary: draft id = token
+    head = load_ea_layer(str(root / "head"), model, True,  # full vocabulary: draft id = token
                          draft_dtype=torch.float32)  # exact arithmetic to compare with
     target = Target(model, feature_layers=eagle3_layer_ids(model.config.num_hidden_layers))
     prompt = torch.randint(6, 128, (1, 8))

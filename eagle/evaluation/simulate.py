@@ -2,9 +2,11 @@
 
     python -m eagle.evaluation.simulate --trees 8/2/4/16,12/2/4/16      # the embedded default pair
     python -m eagle.evaluation.simulate --base-model-path BASE --ea-model-path HEAD --trees 60/7/10/0
+    python -m eagle.evaluation.simulate --base-model-path BASE --write-tree HEAD   # tune, write into HEAD
 
 Greedy verification accepts the longest tree path whose tokens are the target's own greedy continuation, so once
-that continuation is known the target is no longer needed to say what a tree would have accepted. ``record`` runs
+that continuation is known the target is no longer needed to say what a tree would have accepted. ``record``
+(:mod:`eagle.model.replay`) runs
 plain decoding once per prompt and one target forward over prompt + answer (the features the head reads);
 ``replay`` then runs the real drafter (head, tree selection, lookup branch) step by step and accepts what matches
 the recorded answer. Each tree setting costs only the head's passes, so a dozen settings take about as long as
@@ -19,77 +21,18 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-from dataclasses import dataclass
 
 import torch
 from tqdm import tqdm
 
-from eagle.model.drafter import EagleDrafter, TreeSettings
-from eagle.model.verify import greedy_path
-
 from eagle.cli import HelpFormatter, add_model_arguments, load_model_from_args
+from eagle.model.drafter import TreeSettings
+from eagle.model.replay import Recording, Replay, record, replay  # noqa: F401  (their home before eagle.model.replay)
 from eagle.templates import TEMPLATES, encode_prompt, get_template
+
 from .questions import load_questions, spread_over_categories
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class Recording:
-    """A prompt and the target's greedy answer: tokens (S + n,) and the head's input features (1, S + n, F)."""
-
-    prompt_length: int
-    tokens: torch.Tensor
-    features: torch.Tensor
-
-
-@dataclass
-class Replay:
-    """Per draft/verify step: the draft tokens accepted and the tree size verified (root included)."""
-
-    accept_lengths: list[int]
-    tree_sizes: list[int]
-
-    @property
-    def tau(self) -> float:
-        return sum(self.accept_lengths) / len(self.accept_lengths) + 1 if self.accept_lengths else 0.0
-
-    @property
-    def mean_tree_size(self) -> float:
-        return sum(self.tree_sizes) / len(self.tree_sizes) if self.tree_sizes else 0.0
-
-
-@torch.no_grad()
-def record(model, input_ids: torch.Tensor, max_new_tokens: int) -> Recording:
-    """Greedy answer to ``input_ids`` (1, S) by plain decoding, and the features of every position."""
-    tokens = model.naivegenerate(input_ids, max_new_tokens=max_new_tokens)[0]
-    target = model._eagle_target
-    cache = target.new_cache(tokens.shape[0])
-    out = target.forward(tokens[None], cache, torch.arange(tokens.shape[0]), last_logits_only=True)
-    return Recording(input_ids.shape[1], tokens, out.features)
-
-
-@torch.no_grad()
-def replay(head, recording: Recording, settings: TreeSettings) -> Replay:
-    """Run the EAGLE drafter with ``settings`` over ``recording``, accepting what greedy verification would."""
-    tokens, features, total = recording.tokens, recording.features, recording.tokens.shape[0]
-    drafter = EagleDrafter(head, settings)
-    drafter.reset()
-    root = recording.prompt_length  # position of the tree's root: the last committed token
-    new_features, next_tokens = features[:, :root], tokens[1 : root + 1][None]
-    result = Replay([], [])
-    while root < total - 1:
-        tree = drafter.draft(new_features, next_tokens)
-        answer = tokens[root + 1 :].tolist()  # what the target puts after a node at depth d is answer[d]
-        depths = tree.depths.tolist()
-        path, _ = greedy_path(tree, lambda node: answer[depths[node]] if depths[node] < len(answer) else -1)
-        accepted = len(path) - 1
-        result.accept_lengths.append(accepted)
-        result.tree_sizes.append(tree.size)
-        new_features = features[:, root : root + accepted + 1]
-        next_tokens = tokens[root + 1 : root + accepted + 2][None]
-        root += accepted + 1
-    return result
 
 
 def parse_trees(text: str) -> list[TreeSettings]:
@@ -129,12 +72,41 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--template", default="auto", choices=sorted(TEMPLATES),
                         help="Prompt template ('auto' = the tokenizer's chat template).")
     parser.add_argument("--output", default=None, help="Also write the results as JSON here.")
+    parser.add_argument("--write-tree", metavar="HEAD_DIR", default=None,
+                        help="Instead of comparing --trees: tune the whole tree on this device (what "
+                        "total_token=-1 does: size, depth, top-k and lookup branch from measured costs and the "
+                        "head's acceptance on built-in prompts) and write it into HEAD_DIR/config.json "
+                        "(eagle_tree, under this device's kind), so the head ships with its tree. HEAD_DIR is the "
+                        "head; the base model is --base-model-path (default: the embedded one).")
     return parser
+
+
+def write_tree(args) -> dict:
+    """``--write-tree HEAD_DIR``: tune the tree of HEAD_DIR on this device and write it into the head."""
+    from eagle.model.autotune import tune_tree
+    from eagle.model.head_tree import device_kind, read_head_trees, write_head_tree
+
+    if args.ea_model_path not in (None, args.write_tree):
+        raise SystemExit("--write-tree HEAD_DIR names the head to tune; leave --ea-model-path out.")
+    try:
+        read_head_trees(args.write_tree)  # a head directory with a readable config, before loading anything
+    except (OSError, ValueError) as err:
+        raise SystemExit(f"--write-tree: {err}") from None
+    args.ea_model_path = args.write_tree
+    model = load_model_from_args(args)  # the base model not given: the embedded one
+    settings = tune_tree(model, {}, use_cache=False)
+    path = write_head_tree(args.write_tree, device_kind(model.device), settings)
+    tree = {"total_token": settings.total_token, "depth": settings.depth, "top_k": settings.top_k,
+            "lookup_tokens": settings.lookup_tokens}
+    print(f"Wrote the {device_kind(model.device)} tree {tree} into {path}")
+    return tree
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     args = build_parser().parse_args(argv)
+    if args.write_tree:
+        return [write_tree(args)]
     trees = parse_trees(args.trees)
     if args.max_new_tokens <= 0 or args.num_questions <= 0:
         raise SystemExit("--max-new-tokens and --num-questions must be positive.")

@@ -11,7 +11,8 @@ from .draft_layers import (DraftRotary, Eagle1DecoderLayer, Eagle3DecoderLayer, 
 
 
 class DraftHead(nn.Module):
-    """Base class of the EAGLE heads (:class:`Eagle3DraftHead`, :class:`Eagle1DraftHead`).
+    """Base class of the EAGLE heads (:class:`Eagle3DraftHead`, :class:`Eagle1DraftHead`). A head is the network
+    alone: the tree it drafts is ``EaModel.tree_settings`` (see :mod:`eagle.model.head_tree`).
 
     A head maps (target feature of position t, token t+1) pairs to a hidden state from which it predicts token
     t+2. Its contract, used by the drafter and by the trainer:
@@ -25,15 +26,10 @@ class DraftHead(nn.Module):
 
     eagle_version: int = 0
 
-    def __init__(self, config, total_tokens: int = 63, depth: int = 5, top_k: int = 8, threshold: float = 1.0):
+    def __init__(self, config):
         super().__init__()
         self.config = config
         self.rotary_emb = DraftRotary(config)
-        # Tree settings kept on the head for compatibility with the reference (`ea_layer.total_tokens`...).
-        self.total_tokens = total_tokens - 1
-        self.depth = depth
-        self.top_k = top_k
-        self.threshold = threshold
 
     # -- subclasses implement these -------------------------------------------------------------------------
     @property
@@ -96,7 +92,7 @@ class Eagle3DraftHead(DraftHead):
     eagle_version = 3
 
     def __init__(self, config, load_emb=False, path=None, bias=True, total_tokens=63, depth=5, top_k=8, threshold=1.0):
-        super().__init__(config, total_tokens=total_tokens, depth=depth, top_k=top_k, threshold=threshold)
+        super().__init__(config)  # the tree arguments: the reference's signature (cnets.Model), unused here
         if getattr(config, "draft_vocab_size", None) is None:
             raise ValueError("An EAGLE-3 head config needs `draft_vocab_size` (use vocab_size for a full-vocabulary head).")
         hidden = config.hidden_size
@@ -145,7 +141,7 @@ class Eagle1DraftHead(DraftHead):
     eagle_version = 1
 
     def __init__(self, config, load_emb=False, path=None, bias=True, total_tokens=63, depth=5, top_k=8, threshold=1.0):
-        super().__init__(config, total_tokens=total_tokens, depth=depth, top_k=top_k, threshold=threshold)
+        super().__init__(config)  # the tree arguments: the reference's signature (cnets.Model), unused here
         hidden = config.hidden_size
         self.vocab_size = config.vocab_size
         self.embed_tokens = nn.Embedding(config.vocab_size, hidden, config.pad_token_id)

@@ -16,6 +16,7 @@ from torch import nn
 from .cpu_linear import pack_linear_layers, should_auto_pack, unpack_linear_layers
 from .drafter import EagleDrafter, NoDrafter, TreeSettings
 from .generation import Step, speculative_decode
+from .head_tree import check_tree_arguments, head_tree_for, resolve_tree
 from .loading import load_base_model, load_ea_layer
 from .target import Target, eagle3_layer_ids
 from .verify import Sampler
@@ -46,6 +47,30 @@ def _check_generate_extras(extras: dict) -> None:
         )
 
 
+def _model_paths(base_model_path, ea_model_path, kwargs: dict) -> tuple[str, str]:
+    """The two paths ``from_pretrained`` loads: as given (``eagle_model_path`` in ``kwargs`` is another name for
+    ``ea_model_path``), or the embedded default pair when neither is given."""
+    if "eagle_model_path" in kwargs:
+        alias = kwargs.pop("eagle_model_path")
+        if ea_model_path is not None and ea_model_path != alias:
+            raise ValueError("Pass the draft head path once: ea_model_path and eagle_model_path differ.")
+        ea_model_path = alias
+    if base_model_path is None and ea_model_path is None:
+        from eagle.defaults import default_base_model_path, default_ea_model_path
+
+        base_model_path, ea_model_path = default_base_model_path(), default_ea_model_path()
+        logger.info("No model given: the embedded default pair (%s, %s)", base_model_path, ea_model_path)
+    elif base_model_path is None or ea_model_path is None:
+        raise ValueError("EaModel.from_pretrained needs both base_model_path and ea_model_path, or neither (the "
+                         "embedded default pair, SmolLM2-135M-Instruct with this project's head).")
+    return base_model_path, ea_model_path
+
+
+def _describe(tree: TreeSettings) -> str:
+    return (f"total_token={tree.total_token} depth={tree.depth} top_k={tree.top_k} "
+            f"lookup_tokens={tree.lookup_tokens}")
+
+
 def _token_id_set(value) -> set[int]:
     """One token id or a collection of them (int, list, tuple, set, tensor) as a set of ints."""
     if isinstance(value, (set, frozenset)):
@@ -60,18 +85,18 @@ class EaModel(nn.Module):
     """
 
     def __init__(self, base_model, ea_layer, tokenizer=None, total_token: int = 60, depth: int = 7, top_k: int = 10,
-                 threshold: float = 1.0, base_model_name_or_path: str | None = None, use_eagle3: bool | None = None,
-                 lookup_tokens: int = 0):
+                 *, base_model_name_or_path: str | None = None, use_eagle3: bool | None = None, lookup_tokens: int = 0,
+                 ea_model_path: str | None = None):
         super().__init__()
         self.base_model = base_model
         self.ea_layer = ea_layer
         self.tokenizer = tokenizer
         self.config = base_model.config
         self.base_model_name_or_path = base_model_name_or_path
+        self.ea_model_path = ea_model_path
         self.use_eagle3 = ea_layer.eagle_version == 3 if use_eagle3 is None else use_eagle3
         self.hidden_size = base_model.get_output_embeddings().weight.shape[-1]
         self.vocab_size = base_model.get_output_embeddings().weight.shape[0]
-        self.threshold = threshold
         num_layers = base_model.config.get_text_config().num_hidden_layers
         if self.use_eagle3:
             layer_ids = getattr(ea_layer.config, "eagle_layer_ids", None) or eagle3_layer_ids(num_layers)
@@ -85,16 +110,23 @@ class EaModel(nn.Module):
     # ------------------------------------------------------------------ loading
     @classmethod
     def from_pretrained(cls, use_eagle3: bool = True, base_model_path: str | None = None, ea_model_path: str | None = None,
-                        total_token: int = 60, depth: int = 7, top_k: int = 10, threshold: float = 1.0,
-                        pack_cpu_weights: bool | str = "auto", lookup_tokens: int = 0, draft_dtype="auto", **kwargs):
+                        total_token: int | None = None, depth: int | None = None, top_k: int | None = None,
+                        threshold: float = 1.0, pack_cpu_weights: bool | str = "auto", lookup_tokens: int | None = None,
+                        draft_dtype="auto", **kwargs):
         """Load the base model (a local directory, a Hub id, or a ``.gguf`` file / directory holding one) and the
-        head (``config.json`` + ``model.safetensors`` or ``pytorch_model.bin``). ``eagle_model_path`` is accepted
-        as another name for ``ea_model_path``. Other keyword arguments go to the base model's ``from_pretrained``
-        (``dtype``/``torch_dtype``, ``device_map``, ``low_cpu_mem_usage``...). ``total_token=-1`` chooses the
-        tree size by timing verification on the actual device.
+        head (``config.json`` + ``model.safetensors`` or ``pytorch_model.bin``). With neither path, the embedded
+        default pair (SmolLM2-135M-Instruct and this project's head, see :mod:`eagle.defaults`): nothing is
+        downloaded. ``eagle_model_path`` is accepted as another name for ``ea_model_path``. Other keyword arguments
+        go to the base model's ``from_pretrained`` (``dtype``/``torch_dtype``, ``device_map``...).
 
-        ``lookup_tokens``: graft up to this many tokens copied from earlier in the context onto each draft tree
-        (prompt lookup, see :mod:`eagle.model.lookup`); 0 (default) drafts with the head alone, as the reference.
+        Tree settings (``total_token`` nodes verified per step, root included; ``depth``; ``top_k``;
+        ``lookup_tokens``): each one not given (None) comes from the tree the head carries for this kind of device
+        (the ``eagle_tree`` field of its ``config.json``, see :mod:`eagle.model.head_tree`), else from the
+        reference's defaults 60/7/10 and no lookup. ``total_token=-1`` tunes the whole tree on this device (the
+        settings given explicitly stay fixed; see :mod:`eagle.model.autotune`), once per device, base model and
+        head: the result is cached. ``lookup_tokens``: graft up to this many tokens copied from earlier in the
+        context onto each draft tree (prompt lookup, see :mod:`eagle.model.lookup`); 0 drafts with the head
+        alone, as the reference. ``threshold`` is the reference's argument, accepted and unused (as there).
 
         ``pack_cpu_weights``: pack the linear layers' float32 CPU weights into oneDNN's layout (see
         :mod:`eagle.model.cpu_linear`; it makes verifying a draft tree much cheaper on a CPU, and costs a second copy
@@ -105,42 +137,41 @@ class EaModel(nn.Module):
         in bfloat16 on a CPU that computes in bfloat16 natively (AVX512-BF16 or AMX), where a draft pass reads half
         the bytes, and in the base model's dtype elsewhere; a torch dtype (or "float32", "bfloat16", "float16")
         forces one. The output does not depend on it: the target verifies every token."""
+        del threshold  # the reference's EAGLE-2 drafting never reads it either
         if pack_cpu_weights not in (True, False, "auto"):
             raise ValueError(f"pack_cpu_weights must be True, False or 'auto', not {pack_cpu_weights!r}.")
-        auto_tune = total_token == -1
-        # invalid tree settings fail before anything loads; auto-tuning starts from 60 tokens
-        tree = TreeSettings(total_token=60 if auto_tune else total_token, depth=depth, top_k=top_k,
-                            lookup_tokens=lookup_tokens)
-        if "eagle_model_path" in kwargs:
-            alias = kwargs.pop("eagle_model_path")
-            if ea_model_path is not None and ea_model_path != alias:
-                raise ValueError("Pass the draft head path once: ea_model_path and eagle_model_path differ.")
-            ea_model_path = alias
-        if base_model_path is None or ea_model_path is None:
-            raise ValueError("EaModel.from_pretrained needs base_model_path and ea_model_path.")
+        check_tree_arguments(total_token, depth, top_k, lookup_tokens)  # invalid settings fail before loading
+        base_model_path, ea_model_path = _model_paths(base_model_path, ea_model_path, kwargs)
         base_model, tokenizer = load_base_model(base_model_path, **kwargs)
-        ea_layer = load_ea_layer(ea_model_path, base_model, use_eagle3, tree.total_token, depth, top_k, threshold,
-                                 draft_dtype=draft_dtype)
-        model = cls(base_model, ea_layer, tokenizer, tree.total_token, depth, top_k, threshold,
-                    base_model_name_or_path=base_model_path, use_eagle3=use_eagle3, lookup_tokens=lookup_tokens)
+        ea_layer = load_ea_layer(ea_model_path, base_model, use_eagle3, draft_dtype=draft_dtype)
+        explicit = {"total_token": total_token, "depth": depth, "top_k": top_k, "lookup_tokens": lookup_tokens}
+        device = base_model.get_input_embeddings().weight.device
+        tree, sources = resolve_tree(explicit, head_tree_for(ea_layer.config, device))
+        model = cls(base_model, ea_layer, tokenizer, tree.total_token, tree.depth, tree.top_k,
+                    base_model_name_or_path=base_model_path, use_eagle3=use_eagle3, lookup_tokens=tree.lookup_tokens,
+                    ea_model_path=ea_model_path)
         if pack_cpu_weights is True or (pack_cpu_weights == "auto" and should_auto_pack(base_model)):
             logger.info("Packed the CPU weights of %d linear layers for oneDNN (pack_cpu_weights=%r)",
                         model.set_cpu_weight_packing(True), pack_cpu_weights)
-        if auto_tune:
-            from .autotune import choose_total_token
+        if total_token == -1:
+            from .autotune import tune_tree
 
-            model.set_tree(choose_total_token(model), depth, top_k)
-            logger.info("total_token=-1: chose a tree of %d tokens for this device", model.total_token)
+            fixed = {key: value for key, value in explicit.items() if value is not None and key != "total_token"}
+            model.tree_settings = tune_tree(model, fixed=fixed)
+        else:
+            logger.info("Tree %s (%s)", _describe(model.tree_settings),
+                        ", ".join(f"{key} from the {source}" if source != "argument" else f"{key} given"
+                                  for key, source in sources.items()))
         return model
 
     def set_tree(self, total_token: int, depth: int, top_k: int, lookup_tokens: int | None = None) -> None:
         """Change the draft tree settings (nodes verified per step including the root, depth, top-k, and the most
-        prompt-lookup tokens grafted per step; None keeps the current value)."""
+        prompt-lookup tokens grafted per step; None keeps the current value). ``tree_settings`` holds them: the
+        one place the drafter reads."""
         if lookup_tokens is None:
             lookup_tokens = self.tree_settings.lookup_tokens if hasattr(self, "tree_settings") else 0
         self.tree_settings = TreeSettings(total_token=total_token, depth=depth, top_k=top_k,
                                           lookup_tokens=lookup_tokens)
-        self.ea_layer.total_tokens, self.ea_layer.depth, self.ea_layer.top_k = total_token - 1, depth, top_k
 
     def set_cpu_weight_packing(self, enabled: bool) -> int:
         """Pack (or unpack) the float32 CPU weights (and a bfloat16 head's, where the CPU computes in bfloat16

@@ -74,7 +74,8 @@ def head_dir_of(ea_model_path: str) -> str:
     return os.path.dirname(ea_model_path) if os.path.isfile(ea_model_path) else ea_model_path
 
 
-def build_head(config: EConfig, use_eagle3: bool, total_token: int, depth: int, top_k: int, threshold: float):
+def build_head(config: EConfig, use_eagle3: bool):
+    """An untrained head of the kind ``use_eagle3`` says, shaped by ``config`` (its tree lives in ``EaModel``)."""
     from .draft_head import Eagle1DraftHead, Eagle3DraftHead
 
     if use_eagle3:
@@ -83,9 +84,9 @@ def build_head(config: EConfig, use_eagle3: bool, total_token: int, depth: int, 
                 "use_eagle3=True but the head's config.json has no `draft_vocab_size`: this looks like an EAGLE-1/2 "
                 "head; pass use_eagle3=False."
             )
-        return Eagle3DraftHead(config, total_tokens=total_token, depth=depth, top_k=top_k, threshold=threshold)
+        return Eagle3DraftHead(config)
     bias = getattr(config, "bias", True)
-    return Eagle1DraftHead(config, bias=bias, total_tokens=total_token, depth=depth, top_k=top_k, threshold=threshold)
+    return Eagle1DraftHead(config, bias=bias)
 
 
 def check_head_matches_base(head, base_model) -> None:
@@ -171,12 +172,11 @@ def resolve_draft_dtype(draft_dtype, base_dtype: torch.dtype, device: torch.devi
     return draft_dtype
 
 
-def load_ea_layer(ea_model_path: str, base_model, use_eagle3: bool, total_token: int, depth: int, top_k: int,
-                  threshold: float, draft_dtype="auto"):
+def load_ea_layer(ea_model_path: str, base_model, use_eagle3: bool, draft_dtype="auto"):
     """Build the draft head for ``base_model`` from a head directory / Hub id, strictly, on the base's device,
     in the dtype :func:`resolve_draft_dtype` gives."""
     config = load_head_config(ea_model_path)
-    head = build_head(config, use_eagle3, total_token, depth, top_k, threshold)
+    head = build_head(config, use_eagle3)
     check_head_matches_base(head, base_model)
     state_dict = load_head_state_dict(head_dir_of(ea_model_path))
     has_embedding = load_head_weights(head, state_dict, ea_model_path)
