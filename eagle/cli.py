@@ -6,7 +6,7 @@ In a command::
     parser = argparse.ArgumentParser(...)
     add_model_arguments(parser)           # model paths, head version, tree, device/dtype, packing, quantisation
     args = parser.parse_args()
-    model = load_model_from_args(args)    # an EaModel; args then hold the paths and tree that were used
+    model = load_model_from_args(args)    # an EaModel
 
 Without argparse (a server, a notebook)::
 
@@ -205,11 +205,11 @@ def resolve_model_args(args: argparse.Namespace, need_head: bool = True) -> Mode
 
 
 def load_model_from_args(args: argparse.Namespace, **hf_kwargs):
-    """The ``EaModel`` the flags describe (:func:`resolve_model_args`, then :func:`load_model`). A model that
-    cannot be loaded (missing files, a head that does not fit the base model) exits with the reason."""
-    options = resolve_model_args(args)
+    """The ``EaModel`` the flags describe (:func:`model_options`, then :func:`load_model`; ``args`` are left as
+    parsed: call :func:`resolve_model_args` first to record the paths that were used). A model that cannot be
+    loaded (missing files, a head that does not fit the base model) exits with the reason."""
     try:
-        return load_model(options, **hf_kwargs)
+        return load_model(model_options(args), **hf_kwargs)
     except (OSError, ValueError) as err:
         raise SystemExit(f"error: could not load the model: {err}") from err
 

@@ -16,12 +16,14 @@ def _parsers():
     """Each command's flag parser: argv -> parsed arguments."""
     from eagle.__main__ import parse_args as main_args
     from eagle.application.webui import parse_args as webui_args
+    from eagle.application.server import parse_args as server_args
     from eagle.evaluation import benchmark, gen_answer, simulate
     from eagle.evaluation.runner import build_parser
 
     return {
         "python -m eagle": main_args,
         "webui": webui_args,
+        "server": server_args,
         "benchmark": benchmark.build_parser().parse_args,
         "simulate": simulate.build_parser().parse_args,
         "gen_answer": build_parser(gen_answer.DEFAULTS).parse_args,
@@ -78,8 +80,11 @@ def test_every_command_loads_the_embedded_pair_the_same_way(command, loads):
     args = _parsers()[command](["--lookup-tokens", "3"] if command != "simulate" else [])
     assert cli.load_model_from_args(args) == "model"
     (call,) = loads
-    assert call["base_model_path"] == defaults.default_base_model_path() == args.base_model_path
-    assert call["ea_model_path"] == defaults.default_ea_model_path() == args.ea_model_path
+    assert call["base_model_path"] == defaults.default_base_model_path()
+    assert call["ea_model_path"] == defaults.default_ea_model_path()
+    assert args.base_model_path is None  # the flags stay as parsed (a server names the model by them)
+    cli.resolve_model_args(args)  # what the benchmark calls to record the paths used
+    assert (args.base_model_path, args.ea_model_path) == (call["base_model_path"], call["ea_model_path"])
     expected = {**TREE, "lookup_tokens": 3} if command != "simulate" else TREE
     assert {key: call[key] for key in TREE} == expected
     assert call["pack_cpu_weights"] == "auto" and call["use_eagle3"] is True

@@ -14,7 +14,7 @@ import os
 import threading
 import time
 
-from ..model.cpu_linear import PACK_FLAG_VALUES, add_pack_cpu_weights_argument
+from .. import cli
 from .prompts import MODEL_TYPES
 from .scheduler import Scheduler
 from .server_app import ServerSettings, build_app
@@ -78,36 +78,16 @@ class BackgroundServer:
 
 # ---------------------------------------------------------------------------------------------------- model flags
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
-    """The flags that name and configure the model (the same as the web UI's and ``python -m eagle``'s)."""
-    parser.add_argument("--base-model-path", default=None,
-                        help="base model: a directory, Hub id or .gguf file (default: the embedded SmolLM2-135M)")
-    parser.add_argument("--ea-model-path", default=None,
-                        help="EAGLE draft head directory or Hub id (default: the embedded EAGLE-3 head)")
-    parser.add_argument("--no-eagle3", action="store_true", help="the head is an EAGLE-1/2 head, not EAGLE-3")
+    """The model flags of every command (:func:`eagle.cli.add_model_arguments`) and ``--model-type``."""
+    cli.add_model_arguments(parser)
     parser.add_argument("--model-type", choices=list(MODEL_TYPES), default=None,
                         help="chat prompt format (default: the tokenizer's own chat template)")
-    parser.add_argument("--total-token", type=int, default=None,
-                        help="draft tree nodes verified per step, root included; -1 = time it on this device "
-                        "(default: the tuned tree of the embedded pair, else 60)")
-    parser.add_argument("--depth", type=int, default=None, help="draft depth (default: tuned, else 7)")
-    parser.add_argument("--top-k", type=int, default=None, help="draft top-k (default: tuned, else 10)")
-    parser.add_argument("--lookup-tokens", type=int, default=None,
-                        help="tokens copied from earlier in the context (prompt lookup) grafted onto each draft "
-                        "tree; 0 = the head alone (default: the tuned value for the embedded pair, else 0)")
-    add_pack_cpu_weights_argument(parser)
 
 
 def load_model(args: argparse.Namespace):
-    """The ``EaModel`` the model flags describe (the embedded default pair for what is not given)."""
-    from ..defaults import load_default_model
-
-    if (args.base_model_path is None) != (args.ea_model_path is None):
-        raise SystemExit("error: pass both --base-model-path and --ea-model-path, or neither (for the embedded "
-                         "default pair).")
-    return load_default_model(args.base_model_path, args.ea_model_path, use_eagle3=not args.no_eagle3,
-                              pack_cpu_weights=PACK_FLAG_VALUES[args.pack_cpu_weights],
-                              total_token=args.total_token, depth=args.depth, top_k=args.top_k,
-                              lookup_tokens=args.lookup_tokens)
+    """The ``EaModel`` the model flags describe (:func:`eagle.cli.load_model_from_args`: the embedded default pair
+    for what is not given)."""
+    return cli.load_model_from_args(args)
 
 
 def default_served_name(base_model_path: str | None) -> str:
@@ -156,8 +136,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             parser.error(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}")
     if args.max_length < 2:
         parser.error(f"--max-length must be at least 2, got {args.max_length}")
-    if args.lookup_tokens is not None and args.lookup_tokens < 0:
-        parser.error(f"--lookup-tokens must be >= 0 (0 = off), got {args.lookup_tokens}")
     return args
 
 
@@ -176,13 +154,10 @@ def main(argv: list[str] | None = None) -> None:
 
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
-        model = load_model(args)
-    except (OSError, ValueError) as err:
-        raise SystemExit(f"error: could not load the model: {err}") from err
+    name = args.served_model_name or default_served_name(args.base_model_path)  # before the paths are filled in
+    model = load_model(args)  # exits with the reason when the model cannot be loaded
     if not args.no_warmup:
         warm_up(model, use_eagle=not args.no_eagle)
-    name = args.served_model_name or default_served_name(args.base_model_path)
     app = create_app(model, served_model_name=name, api_key=args.api_key, model_type=args.model_type,
                      use_eagle=not args.no_eagle, max_length=args.max_length, default_max_tokens=args.max_new_tokens,
                      max_queue=args.max_queue, max_batch_size=args.max_batch_size)

@@ -51,7 +51,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from eagle.cli import HelpFormatter, add_model_arguments, load_model_from_args
+from eagle.cli import HelpFormatter, add_model_arguments, load_model_from_args, resolve_model_args
 from eagle.model.cpu_linear import pack_linear_layers, packed_layer_count, unpack_linear_layers
 from eagle.templates import TEMPLATES, encode_prompt, get_template
 
@@ -305,6 +305,7 @@ def run(args: argparse.Namespace) -> dict:
     except (OSError, ValueError) as err:
         raise SystemExit(str(err)) from None
     torch.manual_seed(args.seed)
+    resolve_model_args(args)  # the report records the paths and tree that were used
     model = load_model_from_args(args)
     device = model_device(model)
     dtype = model.base_model.dtype
