@@ -4,7 +4,8 @@ The best tree is the one with the most tokens per second, and that is a product 
 
 - costs on this device: verifying a tree of n tokens after a realistic context (timed for a few sizes and
   interpolated), one draft of depth d and top-k k (timed), and the rest of a step (a plain decoding step minus a
-  one-token verification); each the fastest of a few runs, since other work on the machine only adds time;
+  one-token verification); each the fastest of a few runs taken in turns, since other work on the machine
+  only adds time and a change of load then hits every measurement alike;
 - the head's acceptance on a few built-in calibration prompts: their greedy answers are recorded once with plain
   decoding (:func:`eagle.model.replay.record`), then the drafter drafts the deepest tree of each top-k at every
   position of every answer. Greedy verification accepts the longest path that spells the recorded continuation,
@@ -259,22 +260,28 @@ def measure_acceptance(model, top_ks, max_depth: int, progress) -> CalibrationAc
 
 
 # ---------------------------------------------------------------------------------------------------- costs
-def _best_seconds(run, repeats: int, device) -> float:
-    """The fastest of ``repeats`` timed runs after one warm-up: other work on the machine only ever adds time, so
-    the minimum is the estimate least disturbed by it."""
-    timings = []
-    for _ in range(repeats + 1):
-        synchronize(device)
-        start = time.perf_counter()
-        run()
-        synchronize(device)
-        timings.append(time.perf_counter() - start)
-    return min(timings[1:])
+def best_seconds(runs: dict, repeats: int, device, progress=None) -> dict:
+    """Seconds of each of ``runs`` (name -> function), the fastest of ``repeats`` timings after one warm-up. The
+    runs take turns (round-robin), so a change of load on a shared machine hits every run alike, and other work
+    only ever adds time, so the minimum is the estimate it disturbs least."""
+    timings = {name: [] for name in runs}
+    with torch.no_grad():
+        for repeat in range(repeats + 1):
+            for name, run in runs.items():
+                synchronize(device)
+                start = time.perf_counter()
+                run()
+                synchronize(device)
+                if repeat:
+                    timings[name].append(time.perf_counter() - start)
+            if progress is not None:
+                progress.update(1)
+    return {name: min(values) for name, values in timings.items()}
 
 
-def time_verification(model, size: int, prefix: int = PREFIX, repeats: int = REPEATS, top_k: int = 4) -> float:
-    """Seconds of one verification of a ``size``-node tree after a ``prefix``-token context: the target
-    forward plus reading the logits rows of a 3-token path (on a CPU only the rows read go through the LM head)."""
+def verification_run(model, size: int, prefix: int = PREFIX, top_k: int = 4):
+    """A function that verifies a ``size``-node tree after a ``prefix``-token context: the target forward plus
+    reading the logits rows of a 3-token path (on a CPU only the rows read go through the LM head)."""
     target, vocab, device = model._eagle_target, model.vocab_size, model.device
     cache = target.new_cache(prefix + size + 1)
     generator = torch.Generator().manual_seed(0)
@@ -283,6 +290,8 @@ def time_verification(model, size: int, prefix: int = PREFIX, repeats: int = REP
     tree = tree_from_parents(torch.randint(0, vocab, (size,), generator=generator).to(device), parents.to(device),
                              torch.zeros(size, device=device))
     path = [node for node in tree.retrieve_indices[0][:3].tolist() if node >= 0]
+    with torch.no_grad():
+        target.forward(context, cache, torch.arange(prefix), last_logits_only=True)
 
     def run():
         cache.crop(prefix)
@@ -290,28 +299,27 @@ def time_verification(model, size: int, prefix: int = PREFIX, repeats: int = REP
         for node in path:
             logits[node].argmax()
 
-    with torch.no_grad():
-        target.forward(context, cache, torch.arange(prefix), last_logits_only=True)
-        return _best_seconds(run, repeats, device)
+    return run
 
 
-def time_draft(model, top_k: int, depth: int, prefix: int = PREFIX, repeats: int = REPEATS) -> float:
-    """Seconds of one draft (a committed token, then the tree of ``top_k`` and ``depth``)."""
+def draft_run(model, top_k: int, depth: int, prefix: int = PREFIX):
+    """A function that drafts once (a committed token, then the tree of ``top_k`` and ``depth``) after a
+    ``prefix``-token context."""
     head, device = model.ea_layer, model.device
     generator = torch.Generator().manual_seed(0)
     features = torch.randn(1, prefix + 1, head.feature_size, generator=generator).to(device)
     tokens = torch.randint(0, model.vocab_size, (1, prefix + 1), generator=generator).to(device)
     drafter = EagleDrafter(head, TreeSettings(min(16, top_k + depth * top_k * top_k + 1), depth, top_k, 0))
+    with torch.no_grad():
+        drafter.reset()
+        drafter.draft(features[:, :prefix], tokens[:, :prefix])
+    context_kv = drafter.committed_kv
 
     def run():
         drafter.committed_kv = context_kv
         drafter.draft(features[:, prefix:], tokens[:, prefix:])
 
-    with torch.no_grad():
-        drafter.reset()
-        drafter.draft(features[:, :prefix], tokens[:, :prefix])
-        context_kv = drafter.committed_kv
-        return _best_seconds(run, repeats, device)
+    return run
 
 
 def time_plain_step(model, prefix: int = PREFIX, repeats: int = REPEATS) -> float:
@@ -331,23 +339,25 @@ def time_plain_step(model, prefix: int = PREFIX, repeats: int = REPEATS) -> floa
     return min(timings[1:] or timings)
 
 
-def measure_costs(model, top_ks, max_depth: int, progress) -> StepCosts:
-    """Time verification at :data:`VERIFY_SIZES`, drafts of every top-k at depths 1 and ``max_depth``, and a
-    plain step (what a step costs besides its draft and its verification: the plain step less a one-token
-    verification)."""
-    verify_seconds = []
-    for size in VERIFY_SIZES:
-        verify_seconds.append(time_verification(model, size))
-        progress.update(1)
+def measure_costs(model, top_ks, max_depth: int, progress=None) -> StepCosts:
+    """Time verification at :data:`VERIFY_SIZES`, drafts of every top-k at depths 1 and ``max_depth`` (all in
+    turns, see :func:`best_seconds`), and a plain step, whose part besides a one-token verification is the rest
+    of a step (evaluation, commit, the loop)."""
+    deep = max(max_depth, 2)
+    runs = {("verify", size): verification_run(model, size) for size in VERIFY_SIZES}
+    for top_k in top_ks:
+        runs[("draft", top_k, 1)] = draft_run(model, top_k, 1)
+        runs[("draft", top_k, deep)] = draft_run(model, top_k, deep)
+    seconds = best_seconds(runs, REPEATS, model.device, progress)
+    verify_seconds = [seconds[("verify", size)] for size in VERIFY_SIZES]
     base, per_depth = {}, {}
     for top_k in top_ks:
-        shallow, deep = time_draft(model, top_k, 1), time_draft(model, top_k, max(max_depth, 2))
-        per_depth[top_k] = max(deep - shallow, 0.0) / (max(max_depth, 2) - 1)
+        shallow = seconds[("draft", top_k, 1)]
+        per_depth[top_k] = max(seconds[("draft", top_k, deep)] - shallow, 0.0) / (deep - 1)
         base[top_k] = max(shallow - per_depth[top_k], 0.0)
-        progress.update(1)
     plain_step = time_plain_step(model)
-    overhead = max(plain_step - verify_seconds[0], 0.0)
-    return StepCosts(list(VERIFY_SIZES), verify_seconds, base, per_depth, overhead, plain_step)
+    return StepCosts(list(VERIFY_SIZES), verify_seconds, base, per_depth, max(plain_step - verify_seconds[0], 0.0),
+                     plain_step)
 
 
 # ---------------------------------------------------------------------------------------------------- tune + cache
@@ -434,7 +444,7 @@ def tune_tree(model, fixed: dict | None = None, use_cache: bool = True) -> TreeS
     top_ks = sorted({s.top_k for s in space})
     max_depth = max(s.depth for s in space)
     sweep_ks = sorted(set(top_ks) | ({REFERENCE_TREE.top_k} if not fixed else set()))
-    with torch.no_grad(), tqdm(total=len(CALIBRATION_PROMPTS) + 2 * len(sweep_ks) + len(VERIFY_SIZES),
+    with torch.no_grad(), tqdm(total=len(CALIBRATION_PROMPTS) + len(sweep_ks) + REPEATS + 1,
                                desc="tuning the draft tree") as progress:
         acceptance = measure_acceptance(model, sweep_ks, max_depth, progress)
         costs = measure_costs(model, sweep_ks, max_depth, progress)
