@@ -1,0 +1,93 @@
+"""Rules the library keeps as it grows: small functions, device-agnostic code, safe loading, servers on loopback.
+
+Each rule is checked on the source tree (AST where it matters), and each checker is shown to catch a violation.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "eagle"
+MAX_FUNCTION_LINES = 80
+# The one module allowed to call CUDA-specific synchronisation (it checks the device first).
+DEVICE_HELPER = PACKAGE / "utils" / "device.py"
+
+
+def _sources() -> list[Path]:
+    return sorted(PACKAGE.rglob("*.py"))
+
+
+def long_functions(source: str, limit: int = MAX_FUNCTION_LINES) -> list[tuple[str, int]]:
+    """(name, lines) of every function or method whose definition spans more than ``limit`` lines."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            length = node.end_lineno - node.lineno + 1
+            if length > limit:
+                found.append((node.name, length))
+    return found
+
+
+def unsafe_torch_loads(source: str) -> list[int]:
+    """Line numbers of ``torch.load(...)`` calls without ``weights_only=True``."""
+    lines = []
+    for node in ast.walk(ast.parse(source)):
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "load"
+                and isinstance(node.func.value, ast.Name) and node.func.value.id == "torch"):
+            safe = any(k.arg == "weights_only" and isinstance(k.value, ast.Constant) and k.value.value is True
+                       for k in node.keywords)
+            if not safe:
+                lines.append(node.lineno)
+    return lines
+
+
+def device_specific_calls(source: str) -> list[str]:
+    """``.cuda()`` calls and ``torch.cuda.synchronize`` uses (outside the device helper they are not allowed)."""
+    code = "\n".join(line.split("#", 1)[0] for line in source.splitlines())
+    return re.findall(r"\.cuda\(\)|torch\.cuda\.synchronize", code)
+
+
+def test_no_function_longer_than_the_limit():
+    offenders = [f"{path.relative_to(PACKAGE.parent)}:{name} ({length} lines)"
+                 for path in _sources() for name, length in long_functions(path.read_text())]
+    assert not offenders, f"functions over {MAX_FUNCTION_LINES} lines: {offenders}"
+
+
+def test_long_function_checker_catches_one():
+    body = "\n".join(f"    x{i} = {i}" for i in range(MAX_FUNCTION_LINES))
+    assert long_functions(f"def f():\n{body}\n") == [("f", MAX_FUNCTION_LINES + 1)]
+    assert long_functions("def g():\n    return 1\n") == []
+
+
+def test_torch_load_is_always_weights_only():
+    offenders = [f"{path.relative_to(PACKAGE.parent)}:{line}"
+                 for path in _sources() for line in unsafe_torch_loads(path.read_text())]
+    assert not offenders, f"torch.load without weights_only=True: {offenders}"
+    assert unsafe_torch_loads("import torch\ntorch.load(p)\n") == [2]
+    assert unsafe_torch_loads("import torch\ntorch.load(p, weights_only=False)\n") == [2]
+    assert unsafe_torch_loads("import torch\ntorch.load(p, weights_only=True)\n") == []
+
+
+def test_library_code_is_device_agnostic():
+    offenders = {str(path.relative_to(PACKAGE.parent)): calls for path in _sources() if path != DEVICE_HELPER
+                 for calls in [device_specific_calls(path.read_text())] if calls}
+    assert not offenders, f"device-specific calls outside eagle/utils/device.py: {offenders}"
+    assert device_specific_calls("x = y.cuda()\ntorch.cuda.synchronize()\n") == [".cuda()", "torch.cuda.synchronize"]
+
+
+def test_no_remote_code_is_trusted_by_default():
+    pattern = re.compile(r"trust_remote_code\s*=\s*True")
+    offenders = [str(path.relative_to(PACKAGE.parent)) for path in _sources() if pattern.search(path.read_text())]
+    assert not offenders, f"trust_remote_code=True hard-coded in {offenders}"
+
+
+@pytest.mark.parametrize("module", ["eagle.application.webui", "eagle.application.server"])
+def test_servers_bind_to_loopback_by_default(module):
+    import importlib
+
+    mod = importlib.import_module(module)
+    assert mod.parse_args([]).host == "127.0.0.1"
