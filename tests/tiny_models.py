@@ -151,7 +151,7 @@ def make_tiny_pair(tmp_path: Path, family: str = "llama", eagle3: bool = True, d
 
 
 def train_head_quickly(base_dir: Path, head_dir: Path, eagle3: bool = True, steps: int = 150, seed: int = 0,
-                       num_sequences: int = 32, length: int = 40) -> torch.Tensor:
+                       num_sequences: int = 32, length: int = 40, lr: float = 3e-3) -> torch.Tensor:
     """Fit the head at ``head_dir`` for a few seconds to its tiny target's own greedy continuations of random
     4-token prompts (teacher forcing on the target's features, plus one step on the head's own features), and
     save it in place. Returns the prompts (num_sequences, 4): on them the head is accepted often, which is what
@@ -182,7 +182,11 @@ def train_head_quickly(base_dir: Path, head_dir: Path, eagle3: bool = True, step
     if not eagle3:
         head.attach_target_lm_head(target.get_output_embeddings())
     params = [p for n, p in head.named_parameters() if not n.startswith("embed_tokens")]
-    optim = torch.optim.Adam(params, lr=3e-3)
+    with torch.no_grad():  # start near zero: the random test head's outputs are far too large to learn from quickly
+        for param in params:
+            if param.dim() == 2:
+                param.mul_(0.1)
+    optim = torch.optim.Adam(params, lr=lr)
     # pair (feature of t, token t+1) -> the target's choice after t+1
     feats, next_tokens, targets = features[:, :-1], seqs[:, 1:], labels[:, 1:]
     if eagle3 and head.reduced_vocab:
