@@ -167,12 +167,13 @@ def write_plot(rows: list[dict], path: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, (throughput, latency) = plt.subplots(1, 2, figsize=(10, 4))
-    for mode in MODES:
+    for mode, color in zip(MODES, ("C0", "C1")):
         mine = [r for r in rows if r["mode"] == mode]
         clients = [r["clients"] for r in mine]
-        throughput.plot(clients, [r["tokens_per_s"] for r in mine], marker="o", label=mode)
-        latency.plot(clients, [r["latency_p50_s"] for r in mine], marker="o", label=f"{mode} p50")
-        latency.plot(clients, [r["ttft_p50_s"] for r in mine], marker="x", linestyle="--", label=f"{mode} TTFT p50")
+        throughput.plot(clients, [r["tokens_per_s"] for r in mine], marker="o", color=color, label=mode)
+        latency.plot(clients, [r["latency_p50_s"] for r in mine], marker="o", color=color, label=f"{mode} p50")
+        latency.plot(clients, [r["ttft_p50_s"] for r in mine], marker="x", linestyle="--", color=color,
+                     label=f"{mode} TTFT p50")
     throughput.set(xlabel="concurrent clients", ylabel="generated tokens/s", title="Server throughput")
     latency.set(xlabel="concurrent clients", ylabel="seconds", title="Latency")
     for axis in (throughput, latency):
