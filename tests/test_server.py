@@ -397,3 +397,18 @@ def test_serve_benchmark_measures_both_modes_with_identical_greedy_answers(tiny_
     assert results["greedy_identical"] == "2 of 2"
     for name in ("serve_benchmark.json", "serve_benchmark.md", "serve_benchmark.png"):
         assert (tmp_path / name).stat().st_size > 0
+
+
+def test_model_type_formats_the_chat_and_refuses_what_it_cannot_express(tiny_model):
+    from eagle import templates
+
+    message = "Hello there"
+    ids = templates.encode_prompt(templates.MODEL_TYPES["vicuna"], tiny_model.tokenizer, [(message, None)])
+    expected = reference(tiny_model, ids, 16)[0]
+    with serve(tiny_model, model_type="vicuna") as server:
+        answer = ask(server, message, 16)
+        assert answer.choices[0].message.content == expected and answer.usage.prompt_tokens == len(ids)
+        with pytest.raises(openai.BadRequestError) as err:
+            client(server).chat.completions.create(model=NAME, max_tokens=4, messages=[
+                {"role": "system", "content": "Be brief."}, {"role": "user", "content": message}])
+        assert err.value.param == "messages"

@@ -141,10 +141,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def warm_up(model, use_eagle: bool) -> None:
     """One short generation, so that the first client does not wait for lazy initialisation."""
-    import torch
-
     ids = model.tokenizer("Hello", return_tensors="pt")["input_ids"]
-    for _ in model.generate_steps(torch.as_tensor(ids), max_new_tokens=8, use_eagle=use_eagle):
+    for _ in model.generate_steps(ids, max_new_tokens=8, use_eagle=use_eagle):
         pass
 
 

@@ -133,7 +133,7 @@ def measure(model, args: argparse.Namespace, prompts: list[str]) -> tuple[list[d
     rows, answers = [], {mode: {} for mode in MODES}
     for clients in args.clients:
         for mode in MODES:
-            app = create_app(model, served_model_name="bench", use_eagle=mode == "eagle",
+            app = create_app(model, served_model_name="bench", use_eagle=mode == "eagle", model_type=args.model_type,
                              max_queue=max(64, clients), default_max_tokens=args.max_tokens)
             with BackgroundServer(app) as server:
                 run_load(server.url, "bench", prompts[:1], 1, 1, 8)  # warm-up
@@ -192,11 +192,14 @@ def main(argv: list[str] | None = None) -> dict:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
     prompts = load_prompts(args.num_prompts)
-    model = load_model(args)
+    model = load_model(args)  # fills in the paths and tree that were used
+    settings = dict(vars(args))
+    for key in ("base_model_path", "ea_model_path"):  # the model's name, not where this machine keeps it
+        settings[key] = settings[key] and os.path.basename(os.path.normpath(settings[key]))
     rows, answers = measure(model, args, prompts)
     same = sum(answers["eagle"][p] == answers["plain"].get(p) for p in answers["eagle"])
     results = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": platform.processor() or
-               platform.machine(), "cpus": os.cpu_count(), "settings": {k: v for k, v in vars(args).items()},
+               platform.machine(), "cpus": os.cpu_count(), "settings": settings,
                "rows": rows, "greedy_identical": f"{same} of {len(answers['eagle'])}"}
     os.makedirs(args.output_dir, exist_ok=True)
     table = markdown_table(rows)
