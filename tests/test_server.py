@@ -412,3 +412,36 @@ def test_model_type_formats_the_chat_and_refuses_what_it_cannot_express(tiny_mod
             client(server).chat.completions.create(model=NAME, max_tokens=4, messages=[
                 {"role": "system", "content": "Be brief."}, {"role": "user", "content": message}])
         assert err.value.param == "messages"
+
+
+def test_command_line_serves_the_model_given_by_flags(tiny_pair, tiny_model):
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    base_dir, head_dir = tiny_pair
+    with socket.socket() as probe:  # a free port for the server to bind
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    env = dict(os.environ, EAGLE_API_KEY="from-env")
+    command = [sys.executable, "-m", "eagle.application.server", "--base-model-path", str(base_dir),
+               "--ea-model-path", str(head_dir), "--total-token", "12", "--depth", "3", "--top-k", "4",
+               "--port", str(port), "--served-model-name", NAME, "--no-warmup"]
+    process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    server = type("Started", (), {"url": f"http://127.0.0.1:{port}"})()
+    try:
+        def up():
+            assert process.poll() is None, f"the server exited: {process.stderr.read()}"
+            with contextlib.suppress(httpx.TransportError):
+                return httpx.get(server.url + "/health", timeout=5).status_code == 200
+            return False
+
+        wait_until(up, "the server to start", limit=180)
+        assert httpx.get(server.url + "/v1/models").status_code == 401
+        answer = client(server, "from-env").chat.completions.create(
+            model=NAME, messages=[{"role": "user", "content": PROMPTS[0]}], max_tokens=12, temperature=0)
+        assert answer.choices[0].message.content == reference(tiny_model, chat_ids(tiny_model, PROMPTS[0]), 12)[0]
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
