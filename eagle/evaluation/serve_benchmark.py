@@ -186,14 +186,14 @@ def write_plot(rows: list[dict], path: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    from ..application.server import load_model
+    from ..application.server import default_served_name, load_model
 
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
     prompts = load_prompts(args.num_prompts)
-    model = load_model(args)  # fills in the paths and tree that were used
-    settings = dict(vars(args))
+    model = load_model(args)
+    settings = dict(vars(args), model=default_served_name(args.base_model_path))
     for key in ("base_model_path", "ea_model_path"):  # the model's name, not where this machine keeps it
         settings[key] = settings[key] and os.path.basename(os.path.normpath(settings[key]))
     rows, answers = measure(model, args, prompts)
