@@ -23,6 +23,7 @@ openai = pytest.importorskip("openai")
 from eagle.application.prompts import encode_prompt  # noqa: E402
 from eagle.application.server import BackgroundServer, create_app, parse_args  # noqa: E402
 from eagle.application.text_stream import TextStream  # noqa: E402
+from eagle.model.ea_model import EaModel  # noqa: E402
 
 NAME = "tiny-eagle"
 PROMPTS = ["Hi there", "What is 2+2?", "Tell me a story.", "abc", "Name a colour.", "Why?", "Count to five.",
@@ -31,8 +32,9 @@ WAIT_S = 60  # upper bound of any single wait in these tests
 
 
 class ControlledModel:
-    """The wrapped ``EaModel`` with hooks in ``generate_steps``: while ``gate`` is cleared the worker waits before
-    each step; a prompt containing ``fail_token`` raises inside the engine. Counts the steps run."""
+    """The wrapped ``EaModel`` with hooks in ``generate_steps`` (and ``generate_batch_steps`` where the engine has
+    it): while ``gate`` is cleared the worker waits before each step; a prompt containing ``fail_token`` raises
+    inside the engine. Counts the steps run and records the size of each batched generation."""
 
     def __init__(self, model):
         self._model = model
@@ -40,25 +42,31 @@ class ControlledModel:
         self.gate.set()
         self.fail_token: int | None = None
         self.steps_run = 0
+        self.batch_sizes: list[int] = []  # of each batched generation
 
     def __getattr__(self, name):
+        if name == "generate_batch_steps":
+            getattr(self._model, name)  # AttributeError where the engine generates one sequence at a time
+            return self._batch_steps
         return getattr(self._model, name)
+
+    def _batch_steps(self, prompts, **kwargs):
+        self.batch_sizes.append(len(prompts))
+        return self._gated(self._model.generate_batch_steps(prompts, **kwargs))
 
     def generate_steps(self, input_ids, **kwargs):
         if self.fail_token is not None and self.fail_token in input_ids[0].tolist():
             raise RuntimeError("simulated engine failure")
-        inner = self._model.generate_steps(input_ids, **kwargs)
+        return self._gated(self._model.generate_steps(input_ids, **kwargs))
 
-        def steps():
-            try:
-                for step in inner:
-                    assert self.gate.wait(WAIT_S), "the test never opened the gate"
-                    self.steps_run += 1
-                    yield step
-            finally:
-                inner.close()
-
-        return steps()
+    def _gated(self, inner):
+        try:
+            for step in inner:
+                assert self.gate.wait(WAIT_S), "the test never opened the gate"
+                self.steps_run += 1
+                yield step
+        finally:
+            inner.close()
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +82,7 @@ def tiny_model(tiny_pair):
 @pytest.fixture(scope="module")
 def served(tiny_model):
     """A server on the tiny model with default settings, shared by the tests that only read answers."""
-    with BackgroundServer(create_app(tiny_model, served_model_name=NAME)) as server:
+    with BackgroundServer(create_app(tiny_model, served_model_name=NAME, max_batch_size=8)) as server:
         yield server
 
 
@@ -239,6 +247,22 @@ def test_load_64_requests_from_16_threads(served, tiny_model):
     assert metric(served, "eagle_queue_depth") == 0
 
 
+@pytest.mark.skipif(not hasattr(EaModel, "generate_batch_steps"), reason="the engine generates one sequence at a time")
+def test_waiting_requests_join_one_batch_and_get_their_answers_alone(tiny_model):
+    model = ControlledModel(tiny_model)
+    expected = [reference(tiny_model, chat_ids(tiny_model, message), 16)[0] for message in PROMPTS]
+    model.gate.clear()  # the first request holds the worker while the others arrive
+    with serve(model, max_batch_size=8) as server, concurrent.futures.ThreadPoolExecutor(8) as pool:
+        futures = [pool.submit(ask, server, PROMPTS[0], 16)]
+        wait_until(lambda: metric(server, "eagle_running_requests") == 1, "the first request to run")
+        futures += [pool.submit(ask, server, message, 16) for message in PROMPTS[1:]]
+        wait_until(lambda: metric(server, "eagle_queue_depth") == 7, "seven requests to wait")
+        model.gate.set()
+        answers = [future.result(timeout=WAIT_S).choices[0].message.content for future in futures]
+    assert answers == expected
+    assert model.batch_sizes == [7]  # the seven that waited ran as one batch
+
+
 # ------------------------------------------------------------------------------------------------------- errors
 def test_api_key_is_required_when_set(tiny_model, monkeypatch):
     with serve(tiny_model, api_key="sesame") as server:
@@ -397,3 +421,51 @@ def test_serve_benchmark_measures_both_modes_with_identical_greedy_answers(tiny_
     assert results["greedy_identical"] == "2 of 2"
     for name in ("serve_benchmark.json", "serve_benchmark.md", "serve_benchmark.png"):
         assert (tmp_path / name).stat().st_size > 0
+
+
+def test_model_type_formats_the_chat_and_refuses_what_it_cannot_express(tiny_model):
+    from eagle import templates
+
+    message = "Hello there"
+    ids = templates.encode_prompt(templates.MODEL_TYPES["vicuna"], tiny_model.tokenizer, [(message, None)])
+    expected = reference(tiny_model, ids, 16)[0]
+    with serve(tiny_model, model_type="vicuna") as server:
+        answer = ask(server, message, 16)
+        assert answer.choices[0].message.content == expected and answer.usage.prompt_tokens == len(ids)
+        with pytest.raises(openai.BadRequestError) as err:
+            client(server).chat.completions.create(model=NAME, max_tokens=4, messages=[
+                {"role": "system", "content": "Be brief."}, {"role": "user", "content": message}])
+        assert err.value.param == "messages"
+
+
+def test_command_line_serves_the_model_given_by_flags(tiny_pair, tiny_model):
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    base_dir, head_dir = tiny_pair
+    with socket.socket() as probe:  # a free port for the server to bind
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    env = dict(os.environ, EAGLE_API_KEY="from-env")
+    command = [sys.executable, "-m", "eagle.application.server", "--base-model-path", str(base_dir),
+               "--ea-model-path", str(head_dir), "--total-token", "12", "--depth", "3", "--top-k", "4",
+               "--port", str(port), "--served-model-name", NAME, "--no-warmup"]
+    process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    server = type("Started", (), {"url": f"http://127.0.0.1:{port}"})()
+    try:
+        def up():
+            assert process.poll() is None, f"the server exited: {process.stderr.read()}"
+            with contextlib.suppress(httpx.TransportError):
+                return httpx.get(server.url + "/health", timeout=5).status_code == 200
+            return False
+
+        wait_until(up, "the server to start", limit=180)
+        assert httpx.get(server.url + "/v1/models").status_code == 401
+        answer = client(server, "from-env").chat.completions.create(
+            model=NAME, messages=[{"role": "user", "content": PROMPTS[0]}], max_tokens=12, temperature=0)
+        assert answer.choices[0].message.content == reference(tiny_model, chat_ids(tiny_model, PROMPTS[0]), 12)[0]
+    finally:
+        process.terminate()
+        process.wait(timeout=30)

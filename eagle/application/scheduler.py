@@ -5,9 +5,13 @@ The worker takes a batch of waiting requests, runs it with :meth:`Scheduler.run_
 step and hands each request its new text through its ``deliver`` callback, and takes the next batch. Between two
 steps it drops requests that were cancelled (a client that went away), so their place is freed at once.
 
-The engine generates one sequence at a time (``EaModel.generate_steps``), so a batch holds one request today:
-:meth:`Scheduler._batch_steps` is the one place that turns a batch into per-request steps, and where a batched
-engine plugs in (then waiting requests join at the next batch start, up to ``max_batch_size``).
+Batching: when the engine generates batches (``EaModel.generate_batch_steps``), a batch takes the first waiting
+request and the waiting requests that can share its generation (greedy ones together; sampled ones with the same
+temperature / top-p / top-k and no seed), up to ``max_batch_size``: requests that arrive while a batch runs join
+the next batch. A request that sets a seed runs alone (its own random generator). Each request ends at its own stop
+token, budget, stop string or cancellation; the batch ends when all of them have. With an engine that generates
+one sequence at a time (``generate_steps`` only), every batch holds one request.
+:meth:`Scheduler._batch_steps` is the one place that turns a batch into per-request steps.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..model.generation import Step
 from .openai_schema import APIError
 from .text_stream import TextStream
 
@@ -78,6 +83,15 @@ class GenerationRequest:
                             steps=self.steps, accepted=self.accepted))
 
 
+def _batch_key(params: GenerationParams) -> tuple | None:
+    """Requests with the same key may be generated in one batch; None: this one runs alone (a seeded sampler)."""
+    if params.temperature <= 1e-5:
+        return ("greedy",)
+    if params.seed is not None:
+        return None
+    return ("sample", params.temperature, params.top_p, params.top_k)
+
+
 class Metrics:
     """Counters for ``/metrics`` (Prometheus text format)."""
 
@@ -110,7 +124,8 @@ class Metrics:
             for name, kind, value, text in [
                 ("prompt_tokens_total", "counter", self.prompt_tokens, "Prompt tokens of finished requests."),
                 ("generated_tokens_total", "counter", self.generated_tokens, "Generated tokens."),
-                ("steps_total", "counter", self.steps, "Target forward passes (prefills included)."),
+                ("steps_total", "counter", self.steps,
+                 "Generation steps per request (prefills included; a batched step counts once per request)."),
                 ("busy_seconds_total", "counter", round(self.busy_seconds, 6), "Seconds the model was generating."),
                 ("tokens_per_second", "gauge", round(rate, 4), "Generated tokens per busy second."),
                 ("mean_accepted_tokens_per_step", "gauge", round(mean_accepted, 4),
@@ -137,7 +152,8 @@ class Scheduler:
             raise ValueError(f"max_queue and max_batch_size must be >= 1, got {max_queue} and {max_batch_size}")
         self.model, self.max_queue, self.max_length = model, max_queue, max_length
         self.max_batch_size = max_batch_size
-        self.batch_capacity = 1  # the engine runs one sequence at a time (see _batch_steps)
+        # requests per batch: the engine's batched loop where it has one (see the module docstring)
+        self.batch_capacity = max_batch_size if hasattr(model, "generate_batch_steps") else 1
         self.use_eagle, self.is_llama3 = use_eagle, is_llama3
         self.mode = EAGLE if use_eagle else PLAIN
         self.metrics = Metrics()
@@ -202,10 +218,18 @@ class Scheduler:
                 self._cond.wait()
             if self._closing:
                 return None
-            size = min(self.batch_capacity, self.max_batch_size, len(self._waiting))
-            self._running = [self._waiting.popleft() for _ in range(size)]
-            self.metrics.batch_size = size
-            return list(self._running)
+            first = self._waiting.popleft()
+            batch, key = [first], _batch_key(first.params)
+            if key is not None:
+                for request in list(self._waiting):
+                    if len(batch) >= self.batch_capacity:
+                        break
+                    if _batch_key(request.params) == key:
+                        self._waiting.remove(request)
+                        batch.append(request)
+            self._running = batch
+            self.metrics.batch_size = len(batch)
+            return list(batch)
 
     def _work(self) -> None:
         while (batch := self._next_batch()) is not None:
@@ -236,20 +260,51 @@ class Scheduler:
 
     def _batch_steps(self, batch: list[GenerationRequest]) -> Iterator[tuple[GenerationRequest, object]]:
         """``(request, Step)`` pairs as the engine produces them; ends each request (stop token, budget, stop
-        string, cancellation). One request at a time until the engine batches."""
-        for request in batch:
-            if request.cancelled.is_set():
-                self.metrics.count("cancelled")
-                continue
-            steps = self._steps_of(request)
-            try:
-                for step in steps:
-                    yield request, step
-                    if request.done or request.cancelled.is_set():
-                        break
-            finally:
-                steps.close()
-            self._end(request)
+        string, cancellation)."""
+        if len(batch) > 1:
+            yield from self._batched_steps(batch)
+            return
+        request = batch[0]
+        if request.cancelled.is_set():
+            self.metrics.count("cancelled")
+            return
+        steps = self._steps_of(request)
+        try:
+            for step in steps:
+                yield request, step
+                if request.done or request.cancelled.is_set():
+                    break
+        finally:
+            steps.close()
+        self._end(request)
+
+    def _batched_steps(self, batch: list[GenerationRequest]) -> Iterator[tuple[GenerationRequest, Step]]:
+        """One batched generation for ``batch`` (requests of one :func:`_batch_key`). A row that has ended (its
+        stop token, its own budget, a stop string, a cancelled client) is no longer delivered; the generation stops
+        when every row has ended."""
+        params = batch[0].params
+        steps = self.model.generate_batch_steps(
+            [torch.tensor(r.prompt_ids, dtype=torch.long) for r in batch], temperature=params.temperature,
+            top_p=params.top_p, top_k=params.top_k, max_new_tokens=max(r.params.max_new_tokens for r in batch),
+            max_length=self.max_length, is_llama3=self.is_llama3, use_eagle=self.use_eagle)
+        open_rows = list(range(len(batch)))
+        try:
+            for step in steps:
+                for row in list(open_rows):
+                    request = batch[row]
+                    tokens = step.tokens[row][:request.params.max_new_tokens - request.completion_tokens]
+                    if tokens.numel() and not request.cancelled.is_set():
+                        yield request, Step(tokens=tokens, accepted=min(int(step.accepted[row]), tokens.numel()))
+                    if (step.finished[row] or request.done or request.cancelled.is_set()
+                            or request.completion_tokens >= request.params.max_new_tokens):
+                        open_rows.remove(row)
+                        self._end(request)
+                if not open_rows:
+                    break
+        finally:
+            steps.close()
+        for row in open_rows:  # the engine ended without flagging them (it should not happen)
+            self._end(batch[row])
 
     def _steps_of(self, request: GenerationRequest):
         params = request.params

@@ -27,7 +27,7 @@ DEFAULT_MAX_QUEUE = 64
 
 def create_app(model, served_model_name: str = "eagle", api_key: str | None = None, model_type: str | None = None,
                use_eagle: bool = True, max_length: int = 2048, default_max_tokens: int = 512,
-               max_queue: int = DEFAULT_MAX_QUEUE, max_batch_size: int = 1):
+               max_queue: int = DEFAULT_MAX_QUEUE, max_batch_size: int = 8):
     """The FastAPI app serving ``model`` (an ``EaModel``). ``max_length``: prompt plus answer in tokens (capped by
     the model's position limit); ``use_eagle=False`` serves plain decoding (for comparison). The model worker
     starts when the app starts (uvicorn's lifespan) and stops with it."""
@@ -121,8 +121,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--served-model-name", default=None,
                         help="the model name clients pass (default: the base model's file or directory name, or "
                         "its Hub id)")
-    parser.add_argument("--max-batch-size", type=int, default=1,
-                        help="requests generated together once the engine batches (today one at a time)")
+    parser.add_argument("--max-batch-size", type=int, default=8,
+                        help="waiting requests generated together in one batch, where the engine generates batches "
+                        "(default 8)")
     parser.add_argument("--max-queue", type=int, default=DEFAULT_MAX_QUEUE,
                         help=f"requests that may wait for the model; more get 429 (default {DEFAULT_MAX_QUEUE})")
     parser.add_argument("--max-length", type=int, default=2048,
@@ -141,10 +142,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def warm_up(model, use_eagle: bool) -> None:
     """One short generation, so that the first client does not wait for lazy initialisation."""
-    import torch
-
     ids = model.tokenizer("Hello", return_tensors="pt")["input_ids"]
-    for _ in model.generate_steps(torch.as_tensor(ids), max_new_tokens=8, use_eagle=use_eagle):
+    for _ in model.generate_steps(ids, max_new_tokens=8, use_eagle=use_eagle):
         pass
 
 

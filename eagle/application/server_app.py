@@ -20,6 +20,7 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from .. import templates
 from . import openai_schema as schema
 from .openai_schema import APIError, ChatCompletionRequest, CompletionRequest
 from .prompts import encode_prompt, get_model_type
@@ -161,9 +162,8 @@ def chat_prompt_ids(tokenizer, messages: list[schema.ChatMessage], model_type: s
     if roles[-1] != "user" or any(r != ("user" if i % 2 == 0 else "assistant") for i, r in enumerate(roles)):
         raise APIError(400, f"The prompt format '{model_type}' takes user and assistant messages in turn, starting "
                        "and ending with a user message (no system message).", param="messages")
-    turns = [(conversation[i]["content"], conversation[i + 1]["content"]) for i in range(0, len(roles) - 1, 2)]
-    return encode_prompt(tokenizer, kind.build_text(tokenizer, turns, conversation[-1]["content"]),
-                         kind.template_has_special_tokens)
+    texts = [m["content"] for m in conversation] + [None]
+    return templates.encode_prompt(kind, tokenizer, list(zip(texts[0::2], texts[1::2])))
 
 
 def _params(body: schema.SamplingRequest, budget: int | None, prompt_length: int, max_length: int,

@@ -133,7 +133,7 @@ def measure(model, args: argparse.Namespace, prompts: list[str]) -> tuple[list[d
     rows, answers = [], {mode: {} for mode in MODES}
     for clients in args.clients:
         for mode in MODES:
-            app = create_app(model, served_model_name="bench", use_eagle=mode == "eagle",
+            app = create_app(model, served_model_name="bench", use_eagle=mode == "eagle", model_type=args.model_type,
                              max_queue=max(64, clients), default_max_tokens=args.max_tokens)
             with BackgroundServer(app) as server:
                 run_load(server.url, "bench", prompts[:1], 1, 1, 8)  # warm-up
@@ -167,12 +167,13 @@ def write_plot(rows: list[dict], path: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, (throughput, latency) = plt.subplots(1, 2, figsize=(10, 4))
-    for mode in MODES:
+    for mode, color in zip(MODES, ("C0", "C1")):
         mine = [r for r in rows if r["mode"] == mode]
         clients = [r["clients"] for r in mine]
-        throughput.plot(clients, [r["tokens_per_s"] for r in mine], marker="o", label=mode)
-        latency.plot(clients, [r["latency_p50_s"] for r in mine], marker="o", label=f"{mode} p50")
-        latency.plot(clients, [r["ttft_p50_s"] for r in mine], marker="x", linestyle="--", label=f"{mode} TTFT p50")
+        throughput.plot(clients, [r["tokens_per_s"] for r in mine], marker="o", color=color, label=mode)
+        latency.plot(clients, [r["latency_p50_s"] for r in mine], marker="o", color=color, label=f"{mode} p50")
+        latency.plot(clients, [r["ttft_p50_s"] for r in mine], marker="x", linestyle="--", color=color,
+                     label=f"{mode} TTFT p50")
     throughput.set(xlabel="concurrent clients", ylabel="generated tokens/s", title="Server throughput")
     latency.set(xlabel="concurrent clients", ylabel="seconds", title="Latency")
     for axis in (throughput, latency):
@@ -185,17 +186,20 @@ def write_plot(rows: list[dict], path: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    from ..application.server import load_model
+    from ..application.server import default_served_name, load_model
 
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
     prompts = load_prompts(args.num_prompts)
     model = load_model(args)
+    settings = dict(vars(args), model=default_served_name(args.base_model_path))
+    for key in ("base_model_path", "ea_model_path"):  # the model's name, not where this machine keeps it
+        settings[key] = settings[key] and os.path.basename(os.path.normpath(settings[key]))
     rows, answers = measure(model, args, prompts)
     same = sum(answers["eagle"][p] == answers["plain"].get(p) for p in answers["eagle"])
     results = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": platform.processor() or
-               platform.machine(), "cpus": os.cpu_count(), "settings": {k: v for k, v in vars(args).items()},
+               platform.machine(), "cpus": os.cpu_count(), "settings": settings,
                "rows": rows, "greedy_identical": f"{same} of {len(answers['eagle'])}"}
     os.makedirs(args.output_dir, exist_ok=True)
     table = markdown_table(rows)
