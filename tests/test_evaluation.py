@@ -313,6 +313,8 @@ def test_benchmark_writes_report_plots_and_json(tmp_path, tiny_pair):
     saved = json.loads((out / "results.json").read_text())
     assert set(saved) >= {"settings", "methods", "per_category", "acceptance", "greedy_check", "per_question", "files"}
     assert list(saved["methods"]) == ["eagle", "plain", "hf_generate", "prompt_lookup"]
+    # llama.cpp's methods, on by default, need a GGUF target: skipped with a note saying why
+    assert saved["llamacpp"]["notes"] and "Skipped llamacpp, llamacpp_eagle3" in saved["llamacpp"]["notes"][0]
     assert saved["settings"]["total_token"] == 8 and saved["settings"]["depth"] == 3
     assert saved["settings"]["num_questions"] == 2 and saved["settings"]["max_new_tokens"] == 8
     rows = saved["methods"]

@@ -306,3 +306,23 @@ def test_cached_target_outputs_survive_a_restart(tiny_target, tmp_path):
     again = restarted(batch, "cpu")  # would fail if it tried to run the (absent) target
     for before, after in zip((features, probs, in_draft), again):
         assert torch.equal(before, after)
+
+
+def test_gen_data_shards_cover_every_prompt_once(tiny_target, tmp_path, capsys):
+    """``--shard I/N`` on N machines: disjoint outputs that together answer every prompt; a bad share is refused."""
+    directory, _ = tiny_target
+    questions = write_jsonl(tmp_path / "question.jsonl", [
+        {"question_id": i, "category": "writing", "turns": [f"Question number {i}?"]} for i in range(5)])
+    common = ["--basepath", str(directory), "--turns", "1", "--max-new-tokens", "3", "--batch-size", "4",
+              "--questions", str(questions)]
+    ids = []
+    for shard in ("0/2", "1/2"):
+        out = tmp_path / f"part{shard[0]}.jsonl"
+        assert gen_data.main(common + ["--output", str(out), "--shard", shard]) == 0
+        ids.append([json.loads(line)["id"] for line in out.read_text().splitlines()])
+    assert len(ids[0]) == 3 and len(ids[1]) == 2 and not set(ids[0]) & set(ids[1])
+    assert set(ids[0]) | set(ids[1]) == {f"question-{i}" for i in range(5)}
+    for bad in ("2/2", "1", "a/b"):
+        with pytest.raises(SystemExit):
+            gen_data.main(common + ["--output", str(tmp_path / "x.jsonl"), "--shard", bad])
+    assert "expected" in capsys.readouterr().err

@@ -19,6 +19,11 @@ with ``--methods``, run Hugging Face's code on the layers as transformers loads 
 call, outside the timed region), i.e. what a user of transformers alone gets: ``hf_generate_unpacked`` and
 ``prompt_lookup_unpacked``.
 
+Two more, ``llamacpp`` and ``llamacpp_eagle3`` (on by default; see :mod:`eagle.evaluation.llamacpp`), run
+llama.cpp's llama-server on the same prompts: plain decoding of the target's GGUF, and EAGLE-3 speculative decoding
+with our head exported to GGUF. They are skipped with a note when llama-server is not built
+(``scripts/build_llama_cpp.sh``) or the target is not a GGUF file.
+
 When the tree grafts a prompt-lookup branch (``--lookup-tokens``, on for the embedded pair), the method
 ``eagle_no_lookup`` runs EAGLE with the head's tree alone (``lookup_tokens=0`` for the call), to show what each
 part brings.
@@ -60,11 +65,12 @@ from .alpha import alpha_from_accept_lengths
 from .methods import (
     Generation, eagle_generate, engine_stop_ids, hf_generate, hf_generation_config, model_device, plain_generate,
 )
+from . import llamacpp
 from .questions import load_questions, spread_over_categories
 
 logger = logging.getLogger(__name__)
 
-METHODS = ("eagle", "plain", "hf_generate", "prompt_lookup")
+METHODS = ("eagle", "plain", "hf_generate", "prompt_lookup") + llamacpp.LLAMACPP_METHODS
 UNPACKED_METHODS = ("hf_generate_unpacked", "prompt_lookup_unpacked")
 EXTRA_METHODS = UNPACKED_METHODS + ("eagle_no_lookup",)
 EAGLE_METHODS = ("eagle", "eagle_no_lookup")
@@ -76,6 +82,8 @@ LABELS = {
     "prompt_lookup": "HF prompt lookup",
     "hf_generate_unpacked": "HF generate, unpacked weights",
     "prompt_lookup_unpacked": "HF prompt lookup, unpacked weights",
+    "llamacpp": "llama.cpp plain (llama-server)",
+    "llamacpp_eagle3": "llama.cpp + our EAGLE-3 head",
 }
 OVERALL = "overall"
 
@@ -103,6 +111,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help=f"Comma-separated subset of {', '.join(METHODS + EXTRA_METHODS)} (the *_unpacked ones "
                         "run Hugging Face generate with the CPU weight packing turned off and need packed weights; "
                         "eagle_no_lookup runs EAGLE without the lookup branch and needs --lookup-tokens > 0).")
+    parser.add_argument("--llamacpp-threads", type=int, default=None,
+                        help="Threads of the llama.cpp methods (default: torch's thread count).")
+    parser.add_argument("--llamacpp-draft-tokens", type=int, default=3,
+                        help="Draft tokens per step of llamacpp_eagle3 (llama-server --spec-draft-n-max).")
     parser.add_argument("--template", default="auto", choices=sorted(TEMPLATES),
                         help="Prompt template ('auto' = the tokenizer's chat template).")
     parser.add_argument("--warmup", type=int, default=1, help="Untimed runs of every method before timing.")
@@ -125,8 +137,9 @@ class TimedMethods:
     """The loaded model and the settings every method shares; ``run(method, input_ids)`` times one call of a
     method. (Not :mod:`eagle.evaluation.runner`, the answer scripts' driver.)"""
 
-    def __init__(self, model, template, stop_ids, args):
+    def __init__(self, model, template, stop_ids, args, llama=None):
         self.model = model
+        self.llama = llama  # an eagle.evaluation.llamacpp.LlamaCppRunner for the llama.cpp methods
         self.hf_model = model.base_model
         self.template = template
         self.stop_ids = stop_ids
@@ -142,6 +155,10 @@ class TimedMethods:
     def run(self, method: str, input_ids: torch.Tensor) -> Generation:
         options = dict(temperature=self.args.temperature, max_new_tokens=self.args.max_new_tokens,
                        is_llama3=self.template.is_llama3)
+        if method in llamacpp.LLAMACPP_METHODS:
+            generation, self.llama_timings = self.llama.run(method, input_ids[0].tolist(), self.args.max_new_tokens,
+                                                            self.args.temperature, self.args.seed)
+            return generation
         if method == "eagle":
             return eagle_generate(self.model, input_ids, **options)
         if method == "eagle_no_lookup":
@@ -319,21 +336,32 @@ def run(args: argparse.Namespace) -> dict:
     template = get_template(args.template)
     tokenizer = model.tokenizer
     stop_ids = engine_stop_ids(tokenizer, model.base_model, model, template.is_llama3)  # HF stops where EAGLE does
-    timed = TimedMethods(model, template, stop_ids, args)
+    llama, methods, llama_notes = llamacpp.start_for_benchmark(
+        methods, args.base_model_path, args.ea_model_path, args.llamacpp_threads or torch.get_num_threads(),
+        args.llamacpp_draft_tokens)
+    timed = TimedMethods(model, template, stop_ids, args, llama)
     prompts = [
         torch.tensor([encode_prompt(template, tokenizer, [(q["turns"][0], None)])], dtype=torch.long, device=device)
         for q in questions
     ]
-    warm_up(timed, methods, prompts[0], args)
-    per_question, outputs = run_questions(timed, methods, questions, prompts, args)
+    try:
+        warm_up(timed, methods, prompts[0], args)
+        per_question, outputs = run_questions(timed, methods, questions, prompts, args)
+    finally:
+        if llama is not None:
+            llama.close()
     results = {
         "settings": _settings(args, model, device, dtype, questions),
         **summarise(per_question, methods),
         "greedy_check": None,
+        "llamacpp": llamacpp.summarise(per_question, outputs, llama, llama_notes, args.llamacpp_draft_tokens),
         "per_question": per_question,
     }
-    if args.temperature <= 1e-5:
-        results["greedy_check"] = check_greedy_answers(model, per_question, outputs, prompts, methods)
+    if args.temperature <= 1e-5:  # llama.cpp's answers come from its own (quantised) arithmetic: checked apart
+        ours = [m for m in methods if m not in llamacpp.LLAMACPP_METHODS]
+        results["greedy_check"] = check_greedy_answers(
+            model, [dict(q, methods={m: q["methods"][m] for m in ours}) for q in per_question],
+            {qid: {m: answers[m] for m in ours} for qid, answers in outputs.items()}, prompts, ours)
 
     from .benchmark_report import write_outputs  # matplotlib is imported only here
 
@@ -372,6 +400,8 @@ def run_questions(timed: TimedMethods, methods: list[str], questions: list[dict]
                 "forward_passes": result.forward_passes,
                 "accept_lengths": result.accept_lengths if method in EAGLE_METHODS else [],
             }
+            if method in llamacpp.LLAMACPP_METHODS:
+                record["methods"][method]["llamacpp_timings"] = timed.llama_timings
         record["methods"] = {m: record["methods"][m] for m in methods}
         per_question.append(record)
         speedup = _running_speedup(per_question, methods)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import os
 
+from .llamacpp import report_lines as llamacpp_report_lines
+
 RESULTS_FILE = "results.json"
 REPORT_FILE = "report.md"
 LABELS_BY_METHOD = {"hf_generate": "HF generate", "hf_generate_unpacked": "HF generate, unpacked weights",
@@ -108,6 +110,7 @@ def markdown_report(results: dict, files: dict) -> str:
     how it was measured. ``files``: name -> file name (relative to the report) of each plot."""
     lines = _settings_lines(results) + _overall_lines(results) + _category_lines(results)
     lines += _acceptance_lines(results.get("acceptance")) + _greedy_check_lines(results.get("greedy_check"))
+    lines += llamacpp_report_lines(results.get("llamacpp"), results["settings"]["temperature"])
     lines += _plot_lines(files) + _method_lines(results["settings"])
     return "\n".join(lines)
 
@@ -260,5 +263,12 @@ def summary_lines(results: dict) -> list[str]:
                f"; {check['near_ties']} near-ties, {check['differences']} real differences on "
                f"{sorted({m['question_id'] for m in check['mismatches'] if m['kind'] != 'near-tie'})}")
         )
+    llama = results.get("llamacpp") or {}
+    lines += llama.get("notes", [])
+    if llama.get("acceptance"):
+        lines.append(f"llama.cpp + our head: {llama['acceptance']['accepted_fraction']:.3f} of drafted tokens accepted")
+    if llama.get("greedy_check"):
+        lines.append(f"llama.cpp greedy check: {llama['greedy_check']['identical']}/{llama['greedy_check']['checked']} "
+                     "answers with our head identical to its plain decoding")
     lines.append("wrote " + ", ".join(results["files"].values()))
     return lines

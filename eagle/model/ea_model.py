@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from .cpu_linear import pack_linear_layers, should_auto_pack, unpack_linear_layers
+from .draft_config import head_layer_ids
 from .drafter import EagleDrafter, NoDrafter, TreeSettings
 from .generation import Step, speculative_decode
 from .head_tree import check_tree_arguments, head_tree_for, resolve_tree
@@ -99,7 +100,7 @@ class EaModel(nn.Module):
         self.vocab_size = base_model.get_output_embeddings().weight.shape[0]
         num_layers = base_model.config.get_text_config().num_hidden_layers
         if self.use_eagle3:
-            layer_ids = getattr(ea_layer.config, "eagle_layer_ids", None) or eagle3_layer_ids(num_layers)
+            layer_ids = head_layer_ids(ea_layer.config) or eagle3_layer_ids(num_layers)
         else:
             layer_ids = [-1]  # EAGLE-1 reads the final normed hidden state
         self._eagle_target = Target(base_model, feature_layers=list(layer_ids))

@@ -65,10 +65,6 @@ def resolve_ds_config(path: str, on_gpu: bool, batch_size: int | None, grad_accu
                 logger.warning("Training on the CPU: ZeRO %s removed (it needs an accelerator).", key)
     if bf16.get("enabled") and fp16.get("enabled"):
         raise ValueError(f"{path} enables both bf16 and fp16; enable one (or set both to \"auto\").")
-    stage = config.get("zero_optimization", {}).get("stage", 0)
-    if stage == 3:
-        raise ValueError("ZeRO stage 3 is not supported (the head is small; use stage 2, which shards optimizer "
-                         "state and gradients).")
     if batch_size is not None:
         config["train_micro_batch_size_per_gpu"] = batch_size
     if grad_accum is not None:

@@ -6,8 +6,9 @@ loadable head directory, e.g. to try a run's head before its epoch ends::
     python -m eagle.traineagle3.export --savedir runs/head --output runs/head/export
     python -m eagle.traineagle3.export --savedir runs/head --tag epoch_0_batch_400 --output out --dtype float32
 
-Only the ZeRO stage 0-2 layout is read (``mp_rank_00_model_states.pt``: the full module weights), which is what
-the trainer's DeepSpeed config uses.
+ZeRO stage 0-2 checkpoints hold the full module weights (``mp_rank_00_model_states.pt``); ZeRO-3 ones
+(``ds_config_zero3.json``) are joined from their partitions with DeepSpeed's ``zero_to_fp32``. Heads are written in
+the layout vLLM, SGLang, llama.cpp and SpecForge read (:func:`eagle.model.draft_config.to_engine_layout`).
 """
 
 from __future__ import annotations
@@ -41,8 +42,8 @@ HEAD_KEYS_EXCLUDED = ("embed_tokens.weight",)  # the target's embedding: loaded 
 
 def head_config(target, draft_vocab_size: int, layer_ids: list[int]):
     """The head's EConfig from the target's config: same hidden size, heads, KV heads, intermediate size,
-    vocabulary, RMS eps and RoPE base; one layer."""
-    from eagle.model.draft_config import EConfig
+    vocabulary, RMS eps and RoPE base; one layer; in the layout the serving engines read."""
+    from eagle.model.draft_config import EConfig, to_engine_layout
     from eagle.traineagle3.frozen_target import text_config
 
     tc = text_config(target)
@@ -59,8 +60,7 @@ def head_config(target, draft_vocab_size: int, layer_ids: list[int]):
         rope = rope.get("full_attention") or next((v for v in rope.values() if isinstance(v, dict)), {})
     rope_theta = float(rope.get("rope_theta", getattr(tc, "rope_theta", None) or 10000.0))
     eos = getattr(tc, "eos_token_id", None)
-    return EConfig(
-        architectures=["LlamaForCausalLM"],
+    config = EConfig(
         vocab_size=vocab,
         hidden_size=hidden,
         intermediate_size=getattr(tc, "intermediate_size", None) or 4 * hidden,
@@ -77,13 +77,21 @@ def head_config(target, draft_vocab_size: int, layer_ids: list[int]):
         eos_token_id=eos,
         pad_token_id=getattr(tc, "pad_token_id", None),
         draft_vocab_size=draft_vocab_size,
-        eagle_layer_ids=layer_ids,
     )
+    return to_engine_layout(config, layer_ids, target_hidden_size=hidden)
 
 
 def write_head_config(config, directory: str, dtype: torch.dtype | None = None) -> None:
     """``directory/config.json`` of a head (the one place the trainer and the export write it); ``dtype``, when
-    given, is recorded as the weights' precision."""
+    given, is recorded as the weights' precision. An EAGLE-3 config is written in the serving engines' layout (one
+    in this project's older layout, ``eagle_layer_ids``, is converted)."""
+    from eagle.model.draft_config import head_layer_ids, to_engine_layout
+
+    if getattr(config, "draft_vocab_size", None) is not None:
+        layer_ids = head_layer_ids(config)
+        if layer_ids is None:
+            raise ValueError("The head's config names no target layers (eagle_aux_hidden_state_layer_ids).")
+        to_engine_layout(config, layer_ids)
     if dtype is not None:
         config.dtype = str(dtype).replace("torch.", "")
     config.save_pretrained(directory)
@@ -135,16 +143,33 @@ def read_module_state(checkpoint_dir: str, tag: str | None) -> tuple[str, dict[s
         with open(latest) as f:
             tag = f.read().strip()
     path = os.path.join(checkpoint_dir, tag, "mp_rank_00_model_states.pt")
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"{path} does not exist: not a checkpoint of this trainer (ZeRO stage 0-2).")
-    states = torch.load(path, map_location="cpu", weights_only=True)
-    module = states.get("module") if isinstance(states, dict) else None
+    if os.path.isfile(os.path.join(checkpoint_dir, tag, "zero_pp_rank_0_mp_rank_00_model_states.pt")):
+        module = zero3_module_state(checkpoint_dir, tag)
+    elif os.path.isfile(path):
+        states = torch.load(path, map_location="cpu", weights_only=True)
+        module = states.get("module") if isinstance(states, dict) else None
+    else:
+        raise FileNotFoundError(f"{path} does not exist: not a checkpoint of this trainer.")
     if not module:
         raise ValueError(f"{path} holds no module weights.")
     head = {name[len("head."):]: tensor for name, tensor in module.items() if name.startswith("head.")}
     if not head:
         raise ValueError(f"{path} holds no EAGLE-3 head weights (no 'head.' keys).")
     return tag, head
+
+
+def zero3_module_state(checkpoint_dir: str, tag: str) -> dict[str, torch.Tensor]:
+    """The module weights of a ZeRO-3 checkpoint, joined from every rank's partition (DeepSpeed's
+    ``zero_to_fp32``, which turns buffers into floats: the vocabulary maps get their types back)."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    state = get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag=tag)
+    for name in list(state):
+        if name.endswith(".d2t"):
+            state[name] = state[name].round().long()
+        elif name.endswith(".t2d"):
+            state[name] = state[name] != 0
+    return state
 
 
 def main(argv: list[str] | None = None) -> int:

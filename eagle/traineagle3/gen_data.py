@@ -11,6 +11,10 @@ Examples::
     python -m eagle.traineagle3.gen_data --basepath MODEL --output out.jsonl --sharegpt sharegpt.json
     python -m eagle.traineagle3.gen_data --basepath MODEL --output out.jsonl --questions question.jsonl
 
+    # one share of the prompts per machine (or GPU), then concatenate the outputs
+    python -m eagle.traineagle3.gen_data --basepath MODEL --output data/part0.jsonl --synthesize 8000 --shard 0/4
+    ...                                                    --output data/part3.jsonl --synthesize 8000 --shard 3/4
+
 Every output line is ``{"id", "source", "conversations": [{"from": "human"|"gpt", "value"}...], "finished"}``
 (``finished[i]`` is False where the i-th answer was cut by ``--max-new-tokens``). The run is resumable: an
 existing output file is read first and the conversations it already holds are skipped.
@@ -66,8 +70,23 @@ def build_parser() -> argparse.ArgumentParser:
                         "within this long (model loading not counted) at the pace of the batches so far (a batch is "
                         "written only when done, so this keeps every started batch, where an outside `timeout` loses "
                         "the one in flight). Rerun with the same flags to continue.")
+    parser.add_argument("--shard", type=parse_shard, default=(0, 1), metavar="I/N",
+                        help="Answer only the I-th of N equal shares of the prompts (0 <= I < N; every I-th prompt "
+                        "of the full list, so N machines with I = 0..N-1 cover each prompt once; concatenate their "
+                        "outputs to train).")
     parser.add_argument("--log-level", default="INFO", help="Logging level.")
     return parser
+
+
+def parse_shard(text: str) -> tuple[int, int]:
+    """``"I/N"`` -> (I, N), with 0 <= I < N."""
+    try:
+        index, count = (int(part) for part in text.split("/"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected I/N (e.g. 0/4), got {text!r}") from None
+    if count < 1 or not 0 <= index < count:
+        raise argparse.ArgumentTypeError(f"expected 0 <= I < N in I/N, got {text!r}")
+    return index, count
 
 
 def _dtype(name: str, device: torch.device) -> torch.dtype:
@@ -179,6 +198,8 @@ def main(argv: list[str] | None = None) -> int:
     if not items:
         raise SystemExit("No prompts: give --sharegpt and/or --questions files with at least one user turn, or "
                          "--synthesize N.")
+    shard, shards = args.shard
+    items = items[shard::shards]
     done = _done_ids(args.output)
     pending = [item for item in items if item.id not in done]
     print(f"{len(items)} conversations, {len(items) - len(pending)} already in {args.output}, {len(pending)} to go.")

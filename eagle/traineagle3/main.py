@@ -12,7 +12,8 @@ state a later run resumes from (automatically, unless ``--no-resume``).
 
 DeepSpeed configuration (``ds_config.json``): ``"auto"`` for ``bf16.enabled``/``fp16.enabled`` means bf16 on
 GPUs that support it, else fp16, and neither on the CPU. On the CPU (DeepSpeed's CPU accelerator, gloo
-backend) half precision and ZeRO offload are switched off and ZeRO stage 3 is refused; stages 0-2 work. The
+backend) half precision and ZeRO offload are switched off. ZeRO stages 0-3 work (``ds_config_zero2.json``,
+``ds_config_zero3.json``: GPU configs); a stage 0-2 checkpoint resumes on another number of ranks. The
 optimizer is torch's AdamW and the schedule linear warm-up then linear decay, built here from the flags
 (``optimizer``/``scheduler`` sections of the config are not used and are reported).
 """
@@ -294,7 +295,9 @@ def resume(args, engine, scheduler, checkpoint_dir: str, d2t: torch.Tensor, tota
         raise SystemExit(f"--resume: no DeepSpeed checkpoint in {checkpoint_dir}.")
     start_epoch, skip_batches = 0, 0
     if has_checkpoint and args.resume is not False:
-        _, client = engine.load_checkpoint(checkpoint_dir)
+        from eagle.traineagle3.resume import load_checkpoint
+
+        client = load_checkpoint(engine, scheduler, checkpoint_dir)  # also one written by another number of ranks
         # The schedule's shape comes from this run's flags (e.g. more --epochs), not from the checkpoint.
         scheduler.lr_lambdas[0].total, scheduler.lr_lambdas[0].warmup = total_steps, warmup
         if not torch.equal(engine.module.head.d2t.cpu(), d2t):

@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from eagle.traineagle3.export import save_head
+from eagle.traineagle3.export import save_head_state
+from eagle.traineagle3.resume import all_ranks_sum, full_head_state
 from eagle.traineagle3.schedule import Budget
 
 logger = logging.getLogger("eagle.traineagle3.main")
@@ -70,7 +71,7 @@ def format_table(train: StepStats, test: StepStats | None) -> str:
 @dataclass
 class EpochResult:
     stats: StepStats  # summed over processes
-    tokens: int  # tokens this process trained on
+    tokens: int  # tokens all processes trained on
     elapsed: float  # seconds
 
 
@@ -111,9 +112,10 @@ class Trainer:
             result = self.train_epoch(epoch, skip_batches)
             skip_batches = 0
             test_stats = self.evaluate()
+            head_state = full_head_state(self.engine)  # every rank: ZeRO-3 gathers the partitioned weights
             if self.is_main:
                 self.report(epoch, result, test_stats)
-                self.save_epoch_head(epoch, result, test_stats)
+                self.save_epoch_head(epoch, result, test_stats, head_state)
             self.checkpoint(epoch, batch=None)
 
     def epoch_batches(self, epoch: int) -> int:
@@ -149,7 +151,7 @@ class Trainer:
                 self.log_batch(bar, stats, out, tokens * self.world / (time.time() - started))
         bar.close()
         elapsed = max(time.time() - started, 1e-6)
-        return EpochResult(stats.reduce(), tokens, elapsed)
+        return EpochResult(stats.reduce(), all_ranks_sum(tokens, self.device), elapsed)
 
     def plan_end(self, position: int) -> None:
         """``--time_budget``: end the run where the budget runs out (``position``: the global micro-batch index
@@ -188,7 +190,7 @@ class Trainer:
         return test_stats.reduce()
 
     def report(self, epoch: int, result: EpochResult, test_stats: StepStats | None) -> None:
-        tokens = result.tokens * self.world
+        tokens = result.tokens  # of all ranks
         print(f"epoch {epoch}: {tokens} tokens in {result.elapsed:.0f}s ({tokens / result.elapsed:.1f} tokens/s)")
         print(format_table(result.stats, test_stats), flush=True)
         if self.wandb_run is not None:
@@ -197,14 +199,16 @@ class Trainer:
                 log.update({f"epoch/test_acc_{k}": a for k, a in enumerate(test_stats.accuracy())})
             self.wandb_run.log(log)
 
-    def save_epoch_head(self, epoch: int, result: EpochResult, test_stats: StepStats | None) -> None:
-        """``savedir/state_<epoch>/``: the head, and the run's arguments and results in training_args.json."""
+    def save_epoch_head(self, epoch: int, result: EpochResult, test_stats: StepStats | None,
+                        head_state: dict[str, torch.Tensor]) -> None:
+        """``savedir/state_<epoch>/``: the head, and the run's arguments and results in training_args.json
+        (``epoch_tokens``: the tokens all ranks trained on in the epoch)."""
         state_dir = os.path.join(self.args.savedir, f"state_{epoch}")
         extra = dict(self.run_args, epoch=epoch, end_micro_batch=self.end, last_lr=self.scheduler.get_last_lr()[0],
                      train_acc=result.stats.accuracy(), train_loss=result.stats.mean_loss(),
                      test_acc=test_stats.accuracy() if test_stats else None,
-                     tokens_per_s=result.tokens * self.world / result.elapsed)
-        save_head(self.engine.module.head, self.config, state_dir, getattr(torch, self.args.save_dtype), extra)
+                     tokens_per_s=result.tokens / result.elapsed, epoch_tokens=result.tokens)
+        save_head_state(head_state, self.config, state_dir, getattr(torch, self.args.save_dtype), extra)
         logger.info("Saved the head to %s", state_dir)
 
     def checkpoint(self, epoch: int, batch: int | None) -> None:

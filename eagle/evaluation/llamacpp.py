@@ -1,0 +1,235 @@
+"""llama.cpp as benchmark methods: ``llamacpp`` (llama-server, plain decoding of the target's GGUF) and
+``llamacpp_eagle3`` (the same server with our EAGLE-3 head exported by :mod:`eagle.export` as its draft,
+``--spec-type draft-eagle3``), run on the same prompt token ids as the other methods.
+
+llama-server is found through ``$EAGLE_LLAMA_CPP_BIN`` (a directory holding it), the cache directory that
+``scripts/build_llama_cpp.sh`` builds into (``$EAGLE_LLAMA_CPP_CACHE``, default ``~/.cache/eagle/llama.cpp-11434``),
+or ``PATH``. Each method's server starts once (127.0.0.1, a free port) and serves every question; a call is
+timed around its HTTP request (prefill included, like the other methods). The prompt cache is off, so every
+call processes its whole prompt. Acceptance comes from the server's ``timings`` (``draft_n``,
+``draft_n_accepted``)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from .methods import Generation
+
+logger = logging.getLogger(__name__)
+
+LLAMACPP_METHODS = ("llamacpp", "llamacpp_eagle3")
+DEFAULT_CACHE = Path.home() / ".cache" / "eagle" / "llama.cpp-11434"
+BUILD_HINT = "build it with scripts/build_llama_cpp.sh (about 15-40 minutes on 2 cores), or set EAGLE_LLAMA_CPP_BIN"
+
+
+def find_llama_server() -> str | None:
+    """Path of a llama-server binary, or None."""
+    candidates = []
+    if os.environ.get("EAGLE_LLAMA_CPP_BIN"):
+        candidates.append(Path(os.environ["EAGLE_LLAMA_CPP_BIN"]) / "llama-server")
+    cache = Path(os.environ.get("EAGLE_LLAMA_CPP_CACHE") or DEFAULT_CACHE)
+    candidates.append(cache / "build" / "bin" / "llama-server")
+    for candidate in candidates:
+        if candidate.is_file() and os.access(candidate, os.X_OK):
+            return str(candidate)
+    return shutil.which("llama-server")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LlamaServer:
+    """A llama-server process on 127.0.0.1 serving ``model`` (and ``draft``, an EAGLE-3 GGUF, when given)."""
+
+    def __init__(self, binary: str, model: str, draft: str | None = None, draft_tokens: int = 3,
+                 threads: int | None = None, context: int = 4096, timeout_s: float = 300.0):
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        command = [binary, "-m", model, "--host", "127.0.0.1", "--port", str(self.port), "-c", str(context),
+                   "-np", "1", "--no-warmup", "-t", str(threads or max(1, os.cpu_count() or 1))]
+        if draft is not None:
+            command += ["-md", draft, "--spec-type", "draft-eagle3", "--spec-draft-n-max", str(draft_tokens)]
+        self.log = tempfile.NamedTemporaryFile(prefix="llama-server-", suffix=".log", delete=False)
+        self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT)
+        self._wait_ready(timeout_s)
+
+    def _wait_ready(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"llama-server exited with code {self.process.returncode}:\n{self.log_tail()}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=5) as response:
+                    if response.status == 200:
+                        return
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass
+            time.sleep(0.5)
+        self.close()
+        raise RuntimeError(f"llama-server did not become ready within {timeout_s:.0f} s:\n{self.log_tail()}")
+
+    def log_tail(self, lines: int = 30) -> str:
+        with open(self.log.name, errors="replace") as f:
+            return "".join(f.readlines()[-lines:])
+
+    def complete(self, prompt: list[int] | str, max_new_tokens: int, temperature: float = 0.0, seed: int = 0) -> dict:
+        """One ``/completion`` request on token ids (or text); returns the server's JSON answer."""
+        body = {"prompt": prompt, "n_predict": max_new_tokens, "temperature": temperature, "seed": seed,
+                "cache_prompt": False, "return_tokens": True, "stream": False}
+        if temperature <= 1e-5:
+            body.update(top_k=1)
+        else:  # the same distribution as the other methods: no top-k, top-p or min-p truncation
+            body.update(top_k=0, top_p=1.0, min_p=0.0)
+        request = urllib.request.Request(self.url + "/completion", data=json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=3600) as response:
+            return json.loads(response.read())
+
+    def close(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self.log.close()
+        os.unlink(self.log.name)
+
+
+def timed_completion(server: LlamaServer, prompt_ids: list[int], max_new_tokens: int, temperature: float,
+                     seed: int) -> tuple[Generation, dict]:
+    """One timed generation through ``server``: (Generation, the server's timings). llama.cpp does not return
+    the end-of-generation token it stopped at, so an answer that ends there counts one token fewer than the
+    same answer from the other methods."""
+    start = time.perf_counter()
+    answer = server.complete(prompt_ids, max_new_tokens, temperature, seed)
+    wall_time = time.perf_counter() - start
+    new_ids = [int(t) for t in answer.get("tokens", [])]
+    timings = dict(answer.get("timings", {}), stop_type=answer.get("stop_type"))
+    return Generation(new_ids, wall_time, forward_passes=None), timings
+
+
+class LlamaCppRunner:
+    """The llama.cpp methods of one benchmark run: starts the servers it needs, runs calls, closes them."""
+
+    def __init__(self, methods: list[str], base_gguf: str, ea_model_path: str, threads: int | None = None,
+                 draft_tokens: int = 3, context: int = 4096):
+        binary = find_llama_server()
+        if binary is None:
+            raise FileNotFoundError(f"llama-server was not found: {BUILD_HINT}.")
+        if not str(base_gguf).endswith(".gguf"):
+            raise ValueError(f"The llama.cpp methods run the target's GGUF; --base-model-path is {base_gguf}.")
+        self.draft_tokens = draft_tokens
+        self.servers: dict[str, LlamaServer] = {}
+        self._tmp = tempfile.TemporaryDirectory(prefix="eagle-llamacpp-")
+        try:
+            if "llamacpp" in methods:
+                self.servers["llamacpp"] = LlamaServer(binary, base_gguf, threads=threads, context=context)
+            if "llamacpp_eagle3" in methods:
+                from eagle.export import write_llamacpp_gguf
+
+                draft = write_llamacpp_gguf(ea_model_path, base_gguf, os.path.join(self._tmp.name, "head.gguf"))
+                self.servers["llamacpp_eagle3"] = LlamaServer(binary, base_gguf, draft=draft, threads=threads,
+                                                              draft_tokens=draft_tokens, context=context)
+        except BaseException:
+            self.close()
+            raise
+        self.binary = binary
+
+    def run(self, method: str, prompt_ids: list[int], max_new_tokens: int, temperature: float,
+            seed: int) -> tuple[Generation, dict]:
+        return timed_completion(self.servers[method], prompt_ids, max_new_tokens, temperature, seed)
+
+    def close(self) -> None:
+        for server in self.servers.values():
+            server.close()
+        self.servers = {}
+        self._tmp.cleanup()
+
+
+def acceptance(timings: list[dict]) -> dict | None:
+    """Drafted and accepted tokens summed over calls, and their ratio."""
+    drafted = sum(int(t.get("draft_n", 0)) for t in timings)
+    accepted = sum(int(t.get("draft_n_accepted", 0)) for t in timings)
+    if not drafted:
+        return None
+    return {"drafted": drafted, "accepted": accepted, "accepted_fraction": accepted / drafted}
+
+
+def start_for_benchmark(methods: list[str], base_model_path: str, ea_model_path: str, threads: int | None,
+                        draft_tokens: int) -> tuple[LlamaCppRunner | None, list[str], list[str]]:
+    """(runner or None, the methods that will run, notes). The llama.cpp methods are dropped with a note when
+    llama-server is not built or the target is not a GGUF file; the other methods still run."""
+    wanted = [m for m in methods if m in LLAMACPP_METHODS]
+    if not wanted:
+        return None, methods, []
+    reason = None
+    if find_llama_server() is None:
+        reason = f"llama-server was not found ({BUILD_HINT})"
+    elif not str(base_model_path).endswith(".gguf"):
+        reason = "the target is not a GGUF file (llama.cpp runs GGUF targets)"
+    if reason is None:
+        try:
+            runner = LlamaCppRunner(wanted, base_model_path, ea_model_path, threads=threads, draft_tokens=draft_tokens)
+            return runner, methods, []
+        except (RuntimeError, ValueError, OSError) as err:
+            reason = f"llama-server failed to start: {err}"
+    note = f"Skipped {', '.join(wanted)}: {reason}."
+    logger.warning(note)
+    return None, [m for m in methods if m not in LLAMACPP_METHODS], [note]
+
+
+def summarise(per_question: list[dict], outputs: dict, runner: LlamaCppRunner | None, notes: list[str],
+              draft_tokens: int) -> dict | None:
+    """llama.cpp's part of the results: its binary, draft length, acceptance, and whether its greedy answers with
+    our head equal its plain ones (None when no llama.cpp method was asked for)."""
+    if runner is None and not notes:
+        return None
+    section = {"notes": list(notes), "server": runner.binary if runner else None, "draft_tokens": draft_tokens,
+               "acceptance": None, "greedy_check": None}
+    if runner is None:
+        return section
+    if "llamacpp_eagle3" in runner.servers:
+        section["acceptance"] = acceptance([q["methods"]["llamacpp_eagle3"]["llamacpp_timings"] for q in per_question])
+    if set(runner.servers) == set(LLAMACPP_METHODS):
+        different = [q["question_id"] for q in per_question
+                     if outputs[q["question_id"]]["llamacpp_eagle3"] != outputs[q["question_id"]]["llamacpp"]]
+        section["greedy_check"] = {"checked": len(per_question), "identical": len(per_question) - len(different),
+                                   "different_questions": different}
+    return section
+
+
+def report_lines(section: dict | None, temperature: float) -> list[str]:
+    """Markdown lines for the benchmark report."""
+    if section is None:
+        return []
+    lines = ["", "## llama.cpp", ""]
+    lines += [f"- {note}" for note in section["notes"]]
+    if section["server"]:
+        lines.append(f"- llama-server: `{os.path.basename(section['server'])}`, our head exported with "
+                     f"`python -m eagle.export --format llama.cpp`, `--spec-type draft-eagle3 --spec-draft-n-max "
+                     f"{section['draft_tokens']}`; timed around each HTTP request, prompt cache off.")
+    acc = section["acceptance"]
+    if acc:
+        lines.append(f"- Drafted tokens accepted: {acc['accepted']} of {acc['drafted']} "
+                     f"({acc['accepted_fraction']:.3f}).")
+    check = section["greedy_check"]
+    if check and temperature <= 1e-5:
+        lines.append(f"- Greedy answers with our head equal llama.cpp's plain ones on {check['identical']} of "
+                     f"{check['checked']} questions" + (f" (differ: {check['different_questions']})."
+                                                        if check["different_questions"] else "."))
+    return lines

