@@ -114,7 +114,8 @@ def _int_flag(check, expected: str):
 
 TREE_FLAGS = {
     "total_token": ("--total-token", _int_flag(lambda v: v > 0 or v == -1, "a positive tree size or -1 (auto)"),
-                    "draft tree nodes verified per step, root included; -1 = time it on this device"),
+                    "draft tree nodes verified per step, root included; -1 = tune the whole tree on this device "
+                    "(size, depth, top-k, lookup; cached)"),
     "depth": ("--depth", _int_flag(lambda v: v >= 0, ">= 0"), "draft tree depth"),
     "top_k": ("--top-k", _int_flag(lambda v: v > 0, "a positive top-k"), "draft top-k per expanded node"),
     "lookup_tokens": ("--lookup-tokens", _int_flag(lambda v: v >= 0, ">= 0 (0 = off)"),
