@@ -167,10 +167,11 @@ def ready(base):
 @pytest.mark.parametrize(
     "kwargs,error,message",
     [
-        (dict(input_ids=torch.tensor([[1, 2], [3, 4]])), ValueError, "batch of 2 sequences"),
+        (dict(input_ids=torch.tensor([[1, 2], [3, 4]]), attention_mask=torch.ones(2, 3)), ValueError,
+         r"attention_mask has shape \(2, 3\) but input_ids has shape \(2, 2\)"),
         (dict(input_ids=torch.zeros(1, 0, dtype=torch.long)), ValueError, "prompt is empty"),
         (dict(input_ids=torch.tensor([[1.0, 2.0]])), TypeError, "integer token ids"),
-        (dict(input_ids=[[1, 2]]), TypeError, "torch.LongTensor"),
+        (dict(input_ids="hello"), TypeError, "torch.LongTensor"),
         (dict(input_ids=torch.ones(1, 50, dtype=torch.long), max_length=40), ValueError, "does not fit max_length=40"),
         (dict(input_ids=torch.tensor([[1, 2]]), temperature=-0.5), ValueError, "temperature must be >= 0"),
         (dict(input_ids=torch.tensor([[1, 2]]), temperature=1.0, top_p=1.5), ValueError, r"top_p must be in \[0, 1\]"),

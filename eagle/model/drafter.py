@@ -1,11 +1,12 @@
 """Drafters: what proposes a tree of tokens for the target to verify.
 
-The interface is two calls, in the spirit of transformers' candidate generators:
+The interface is three calls, in the spirit of transformers' candidate generators:
 
-- ``reset()`` at the start of a generation;
-- ``draft(features, next_tokens) -> DraftTree``: take the target features of the newly committed positions with
-  the token that follows each of them (the last one being the root the target just chose), and return a tree
-  rooted at that token.
+- ``reset(batch_size)`` at the start of a generation;
+- ``draft_batch(features, next_tokens, valid) -> list[DraftTree]``: take, for each of B rows, the target features
+  of the newly committed positions with the token that follows each of them (the last valid one being the root
+  the target just chose), and return one tree per row rooted at that token (``draft`` does it for one row);
+- ``select_rows(index)``: keep the rows ``index`` (finished rows leave the batch).
 
 ``NoDrafter`` returns the root alone, which turns the speculative loop into plain decoding; ``EagleDrafter``
 grows an EAGLE-2 dynamic tree with an EAGLE-1 or EAGLE-3 head.
@@ -19,7 +20,7 @@ import torch
 
 from .draft_layers import KVPair
 from .lookup import find_continuation, graft_chain
-from .tree import DraftTree, root_only_tree, select_tree
+from .tree import DraftTree, root_only_tree, select_trees
 
 
 @dataclass(frozen=True)
@@ -54,19 +55,27 @@ class NoDrafter:
 
     needs_features = False
 
-    def reset(self) -> None:
+    def reset(self, batch_size: int = 1) -> None:
         pass
 
+    def select_rows(self, index: torch.Tensor) -> None:
+        pass
+
+    def draft_batch(self, features, next_tokens: torch.Tensor, valid: torch.Tensor | None = None) -> list[DraftTree]:
+        return [root_only_tree(row[-1] if valid is None else row[valid[b]][-1]) for b, row in enumerate(next_tokens)]
+
     def draft(self, features, next_tokens: torch.Tensor) -> DraftTree:
-        return root_only_tree(next_tokens[0, -1])
+        return self.draft_batch(features, next_tokens)[0]
 
 
 class EagleDrafter:
-    """EAGLE-2 dynamic tree drafting with an EAGLE head.
+    """EAGLE-2 dynamic tree drafting with an EAGLE head, for B rows at once (one tree per row, same settings).
 
-    State: the head's KV cache over the committed (feature, next token) pairs; it only ever holds committed
-    positions, so a rejected tree needs no rollback. With ``settings.lookup_tokens``, also the committed tokens
-    (the prompt without its first token, then everything emitted), where the lookup branch is searched.
+    State: the head's KV cache over the committed (feature, next token) pairs of every row; it only ever holds
+    committed positions, so a rejected tree needs no rollback. Rows commit different numbers of pairs per step, so
+    once a step brings padding, ``valid`` (B, slots) says which cache slots hold a row's pairs and ``counts`` (B,)
+    how many it has (its next head position). With ``settings.lookup_tokens``, also each row's committed tokens
+    (the prompt without its first token, then everything emitted), where its lookup branch is searched.
     """
 
     needs_features = True
@@ -74,74 +83,126 @@ class EagleDrafter:
     def __init__(self, head, settings: TreeSettings):
         self.head = head
         self.settings = settings
-        self.committed_kv: list[KVPair] | None = None
-        self.history: torch.Tensor | None = None
+        self.reset()
 
-    def reset(self) -> None:
-        self.committed_kv = None
-        self.history = None
+    def reset(self, batch_size: int = 1) -> None:
+        self.committed_kv: list[KVPair] | None = None
+        self.valid: torch.Tensor | None = None  # (B, slots) bool; None while every slot is valid
+        self.counts: torch.Tensor | None = None  # (B,) committed pairs per row
+        self.history: list[torch.Tensor | None] = [None] * batch_size
+
+    def select_rows(self, index: torch.Tensor) -> None:
+        self.committed_kv = [(k[index.to(k.device)], v[index.to(v.device)]) for k, v in self.committed_kv or []] or None
+        self.valid = None if self.valid is None else self.valid[index.to(self.valid.device)]
+        self.counts = self.counts[index.to(self.counts.device)]
+        self.history = [self.history[i] for i in index.tolist()]
 
     @property
     def committed_length(self) -> int:
         return self.committed_kv[0][0].shape[2] if self.committed_kv else 0
 
-    @torch.no_grad()
     def draft(self, features: torch.Tensor, next_tokens: torch.Tensor) -> DraftTree:
-        """features: (1, m, F) target features of the m newly committed positions; next_tokens: (1, m) the token
-        after each (the last is the root). Returns a tree of at most ``total_token`` nodes."""
+        """One row: features (1, m, F), next_tokens (1, m). See :meth:`draft_batch`."""
+        return self.draft_batch(features, next_tokens)[0]
+
+    @torch.no_grad()
+    def draft_batch(self, features: torch.Tensor, next_tokens: torch.Tensor,
+                    valid: torch.Tensor | None = None) -> list[DraftTree]:
+        """features: (B, m, F) target features of the m newly committed positions; next_tokens: (B, m) the token
+        after each; valid: (B, m) bool, which of them are a row's (a contiguous run; None = all). The root of row
+        b is its last valid next token. Returns B trees of at most ``total_token`` nodes each (plus a grafted
+        lookup chain)."""
         head, k = self.head, self.settings.top_k
+        hidden, last = self._commit(features, next_tokens, valid)
+        batch = next_tokens.shape[0]
+        rows = torch.arange(batch, device=next_tokens.device)
+        roots = next_tokens[rows, last]
+        # Level 0: the K best continuations of each root, from its last committed position.
+        logp = torch.log_softmax(head.compute_logits(hidden[rows, last][:, None])[:, 0].float(), dim=-1)  # (B, Vd)
+        scores, draft_ids = logp.topk(k, dim=-1)
+        candidates = self._expand(hidden[rows, last][:, None], head.draft_to_target(draft_ids), scores)
+        trees = select_trees(roots, *candidates, self.settings.total_token - 1)
+        if self.settings.lookup_tokens:
+            trees = [self._graft_lookup(b, tree, next_tokens[b] if valid is None else next_tokens[b][valid[b]])
+                     for b, tree in enumerate(trees)]
+        return trees
+
+    def _commit(self, features, next_tokens, valid):
+        """Run the head over the new pairs into its committed cache. Returns its states (B, m, H) and the index of
+        each row's last valid pair (B,)."""
+        batch, length = next_tokens.shape
         device = next_tokens.device
-        features = features.to(head.fc.weight.device)  # the head casts them to its own dtype
-        hidden, self.committed_kv = head(features, next_tokens, past_key_values=self.committed_kv, use_cache=True)
-        root = next_tokens[0, -1]
-        context = self.committed_length
+        if self.counts is None:
+            self.counts = torch.zeros(batch, dtype=torch.long, device=device)
+        features = features.to(self.head.fc.weight.device)  # the head casts them to its own dtype
+        if valid is None or bool(valid.all()):
+            valid = None
+        if valid is None and self.valid is None:  # no padding so far: plain causal positions
+            hidden, self.committed_kv = self.head(features, next_tokens, past_key_values=self.committed_kv,
+                                                  use_cache=True)
+            self.counts = self.counts + length
+            return hidden, torch.full((batch,), length - 1, dtype=torch.long, device=device)
+        new_valid = torch.ones(batch, length, dtype=torch.bool, device=device) if valid is None else valid.to(device)
+        past_valid = self.valid
+        if past_valid is None:
+            past_valid = torch.ones(batch, self.committed_length, dtype=torch.bool, device=device)
+        positions = (self.counts[:, None] + new_valid.long().cumsum(1) - 1).clamp(min=0)
+        causal = torch.ones(length, length, dtype=torch.bool, device=device).tril_()
+        new_block = (causal & new_valid[:, None, :]) | torch.eye(length, dtype=torch.bool, device=device)
+        mask = torch.cat([past_valid[:, None, :].expand(batch, length, -1), new_block], dim=2)[:, None]
+        hidden, self.committed_kv = self.head(features, next_tokens, attention_mask=mask, position_ids=positions,
+                                              past_key_values=self.committed_kv, use_cache=True)
+        self.valid = torch.cat([past_valid, new_valid], dim=1)
+        self.counts = self.counts + new_valid.sum(1)
+        last = (new_valid.long() * torch.arange(1, length + 1, device=device)).argmax(1)
+        return hidden, last
 
-        # Level 0: the K best continuations of the root, from the last committed position.
-        last = hidden[:, -1:]  # (1, 1, H)
-        logp = torch.log_softmax(head.compute_logits(last)[0, 0].float(), dim=-1)
-        scores, draft_ids = logp.topk(k)
-        tokens = head.draft_to_target(draft_ids)
+    def _expand(self, last: torch.Tensor, tokens: torch.Tensor, scores: torch.Tensor):
+        """Grow ``depth`` levels below the K best root children, K nodes expanded per level. last: (B, 1, H) the
+        head state at each row's root; tokens, scores: (B, K) the root's children. Returns the candidates
+        (tokens, cumulative scores, parent candidate index or -1), each (B, C), in generation order."""
+        head, k = self.head, self.settings.top_k
+        batch, device = tokens.shape[0], tokens.device
         cand_tokens, cand_scores = [tokens], [scores]
-        cand_parents = [torch.full((k,), -1, dtype=torch.long, device=device)]
-        frontier = torch.arange(k, device=device)  # candidate indices of the nodes to expand next
+        cand_parents = [torch.full((batch, k), -1, dtype=torch.long, device=device)]
+        frontier = torch.arange(k, device=device).expand(batch, k)  # candidate indices of the nodes to expand next
         offset = k  # candidates generated so far
-
-        input_hidden = last.expand(1, k, -1)
-        input_ids = tokens[None]
-        ancestors = torch.eye(k, dtype=torch.bool, device=device)  # (K, expansion tokens so far)
+        input_hidden, input_ids = last.expand(batch, k, -1), tokens
+        ancestors = torch.eye(k, dtype=torch.bool, device=device).expand(batch, k, k)  # (B, K, expansion tokens)
+        past = self._past_mask(batch, k, device)
         kv = self.committed_kv
         for step in range(self.settings.depth):
-            mask = torch.cat([torch.ones(k, context, dtype=torch.bool, device=device), ancestors], dim=1)
-            positions = torch.full((1, k), context + step, dtype=torch.long, device=device)
-            out, kv = head(input_hidden, input_ids, attention_mask=mask[None, None], position_ids=positions,
-                           past_key_values=kv, use_cache=True)  # (1, K, H)
-            logp = torch.log_softmax(head.compute_logits(out)[0].float(), dim=-1)  # (K, Vd)
-            child_scores, child_ids = logp.topk(k, dim=-1)  # (K, K)
-            child_scores = child_scores + scores[:, None]  # cumulative log-prob along the path
-            child_tokens = head.draft_to_target(child_ids).flatten()
+            mask = torch.cat([past, ancestors], dim=2)[:, None]
+            positions = (self.counts + step)[:, None].expand(batch, k)
+            out, kv = head(input_hidden, input_ids, attention_mask=mask, position_ids=positions, past_key_values=kv,
+                           use_cache=True)  # (B, K, H)
+            logp = torch.log_softmax(head.compute_logits(out).float(), dim=-1)  # (B, K, Vd)
+            child_scores, child_ids = logp.topk(k, dim=-1)  # (B, K, K)
+            child_scores = (child_scores + scores[:, :, None]).flatten(1)  # cumulative log-prob along the path
+            child_tokens = head.draft_to_target(child_ids).flatten(1)
             cand_tokens.append(child_tokens)
-            cand_scores.append(child_scores.flatten())
-            cand_parents.append(frontier.repeat_interleave(k))
+            cand_scores.append(child_scores)
+            cand_parents.append(frontier.repeat_interleave(k, dim=1))
             if step + 1 < self.settings.depth:
-                scores, best = child_scores.flatten().topk(k)
+                scores, best = child_scores.topk(k, dim=-1)
                 parent_slot = best // k
                 frontier = offset + best
-                input_hidden = out[:, parent_slot]
-                input_ids = child_tokens[best][None]
-                ancestors = torch.cat([ancestors[parent_slot], torch.eye(k, dtype=torch.bool, device=device)], dim=1)
+                input_hidden = out.gather(1, parent_slot[:, :, None].expand(-1, -1, out.shape[-1]))
+                input_ids = child_tokens.gather(1, best)
+                chosen = ancestors.gather(1, parent_slot[:, :, None].expand(-1, -1, ancestors.shape[2]))
+                ancestors = torch.cat([chosen, torch.eye(k, dtype=torch.bool, device=device).expand(batch, k, k)],
+                                      dim=2)
             offset += k * k
+        return torch.cat(cand_tokens, 1), torch.cat(cand_scores, 1), torch.cat(cand_parents, 1)
 
-        tree = select_tree(
-            root,
-            torch.cat(cand_tokens),
-            torch.cat(cand_scores),
-            torch.cat(cand_parents),
-            self.settings.total_token - 1,
-        )
-        if self.settings.lookup_tokens:
-            new = next_tokens[0]
-            self.history = new if self.history is None else torch.cat([self.history, new])
-            chain = find_continuation(self.history, self.settings.lookup_tokens)
-            if chain.numel():
-                tree = graft_chain(tree, chain)
-        return tree
+    def _past_mask(self, batch: int, k: int, device) -> torch.Tensor:
+        """(B, K, committed slots) bool: which committed slots each expanded node sees."""
+        if self.valid is None:
+            return torch.ones(batch, k, self.committed_length, dtype=torch.bool, device=device)
+        return self.valid[:, None, :].expand(batch, k, -1)
+
+    def _graft_lookup(self, row: int, tree: DraftTree, new_tokens: torch.Tensor) -> DraftTree:
+        history = self.history[row]
+        self.history[row] = history = new_tokens if history is None else torch.cat([history, new_tokens])
+        chain = find_continuation(history, self.settings.lookup_tokens)
+        return graft_chain(tree, chain) if chain.numel() else tree

@@ -1,13 +1,16 @@
 """``EaModel``: a Hugging Face causal LM plus an EAGLE draft head, generating losslessly faster.
 
 The four reference generation methods (``eagenerate``, ``naivegenerate``, ``ea_generate``, ``naive_generate``)
-and the Hugging Face style ``generate`` are thin wrappers over one loop, :func:`generation.speculative_decode`.
+and the Hugging Face style ``generate`` are thin wrappers over one loop, :func:`generation.speculative_decode_batch`:
+each checks its input into a frozen :class:`~eagle.model.request.GenerationRequest` (one sequence or a left-padded
+batch) and consumes the loop's steps. ``generate_steps`` (one sequence) and ``generate_batch_steps`` (a batch: per
+row new tokens, accepted drafts and a finished flag after every target forward pass, for a server's scheduler)
+expose the steps themselves.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Iterator
 
 import torch
@@ -16,17 +19,18 @@ from torch import nn
 from .cpu_linear import pack_linear_layers, should_auto_pack, unpack_linear_layers
 from .draft_config import head_layer_ids
 from .drafter import EagleDrafter, NoDrafter, TreeSettings
-from .generation import Step, speculative_decode
+from .generation import BatchStep, Step, speculative_decode_batch
 from .head_tree import check_tree_arguments, head_tree_for, resolve_tree
+from .kv_cache import check_cache_fits
 from .loading import load_base_model, load_ea_layer
+from .request import GenerationRequest, build_request
 from .target import Target, eagle3_layer_ids
-from .verify import Sampler
 
 logger = logging.getLogger(__name__)
 
 
 # Hugging Face ``generate`` arguments that change nothing here: dropped silently.
-_HARMLESS_GENERATE_ARGS = {"token_type_ids", "pad_token_id", "bos_token_id", "use_cache"}
+_HARMLESS_GENERATE_ARGS = {"token_type_ids", "bos_token_id", "use_cache"}
 # Arguments honoured only at their neutral value (a different one would be silently ignored otherwise).
 _NEUTRAL_GENERATE_ARGS = {"num_beams": 1, "num_return_sequences": 1, "repetition_penalty": 1.0, "min_new_tokens": 0,
                           "return_dict_in_generate": False, "output_scores": False, "output_logits": False,
@@ -42,7 +46,7 @@ def _check_generate_extras(extras: dict) -> None:
     )
     if refused:
         raise ValueError(
-            f"EaModel.generate() cannot honour {', '.join(refused)}. It supports input_ids, attention_mask (no "
+            f"EaModel.generate() cannot honour {', '.join(refused)}. It supports input_ids, attention_mask (left "
             "padding), max_new_tokens, max_length, do_sample, temperature, top_p, top_k, eos_token_id and use_eagle; "
             "for streaming use ea_generate(), for anything else the base model's own generate() (model.base_model)."
         )
@@ -82,7 +86,7 @@ def _token_id_set(value) -> set[int]:
 class EaModel(nn.Module):
     """A base model (``base_model``), its draft head (``ea_layer``) and tokenizer (``tokenizer``).
 
-    Build it with :meth:`from_pretrained`. Generation works on one sequence at a time.
+    Build it with :meth:`from_pretrained`. Generation takes one sequence or a left-padded batch.
     """
 
     def __init__(self, base_model, ea_layer, tokenizer=None, total_token: int = 60, depth: int = 7, top_k: int = 10,
@@ -225,127 +229,158 @@ class EaModel(nn.Module):
                 raise ValueError("is_llama3=True but the tokenizer has no <|eot_id|> token.")
         return ids
 
-    def _check_request(self, input_ids, temperature, top_p, top_k, max_new_tokens, max_length) -> torch.Tensor:
-        if not isinstance(input_ids, torch.Tensor):
-            raise TypeError(f"input_ids must be a torch.LongTensor of shape (1, seq_len), got {type(input_ids).__name__}.")
-        if input_ids.is_floating_point() or input_ids.is_complex() or input_ids.dtype == torch.bool:
-            raise TypeError(f"input_ids must hold integer token ids, got dtype {input_ids.dtype}.")
-        if input_ids.dim() == 1:
-            input_ids = input_ids[None]
-        if input_ids.dim() != 2:
-            raise ValueError(f"input_ids must have shape (1, seq_len), got {tuple(input_ids.shape)}.")
-        if input_ids.shape[0] != 1:
-            raise ValueError(
-                f"input_ids holds a batch of {input_ids.shape[0]} sequences; EaModel generates one sequence at a time "
-                "(shape (1, seq_len))."
-            )
-        if input_ids.shape[1] == 0:
-            raise ValueError("The prompt is empty: input_ids must contain at least one token.")
-        low, high = int(input_ids.min()), int(input_ids.max())
-        if low < 0 or high >= self.vocab_size:
-            raise ValueError(f"input_ids contains token id {low if low < 0 else high}, outside the vocabulary [0, {self.vocab_size}).")
-        if input_ids.shape[1] >= max_length:
-            raise ValueError(
-                f"The prompt has {input_ids.shape[1]} tokens, which does not fit max_length={max_length} (prompt plus "
-                "new tokens); shorten the prompt or raise max_length."
-            )
-        if not (isinstance(temperature, (int, float)) and math.isfinite(temperature)) or temperature < 0:
-            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature}.")
-        if not 0.0 <= top_p <= 1.0:
-            raise ValueError(f"top_p must be in [0, 1] (0 or 1 = off), got {top_p}.")
-        if top_k < 0 or int(top_k) != top_k:
-            raise ValueError(f"top_k must be a non-negative integer (0 = off), got {top_k}.")
-        if max_new_tokens < 0:
-            raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}.")
-        return input_ids.long().to(self.device)
+    def _pad_token_id(self, stop_ids) -> int:
+        """The id that fills a batch's rows after they end: the tokenizer's pad token, else the generation config's,
+        else an end-of-sequence token (as Hugging Face ``generate`` does)."""
+        for value in (getattr(self.tokenizer, "pad_token_id", None),
+                      getattr(getattr(self.base_model, "generation_config", None), "pad_token_id", None),
+                      getattr(self.tokenizer, "eos_token_id", None)):
+            if isinstance(value, int) and 0 <= value < self.vocab_size:
+                return value
+        return min(stop_ids) if stop_ids else 0
 
-    def _cache_for(self, max_length: int):
-        capacity = max_length + self.tree_settings.max_tree_size
+    def _request(self, input_ids, attention_mask=None, *, temperature=0.0, top_p=0.0, top_k=0, max_new_tokens=512,
+                 max_length: int | None = 2048, is_llama3=False, use_eagle=True, generator=None, stop_ids=None,
+                 pad_token_id: int | None = None) -> GenerationRequest:
+        """Check a call's input and settings (``ValueError``/``TypeError`` before anything runs) into a frozen
+        :class:`~eagle.model.request.GenerationRequest`."""
+        stop_ids = self.stop_token_ids(is_llama3) if stop_ids is None else stop_ids
+        if pad_token_id is None:
+            pad_token_id = self._pad_token_id(stop_ids)
+        return build_request(input_ids, attention_mask, vocab_size=self.vocab_size, device=self.device,
+                             temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=max_new_tokens,
+                             max_length=max_length, use_eagle=use_eagle, stop_token_ids=stop_ids,
+                             pad_token_id=pad_token_id, generator=generator)
+
+    def _cache_for(self, request: GenerationRequest):
+        """The preallocated cache for ``request``'s rows: the longest padded prompt plus the largest budget plus
+        one tree. Refuses (``ValueError``) a batch whose cache would not fit in the free memory."""
+        capacity = request.input_ids.shape[1] + max(request.budgets) + self.tree_settings.max_tree_size
+        config, dtype = self.config.get_text_config(), self.base_model.dtype
         if self._cache is None or self._cache.capacity < capacity:
+            check_cache_fits(config, request.batch_size, capacity, dtype, self.device)
+            self._cache = None  # free the old one first
             self._cache = self._eagle_target.new_cache(capacity)  # grown for this call; reused by later ones
+        elif self._cache.batch_size != request.batch_size:  # reallocated for this batch size when first written
+            check_cache_fits(config, request.batch_size, self._cache.capacity, dtype, self.device)
         return self._cache
 
-    def generate_steps(self, input_ids, temperature=0.0, top_p=0.0, top_k=0.0, max_new_tokens=512, max_length=2048,
-                       is_llama3=False, use_eagle=True, generator: torch.Generator | None = None) -> Iterator[Step]:
-        """The generation loop: an iterator of :class:`~eagle.model.generation.Step`, one per target forward pass.
-        The request is checked here, before anything runs."""
-        return self._start(input_ids, temperature, top_p, top_k, max_new_tokens, max_length, is_llama3, use_eagle,
-                           generator)[1]
-
-    def _start(self, input_ids, temperature, top_p, top_k, max_new_tokens, max_length, is_llama3, use_eagle,
-               generator=None, stop_ids: set[int] | None = None):
-        prompt = self._check_request(input_ids, temperature, top_p, top_k, max_new_tokens, max_length)
-        sampler = Sampler(temperature, top_p, int(top_k), generator) if temperature > 1e-5 else None
-        if use_eagle:
+    def _steps(self, request: GenerationRequest) -> Iterator[BatchStep]:
+        """The generation loop over a checked request: one :class:`~eagle.model.generation.BatchStep` per target
+        forward pass."""
+        if request.use_eagle:
             target, drafter = self._eagle_target, EagleDrafter(self.ea_layer, self.tree_settings)
         else:
             target, drafter = self._plain_target, NoDrafter()
-        steps = speculative_decode(target, drafter, self._cache_for(max_length), prompt, sampler, max_new_tokens,
-                                   max_length, self.stop_token_ids(is_llama3) if stop_ids is None else stop_ids)
-        return prompt, steps
+        return speculative_decode_batch(target, drafter, self._cache_for(request), request.engine_ids,
+                                        list(request.pads), request.sampler(), list(request.budgets),
+                                        set(request.stop_token_ids))
 
-    def _stream_ids(self, input_ids, use_eagle, temperature, top_p, top_k, max_new_tokens, max_length, is_llama3):
-        ids, steps = self._start(input_ids, temperature, top_p, top_k, max_new_tokens, max_length, is_llama3, use_eagle)
-        for step in steps:
-            ids = torch.cat([ids, step.tokens[None].to(ids.device)], dim=1)
-            yield ids
+    def generate_steps(self, input_ids, temperature=0.0, top_p=0.0, top_k=0.0, max_new_tokens=512, max_length=2048,
+                       is_llama3=False, use_eagle=True, generator: torch.Generator | None = None) -> Iterator[Step]:
+        """The generation loop for one sequence: an iterator of :class:`~eagle.model.generation.Step`, one per
+        target forward pass. The request is checked here, before anything runs. For a batch, see
+        :meth:`generate_batch_steps`."""
+        request = self._request(input_ids, temperature=temperature, top_p=top_p, top_k=top_k,
+                                max_new_tokens=max_new_tokens, max_length=max_length, is_llama3=is_llama3,
+                                use_eagle=use_eagle, generator=generator)
+        if request.batch_size != 1:
+            raise ValueError(f"generate_steps() generates one sequence; input_ids holds {request.batch_size}. Use "
+                             "generate_batch_steps() for a batch.")
+        return (Step(tokens=step.tokens[0], accepted=step.accepted[0]) for step in self._steps(request))
 
-    def _run(self, input_ids, use_eagle, log, temperature, top_p, top_k, max_new_tokens, max_length, is_llama3=False,
-             stop_ids: set[int] | None = None):
-        prompt, steps = self._start(input_ids, temperature, top_p, top_k, max_new_tokens, max_length, is_llama3,
-                                    use_eagle, stop_ids=stop_ids)
-        pieces = [step.tokens.to(prompt.device) for step in steps]
-        new = torch.cat(pieces) if pieces else prompt.new_zeros(0)
-        ids = torch.cat([prompt, new[None]], dim=1)
-        if log:
-            return ids, int(new.numel()), max(len(pieces) - 1, 0)
-        return ids
+    def generate_batch_steps(self, input_ids, attention_mask=None, temperature=0.0, top_p=0.0, top_k=0,
+                             max_new_tokens=512, max_length=2048, is_llama3=False, use_eagle=True,
+                             generator: torch.Generator | None = None,
+                             stop_token_ids=None) -> Iterator[BatchStep]:
+        """The generation loop for a batch (what a server's scheduler drives): ``input_ids`` (B, S) left-padded
+        with ``attention_mask``, or a list of 1-D prompts. Yields one :class:`~eagle.model.generation.BatchStep`
+        per target forward pass: for each of the B rows its new tokens, accepted drafts and whether it has
+        finished. ``stop_token_ids`` replaces the model's stop tokens. Checked before anything runs."""
+        stop_ids = None if stop_token_ids is None else _token_id_set(stop_token_ids)
+        return self._steps(self._request(input_ids, attention_mask, temperature=temperature, top_p=top_p,
+                                         top_k=top_k, max_new_tokens=max_new_tokens, max_length=max_length,
+                                         is_llama3=is_llama3, use_eagle=use_eagle, generator=generator,
+                                         stop_ids=stop_ids))
+
+    def _stream_ids(self, request: GenerationRequest):
+        new: list[list[int]] = [[] for _ in range(request.batch_size)]
+        for step in self._steps(request):
+            for row, tokens in enumerate(step.tokens):
+                new[row] += tokens.tolist()
+            yield request.output_ids(new)
+
+    def _run(self, request: GenerationRequest, log: bool):
+        new: list[list[int]] = [[] for _ in range(request.batch_size)]
+        cycles = [-1] * request.batch_size  # the prefill's step is not a draft/verify cycle
+        for step in self._steps(request):
+            for row, tokens in enumerate(step.tokens):
+                if tokens.numel():
+                    new[row] += tokens.tolist()
+                    cycles[row] += 1
+        ids = request.output_ids(new)
+        if not log:
+            return ids
+        # the reference's idx: the 0-based index of the last draft/verify cycle
+        counts, idx = [len(tokens) for tokens in new], [max(c - 1, 0) for c in cycles]
+        return (ids, counts[0], idx[0]) if request.batch_size == 1 else (ids, counts, idx)
+
+    def _call(self, use_eagle, input_ids, attention_mask, temperature, top_p, top_k, max_new_tokens, max_length,
+              is_llama3) -> GenerationRequest:
+        return self._request(input_ids, attention_mask, temperature=temperature, top_p=top_p, top_k=top_k,
+                             max_new_tokens=max_new_tokens, max_length=max_length, is_llama3=is_llama3,
+                             use_eagle=use_eagle)
 
     @torch.no_grad()
     def eagenerate(self, input_ids, temperature=0.0, top_p=0.0, top_k=0.0, max_new_tokens=512, max_length=2048,
-                   log=False, is_llama3=False):
-        """Speculative generation. Returns the ids (1, S + n); with ``log=True``, ``(ids, new_tokens, steps)`` where
-        ``steps`` is the number of draft/verify cycles (``new_tokens / (steps + 1)`` = tokens per target forward)."""
-        return self._run(input_ids, True, log, temperature=temperature, top_p=top_p, top_k=top_k,
-                         max_new_tokens=max_new_tokens, max_length=max_length, is_llama3=is_llama3)
+                   log=False, is_llama3=False, attention_mask=None):
+        """Speculative generation. ``input_ids``: (1, S) or (S,); a batch (B, S) left-padded with
+        ``attention_mask``; or a list of 1-D prompts of different lengths. Returns the ids (B, S + T), rows that end
+        early filled with the pad token on the right. With ``log=True``, ``(ids, new_tokens, idx)``: the new tokens
+        and the reference's ``idx``, the 0-based index of the last draft/verify cycle (cycles - 1, so
+        ``new_tokens / (idx + 1)`` is tokens per cycle); plain ints for one sequence, lists of B ints for a
+        batch."""
+        return self._run(self._call(True, input_ids, attention_mask, temperature, top_p, top_k, max_new_tokens,
+                                    max_length, is_llama3), log)
 
     @torch.no_grad()
     def naivegenerate(self, input_ids, temperature=0.0, top_p=0.0, top_k=0.0, max_new_tokens=512, max_length=2048,
-                      log=False, is_llama3=False):
-        """Plain decoding with the same loop, for comparison. Same returns as :meth:`eagenerate`."""
-        return self._run(input_ids, False, log, temperature=temperature, top_p=top_p, top_k=top_k,
-                         max_new_tokens=max_new_tokens, max_length=max_length, is_llama3=is_llama3)
+                      log=False, is_llama3=False, attention_mask=None):
+        """Plain decoding with the same loop, for comparison. Same input and returns as :meth:`eagenerate`."""
+        return self._run(self._call(False, input_ids, attention_mask, temperature, top_p, top_k, max_new_tokens,
+                                    max_length, is_llama3), log)
 
     def ea_generate(self, input_ids, temperature=0.0, top_p=0.0, top_k=0.0, max_new_tokens=512, max_length=2048,
-                    log=False, is_llama3=False):
-        """Streaming :meth:`eagenerate`: yields the whole ids (1, S + n so far) after each step."""
-        yield from self._stream_ids(input_ids, True, temperature=temperature, top_p=top_p, top_k=top_k,
-                                    max_new_tokens=max_new_tokens, max_length=max_length, is_llama3=is_llama3)
+                    log=False, is_llama3=False, attention_mask=None):
+        """Streaming :meth:`eagenerate`: yields the whole ids (B, S + T so far) after each step, every row's tokens
+        so far (rows behind the longest filled with the pad token)."""
+        yield from self._stream_ids(self._call(True, input_ids, attention_mask, temperature, top_p, top_k,
+                                               max_new_tokens, max_length, is_llama3))
 
     def naive_generate(self, input_ids, temperature=0.0, top_p=0.0, top_k=0.0, max_new_tokens=512, max_length=2048,
-                       log=False, is_llama3=False):
+                       log=False, is_llama3=False, attention_mask=None):
         """Streaming :meth:`naivegenerate`: yields the whole ids after each token."""
-        yield from self._stream_ids(input_ids, False, temperature=temperature, top_p=top_p, top_k=top_k,
-                                    max_new_tokens=max_new_tokens, max_length=max_length, is_llama3=is_llama3)
+        yield from self._stream_ids(self._call(False, input_ids, attention_mask, temperature, top_p, top_k,
+                                               max_new_tokens, max_length, is_llama3))
 
     @torch.no_grad()
     def generate(self, input_ids=None, attention_mask=None, max_new_tokens: int = 20, do_sample: bool = False,
                  temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, max_length: int | None = None,
-                 use_eagle: bool = True, eos_token_id: int | list[int] | None = None, **extras):
-        """Hugging Face style: ``model.generate(**tokenizer(text, return_tensors="pt"), max_new_tokens=...)``.
-        Greedy unless ``do_sample``; ``top_p=1`` and ``top_k=0`` mean off; ``eos_token_id`` replaces the model's
-        stop tokens, as in Hugging Face. Arguments it cannot honour (beam search, repetition penalty...) raise a
-        ``ValueError``. Returns ids (1, S + n)."""
+                 use_eagle: bool = True, eos_token_id: int | list[int] | None = None, pad_token_id: int | None = None,
+                 **extras):
+        """Hugging Face style: ``model.generate(**tokenizer(texts, padding=True, return_tensors="pt"),
+        max_new_tokens=...)`` (left padding: ``tokenizer.padding_side = "left"``). Greedy unless ``do_sample``;
+        ``top_p=1`` and ``top_k=0`` mean off; ``eos_token_id`` replaces the model's stop tokens and
+        ``pad_token_id`` the filler of rows that end early, as in Hugging Face. Arguments it cannot honour (beam
+        search, repetition penalty...) raise a ``ValueError``. Returns ids (B, S + T)."""
         if input_ids is None:
             raise ValueError("generate() needs input_ids.")
-        if attention_mask is not None and not bool(torch.as_tensor(attention_mask).bool().all()):
-            raise ValueError("attention_mask contains padding; EaModel generates one unpadded sequence at a time.")
         _check_generate_extras(extras)
-        if max_length is None:
-            max_length = input_ids.shape[-1] + max_new_tokens + 1
         if do_sample and temperature <= 1e-5:
             raise ValueError("do_sample=True needs temperature > 0.")
-        kwargs = dict(temperature=temperature if do_sample else 0.0, top_p=top_p if do_sample else 0.0,
-                      top_k=top_k if do_sample else 0, max_new_tokens=max_new_tokens, max_length=max_length)
         stop_ids = None if eos_token_id is None else _token_id_set(eos_token_id)
-        return self._run(input_ids, use_eagle, False, stop_ids=stop_ids, **kwargs)
+        request = self._request(input_ids, attention_mask, temperature=temperature if do_sample else 0.0,
+                                top_p=top_p if do_sample else 0.0, top_k=top_k if do_sample else 0,
+                                max_new_tokens=max_new_tokens, max_length=max_length, use_eagle=use_eagle,
+                                stop_ids=stop_ids, pad_token_id=pad_token_id)
+        return self._run(request, False)

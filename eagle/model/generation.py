@@ -1,7 +1,23 @@
-"""The one generation loop. Plain decoding is the same loop with a drafter that proposes nothing.
+"""The one generation loop, for a batch of B sequences (one sequence is the batch of one). Plain decoding is the
+same loop with a drafter that proposes nothing.
 
-Each step is four named functions of explicit inputs: draft (drafter), verify (target forward over the tree),
-evaluate (accept a path), commit (keep the accepted KV entries and emit tokens).
+Each step is four named functions of explicit inputs: draft (drafter: one tree per row), verify (one target forward
+over every row's tree), evaluate (accept a path per row), commit (keep each row's accepted KV entries and emit
+tokens).
+
+Batches. The prompts come left-padded to a common length S (``pads[b]`` padding slots before row b's first real
+token). All rows share the cache's slot axis: every forward pass writes every row at the same slots, and row b's
+committed tokens sit at slots ``start[b] .. length[b] - 1`` (:class:`Rows`). Its RoPE positions count from its
+first real token, so each row computes what its prompt alone would (the pad slots and a row's leftovers past its
+own length are masked out, never attended). Trees are padded to the largest row's node count
+(:class:`~eagle.model.tree.TreeBatch`); after verification each row moves its own accepted path (ragged lengths) to
+its own committed length. Stops and budgets are per row; a finished row leaves the batch (its cache and drafter
+rows are dropped, see :func:`drop_finished`), so it costs nothing afterwards.
+
+For a server's scheduler, :func:`speculative_decode_batch` (``EaModel.generate_batch_steps``) is the batched step
+iterator: after each target forward it yields a :class:`BatchStep` with, for every row of the batch, the new
+tokens, how many came from accepted drafts, and whether the row is finished. The batch is fixed when the iterator
+starts (rows leave it, none join); abandoning the iterator leaves the model usable.
 """
 
 from __future__ import annotations
@@ -12,8 +28,8 @@ from dataclasses import dataclass
 import torch
 
 from .target import LazyLogits, Target
-from .tree import DraftTree, likeliest_subtree
-from .verify import Sampler, verify_greedy, verify_sampling
+from .tree import DraftTree, TreeBatch, likeliest_subtree, stack_trees
+from .verify import Sampler, verify_greedy, verify_greedy_batch, verify_sampling
 
 
 # Rows projected through the LM head at once (see LazyLogits): in the verification forward itself, the root and its
@@ -24,20 +40,61 @@ LAZY_PROJECTION_ROWS = 8
 
 @dataclass
 class Step:
-    """What one step emits: tokens (n,) on the target device, and how many of them came from accepted drafts
-    (``accepted = n - 1`` for a full verification step, 0 for the prefill's first token; truncation at a stop token
-    or the token budget can shorten ``tokens``)."""
+    """What one step emits for one sequence: tokens (n,) on the target device, and how many of them came from
+    accepted drafts (``accepted = n - 1`` for a full verification step, 0 for the prefill's first token; truncation
+    at a stop token or the token budget can shorten ``tokens``)."""
 
     tokens: torch.Tensor
     accepted: int
 
 
-def prefill(target: Target, input_ids: torch.Tensor, cache, sampler: Sampler | None, with_features: bool):
-    """Run the prompt (1, S) into the empty cache. Returns (first new token (0-d), features (1, S, F) or None)."""
+@dataclass
+class BatchStep:
+    """What one step emits for a batch of B rows (lists of length B, in the caller's row order): ``tokens[b]``
+    (n_b,) the new tokens of row b (empty once the row has finished), ``accepted[b]`` how many of them came from
+    accepted drafts, ``finished[b]`` whether row b has ended (from the step that emits its last token on)."""
+
+    tokens: list[torch.Tensor]
+    accepted: list[int]
+    finished: list[bool]
+
+
+@dataclass
+class Rows:
+    """Where the rows still generating sit in the shared cache: ``index`` their numbers in the caller's batch; row
+    i's committed tokens at slots ``start[i] .. length[i] - 1``."""
+
+    index: list[int]
+    start: list[int]
+    length: list[int]
+
+    def select(self, keep: list[int]) -> "Rows":
+        return Rows([self.index[i] for i in keep], [self.start[i] for i in keep], [self.length[i] for i in keep])
+
+    def masks(self, slots: int, device) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(valid (B, slots) bool, key positions (B, slots)) of the first ``slots`` cache slots; (None, None) when
+        every row holds exactly those slots from position 0 (a batch of one)."""
+        if all(s == 0 for s in self.start) and all(n == slots for n in self.length):
+            return None, None
+        ids = torch.arange(slots, device=device)
+        start = torch.tensor(self.start, device=device)[:, None]
+        valid = (ids >= start) & (ids < torch.tensor(self.length, device=device)[:, None])
+        return valid, ids - start
+
+
+def prefill(target: Target, input_ids: torch.Tensor, cache, sampler: Sampler | None, with_features: bool,
+            pads: list[int] | None = None):
+    """Run the prompts (B, S), row b left-padded with ``pads[b]`` slots, into the empty cache. Returns (first new
+    token of each row (B,), features (B, S, F) or None)."""
     length = input_ids.shape[1]
-    out = target.forward(input_ids, cache, torch.arange(length), last_logits_only=True)
-    root = choose_token(out.logits[-1], sampler)
-    return root, (out.features if with_features else None)
+    positions, valid = torch.arange(length), None
+    if pads and any(pads):
+        slots = torch.arange(length, device=target.device)
+        valid = slots >= torch.tensor(pads, device=target.device)[:, None]
+        positions = (slots - torch.tensor(pads, device=target.device)[:, None]).clamp(min=0)
+    out = target.forward(input_ids, cache, positions, last_logits_only=True, valid=valid)
+    roots = choose_tokens(out.logits[:, -1], sampler)
+    return roots, (out.features if with_features else None)
 
 
 def choose_token(logits: torch.Tensor, sampler: Sampler | None) -> torch.Tensor:
@@ -47,31 +104,62 @@ def choose_token(logits: torch.Tensor, sampler: Sampler | None) -> torch.Tensor:
     return sampler.draw(sampler.probs(logits[None])[0])
 
 
-def verify_tree(target: Target, tree: DraftTree, cache, lazy_logits: bool = False):
-    """Target forward over the tree at positions prefix + depth. Returns (logits (N+1, V), features or None).
+def choose_tokens(logits: torch.Tensor, sampler: Sampler | None) -> torch.Tensor:
+    """logits (B, V) -> next token of each row (B,)."""
+    if sampler is None:
+        return logits.argmax(-1)
+    return torch.stack([choose_token(row, sampler) for row in logits])
 
-    ``lazy_logits``: where the target allows it, the logits are :class:`~eagle.model.target.LazyLogits`: the root
-    and its likeliest descendants are projected in the forward pass, any other row when read (verification reads
-    only the accepted path's) together with the likeliest nodes below it (see
+
+def verify_trees(target: Target, trees: TreeBatch, cache, rows: Rows, lazy_logits: bool = False):
+    """Target forward over every row's tree, row b's nodes at positions (its committed tokens) + depth. Returns
+    (logits: one indexable per row, node -> (V,); fetch (see :meth:`LazyLogits.fetch`) or None; features
+    (B, N, F) or None).
+
+    ``lazy_logits``: where the target allows it, the logits are :class:`~eagle.model.target.LazyLogits`: each
+    tree's root and its likeliest descendants are projected with the forward pass, any other node when read
+    (verification reads only the accepted paths') together with the likeliest nodes below it (see
     :func:`~eagle.model.tree.likeliest_subtree`)."""
-    positions = tree.depths + cache.length
-    tree_mask = tree.ancestor_mask if tree.size > 1 else None
-    lazy = lazy_logits and tree.size > 1
-    first_rows = likeliest_subtree(tree, 0, LAZY_PROJECTION_ROWS) if lazy else None
-    out = target.forward(tree.tokens[None], cache, positions.cpu(), tree_mask=tree_mask, lazy_logits=lazy,
-                         first_rows=first_rows)
+    slots, device = cache.length, target.device
+    valid, key_positions = rows.masks(slots, device)
+    if valid is not None:
+        valid = torch.cat([valid, torch.ones(len(rows.index), trees.size, dtype=torch.bool, device=device)], dim=1)
+    committed = torch.tensor([n - s for s, n in zip(rows.start, rows.length)], device=trees.depths.device)
+    positions = trees.depths + committed[:, None]
+    tree_mask = trees.ancestor_mask if trees.size > 1 else None
+    lazy = lazy_logits and trees.size > 1
+    first_rows = [likeliest_subtree(tree, 0, LAZY_PROJECTION_ROWS) for tree in trees.trees] if lazy else None
+    out = target.forward(trees.tokens, cache, positions.cpu(), tree_mask=tree_mask, lazy_logits=lazy,
+                         first_rows=first_rows, valid=valid, key_positions=key_positions)
     if isinstance(out.logits, LazyLogits):
-        out.logits.rows_with = lambda node: likeliest_subtree(tree, node, LAZY_PROJECTION_ROWS)
-    return out.logits, out.features
+        out.logits.rows_with = lambda row, node: likeliest_subtree(trees.trees[row], node, LAZY_PROJECTION_ROWS)
+        return [out.logits.row(b) for b in range(len(trees.trees))], out.logits.fetch, out.features
+    return list(out.logits), None, out.features
 
 
-def evaluate(tree: DraftTree, logits: torch.Tensor, sampler: Sampler | None):
+def verify_tree(target: Target, tree: DraftTree, cache, lazy_logits: bool = False):
+    """One tree after a cache of one row: (logits indexable by node (N+1 rows of V), features (1, N+1, F) or
+    None). See :func:`verify_trees`."""
+    rows = Rows([0], [0], [cache.length])
+    logits, _, features = verify_trees(target, stack_trees([tree]), cache, rows, lazy_logits)
+    return logits[0], features
+
+
+def evaluate(tree: DraftTree, logits, sampler: Sampler | None):
     """Accepted node ids (acc+1,) root first, and the target's next token after them."""
     if tree.size == 1:
         return torch.zeros(1, dtype=torch.long, device=tree.tokens.device), choose_token(logits[0], sampler)
     if sampler is None:
         return verify_greedy(tree, logits)
     return verify_sampling(tree, logits, sampler)
+
+
+def evaluate_batch(trees: list[DraftTree], logits: list, fetch, sampler: Sampler | None):
+    """:func:`evaluate` for every row: a list of (accepted node ids, next token). Greedy rows are walked in
+    lockstep, so that the LM head projects what they read next together."""
+    if sampler is None:
+        return verify_greedy_batch(trees, logits, fetch)
+    return [evaluate(tree, row_logits, sampler) for tree, row_logits in zip(trees, logits)]
 
 
 def commit(cache, prefix_length: int, path: torch.Tensor) -> None:
@@ -82,7 +170,110 @@ def commit(cache, prefix_length: int, path: torch.Tensor) -> None:
         cache.keep_path(path + prefix_length, prefix_length)
 
 
+def commit_batch(cache, rows: Rows, paths: list[torch.Tensor], tree_size: int) -> None:
+    """Each row keeps the KV entries of its accepted nodes (the trees of ``tree_size`` nodes fill the cache's last
+    slots) right after its own committed tokens; ``rows.length`` grows by each path's length."""
+    slots = cache.length - tree_size
+    if len(paths) == 1 and rows.length[0] == slots:
+        commit(cache, slots, paths[0])
+        rows.length[0] += paths[0].numel()
+        return
+    width = max(path.numel() for path in paths)
+    device = paths[0].device
+    sources = torch.stack([torch.cat([p, p[-1:].expand(width - p.numel())]) for p in paths]) + slots
+    targets = torch.tensor(rows.length, device=device)[:, None] + torch.arange(width, device=device)
+    rows.length = [n + p.numel() for n, p in zip(rows.length, paths)]
+    cache.keep_rows(sources, targets, max(rows.length))
+
+
+def drop_finished(keep: list[int], rows: Rows, cache, drafter, carried: list):
+    """Shrink the batch to the rows ``keep`` (positions among the rows still generating): the cache's and the
+    drafter's rows, and every tensor of ``carried`` (indexed on dim 0; None passes). Returns (rows, carried)."""
+    index = torch.tensor(keep)
+    cache.select_rows(index)
+    drafter.select_rows(index)
+    rows = rows.select(keep)
+    cache.crop(max(rows.length))
+    return rows, [None if t is None else t[index.to(t.device)] for t in carried]
+
+
+def next_inputs(trees: TreeBatch, results: list, tree_features):
+    """After evaluation: each row's new tokens (accepted drafts then the next token), and the drafter's next
+    inputs: features (B, M, F) of the accepted nodes, the token after each (B, M), and which are real (B, M) bool,
+    or None when every row accepted the same number (a batch of one)."""
+    new = [torch.cat([tree.tokens[path[1:]], bonus.reshape(1)]) for tree, (path, bonus) in zip(trees.trees, results)]
+    paths = [path for path, _ in results]
+    width = max(tokens.shape[0] for tokens in new)
+    if all(tokens.shape[0] == width for tokens in new):
+        next_tokens, valid = torch.stack(new), None
+        index = torch.stack(paths)
+    else:
+        next_tokens = torch.stack([torch.cat([t, t[-1:].expand(width - t.shape[0])]) for t in new])
+        index = torch.stack([torch.cat([p, p[-1:].expand(width - p.shape[0])]) for p in paths])
+        valid = torch.arange(width, device=index.device)[None] < torch.tensor([t.shape[0] for t in new],
+                                                                              device=index.device)[:, None]
+    features = None
+    if tree_features is not None:
+        index = index.to(tree_features.device)
+        features = tree_features[torch.arange(index.shape[0], device=index.device)[:, None], index]
+    return new, next_tokens, valid, features
+
+
 @torch.no_grad()  # on a generator: entered around each resumption, so the caller's grad mode is left alone
+def speculative_decode_batch(
+    target: Target,
+    drafter,
+    cache,
+    input_ids: torch.Tensor,
+    pads: list[int],
+    sampler: Sampler | None,
+    budgets: list[int],
+    stop_token_ids: set[int],
+) -> Iterator[BatchStep]:
+    """Generate after the left-padded prompts ``input_ids`` (B, S) (row b: ``pads[b]`` padding slots, then its
+    tokens). Yields one :class:`BatchStep` per target forward pass.
+
+    Row b stops after its first stop token (included) or after ``budgets[b]`` tokens. Invariant between steps: the
+    cache holds each row's committed tokens except the last emitted one (the root), which its next tree starts
+    from.
+    """
+    batch, length = input_ids.shape
+    if max(budgets) <= 0:
+        return
+    drafter.reset(batch)
+    cache.reset(batch)
+    roots, features = prefill(target, input_ids, cache, sampler, drafter.needs_features, pads)
+    rows = Rows(list(range(batch)), list(pads), [length] * batch)
+    next_tokens = torch.cat([input_ids[:, 1:].to(roots.device), roots[:, None]], dim=1)
+    valid = None
+    if any(pads):  # pair j (feature j, token j + 1) is row b's when slot j holds one of its tokens
+        valid = torch.arange(length, device=roots.device)[None] >= torch.tensor(pads, device=roots.device)[:, None]
+    new, accepted = [root.reshape(1) for root in roots], [0] * batch
+    emitted, finished = [0] * batch, [False] * batch
+    while True:
+        step = BatchStep([roots.new_zeros(0)] * batch, [0] * batch, list(finished))
+        keep = []
+        for i, row in enumerate(rows.index):
+            tokens, done = _truncate(new[i], budgets[row] - emitted[row], stop_token_ids)
+            emitted[row] += tokens.shape[0]
+            step.tokens[row], step.accepted[row] = tokens, min(accepted[i], tokens.shape[0])
+            finished[row] = step.finished[row] = done or emitted[row] >= budgets[row]
+            if not finished[row]:
+                keep.append(i)
+        yield step
+        if not keep:
+            return
+        if len(keep) < len(rows.index):
+            rows, (features, next_tokens, valid) = drop_finished(keep, rows, cache, drafter,
+                                                                 [features, next_tokens, valid])
+        trees = stack_trees(drafter.draft_batch(features, next_tokens, valid))  # rooted at the last emitted tokens
+        logits, fetch, tree_features = verify_trees(target, trees, cache, rows, lazy_logits=True)
+        results = evaluate_batch(trees.trees, logits, fetch, sampler)
+        commit_batch(cache, rows, [path for path, _ in results], trees.size)
+        new, next_tokens, valid, features = next_inputs(trees, results, tree_features)
+        accepted = [tokens.shape[0] - 1 for tokens in new]
+
+
 def speculative_decode(
     target: Target,
     drafter,
@@ -93,39 +284,15 @@ def speculative_decode(
     max_length: int,
     stop_token_ids: set[int],
 ) -> Iterator[Step]:
-    """Generate after ``input_ids`` (1, S). Yields one :class:`Step` per target forward pass.
+    """Generate after one sequence ``input_ids`` (1, S): :func:`speculative_decode_batch` for a batch of one,
+    yielding one :class:`Step` per target forward pass.
 
     Stops after the first stop token (included), after ``max_new_tokens`` tokens, or when the sequence reaches
-    ``max_length``. Invariant between steps: the cache holds the committed tokens except the last emitted one
-    (the root), which the next tree starts from.
+    ``max_length``.
     """
     budget = min(max_new_tokens, max_length - input_ids.shape[1])
-    if budget <= 0:
-        return
-    drafter.reset()
-    cache.crop(0)
-    root, features = prefill(target, input_ids, cache, sampler, drafter.needs_features)
-    next_tokens = torch.cat([input_ids[0, 1:].to(root.device), root.reshape(1)])[None]
-    emitted = 0
-    new = root.reshape(1)
-    accepted = 0
-    while True:
-        new, done = _truncate(new, budget - emitted, stop_token_ids)
-        emitted += new.shape[0]
-        yield Step(tokens=new, accepted=min(accepted, new.shape[0]))
-        if done or emitted >= budget:
-            return
-        tree = drafter.draft(features, next_tokens)  # rooted at the last emitted token
-        prefix_length = cache.length
-        logits, tree_features = verify_tree(target, tree, cache, lazy_logits=True)
-        path, bonus = evaluate(tree, logits, sampler)
-        commit(cache, prefix_length, path)
-        drafted = tree.tokens[path[1:]]
-        new = torch.cat([drafted, bonus.reshape(1)])
-        accepted = drafted.shape[0]
-        next_tokens = new[None]
-        if tree_features is not None:
-            features = tree_features[:, path.to(tree_features.device)]
+    for step in speculative_decode_batch(target, drafter, cache, input_ids, [0], sampler, [budget], stop_token_ids):
+        yield Step(tokens=step.tokens[0], accepted=step.accepted[0])
 
 
 def _truncate(tokens: torch.Tensor, room: int, stop_token_ids: set[int]) -> tuple[torch.Tensor, bool]:

@@ -2,8 +2,14 @@
 path after verification.
 
 It is a transformers ``Cache``: the stock model classes write into it through ``update`` like into any cache, so no
-modeling file is copied. Each layer allocates ``(1, n_kv_heads, capacity, head_dim)`` keys and values on its own
+modeling file is copied. Each layer allocates ``(B, n_kv_heads, capacity, head_dim)`` keys and values on its own
 device the first time it is written to (so ``device_map="auto"`` works).
+
+A batch of B rows shares the slot axis: every forward pass writes all rows at the same slots
+(``0 .. length - 1`` are in use), and each row compacts its own accepted path to its own committed length, so rows
+hold different numbers of valid slots. Which slots a row may attend is the attention mask's business
+(:mod:`eagle.model.generation` builds it from each row's first and last valid slot); slots beyond a row's own
+length hold finite leftovers that are never attended.
 """
 
 from __future__ import annotations
@@ -55,6 +61,20 @@ class TreeKVLayer(CacheLayerMixin):
     def reset(self) -> None:
         self.length = 0
 
+    def keep_rows(self, sources: torch.Tensor, targets: torch.Tensor) -> None:
+        """Per row b, copy the entries at slots ``sources[b]`` to slots ``targets[b]`` ((B, M) each)."""
+        if self.is_initialized:
+            rows = torch.arange(sources.shape[0], device=self.keys.device)[:, None]
+            sources, targets = sources.to(self.keys.device), targets.to(self.keys.device)
+            self.keys[rows, :, targets] = self.keys[rows, :, sources]
+            self.values[rows, :, targets] = self.values[rows, :, sources]
+
+    def select_rows(self, index: torch.Tensor) -> None:
+        """Keep the batch rows ``index`` (1-D), in that order."""
+        if self.is_initialized:
+            index = index.to(self.keys.device)
+            self.keys, self.values = self.keys[index], self.values[index]
+
     def keep(self, positions: torch.Tensor, start: int) -> None:
         """Move the entries at ``positions`` (ascending, all >= start) to ``start...`` and drop the rest."""
         if self.is_initialized and positions.numel():
@@ -85,6 +105,67 @@ class TreeKVCache(Cache):
         """Keep the accepted tree nodes: entries at absolute ``positions`` move to ``start, start+1, ...``."""
         for layer in self.layers:
             layer.keep(positions, start)
+
+    @property
+    def batch_size(self) -> int | None:
+        """Rows of the allocated tensors (None before the first write)."""
+        layer = self.layers[0]
+        return layer.keys.shape[0] if layer.is_initialized else None
+
+    def reset(self, batch_size: int) -> None:
+        """Empty the cache for a batch of ``batch_size`` rows; tensors of another batch size are dropped (and
+        allocated again, zero-filled, at the next write)."""
+        for layer in self.layers:
+            if layer.is_initialized and layer.keys.shape[0] != batch_size:
+                layer.keys = layer.values = None
+                layer.is_initialized = False
+            layer.length = 0
+
+    def keep_rows(self, sources: torch.Tensor, targets: torch.Tensor, length: int) -> None:
+        """Per row b, move the entries at slots ``sources[b]`` to ``targets[b]`` ((B, M) each; a row with fewer
+        entries repeats its last source and writes past its own length), then hold ``length`` slots."""
+        for layer in self.layers:
+            layer.keep_rows(sources, targets)
+            layer.length = length
+
+    def select_rows(self, index: torch.Tensor) -> None:
+        """Keep the batch rows ``index`` (finished rows leave the batch)."""
+        for layer in self.layers:
+            layer.select_rows(index)
+
+
+def cache_bytes(config, batch_size: int, capacity: int, dtype: torch.dtype) -> int:
+    """Bytes of keys and values that a :class:`TreeKVCache` of ``batch_size`` rows and ``capacity`` slots holds."""
+    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    element = torch.empty((), dtype=dtype).element_size()
+    return 2 * config.num_hidden_layers * batch_size * heads * capacity * head_dim * element
+
+
+def free_memory(device: torch.device) -> int | None:
+    """Bytes free for new tensors on ``device`` (None when unknown)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    if device.type == "cpu":
+        try:
+            import psutil
+        except ImportError:
+            return None
+        return psutil.virtual_memory().available
+    return None
+
+
+def check_cache_fits(config, batch_size: int, capacity: int, dtype: torch.dtype, device: torch.device) -> None:
+    """Refuse, before anything runs, a cache of ``batch_size`` rows x ``capacity`` slots that would not fit in the
+    free memory of ``device`` (with a quarter of it left for the activations)."""
+    needed, free = cache_bytes(config, batch_size, capacity, dtype), free_memory(torch.device(device))
+    if free is not None and needed > 0.75 * free:
+        gib = 1024 ** 3
+        raise ValueError(
+            f"A batch of {batch_size} rows needs a KV cache of {capacity} positions per row, {needed / gib:.2f} GiB, "
+            f"but only {free / gib:.2f} GiB of memory is free on {device}: use fewer rows, fewer max_new_tokens or a "
+            "smaller max_length."
+        )
 
 
 def initialize_past_key_values(model, max_length: int = 2200):

@@ -98,41 +98,72 @@ LOGIT_POSTPROCESSING = ("final_logit_softcapping", "logit_scale", "logits_scalin
 
 
 class LazyLogits:
-    """Logits after each of T new positions, each row projected through the LM head when first read.
+    """Logits after each of T new positions of B rows, each (row, position) projected through the LM head when
+    first read.
 
     On a CPU the LM head (hidden x vocabulary, e.g. 576 x 49,152) costs as much as several layers for every row of
     a draft tree, and verification reads only the rows on the accepted path: projecting those alone saves most of
     that cost.
 
     Reading the LM head's weights dominates a projection, so a few rows cost little more than one (timings:
-    docs/PERFORMANCE.md). The rows read first are therefore projected in the model's own forward pass, together
-    with row 0 (``first_rows``: verification passes the root and its likeliest descendants), and ``rows_with(i)``,
-    when given, names the rows to project together with a row ``i`` read later (``i`` first): verification passes
-    the node's likeliest descendants, which it reads next whenever the node is accepted, so a long accepted path
-    costs one or two projections instead of one per token, and a short one none.
+    docs/PERFORMANCE.md). The rows read first are therefore projected in the verification forward pass
+    (``first_rows``: verification passes each tree's root and its likeliest descendants), and ``rows_with(b, i)``, when given, names the positions of batch row
+    ``b`` to project together with a position ``i`` read later (``i`` first): verification passes the node's
+    likeliest descendants, which it reads next whenever the node is accepted, so a long accepted path costs one or
+    two projections instead of one per token, and a short one none. :meth:`fetch` projects what several batch rows
+    read next in one call.
+
+    ``logits[i]`` reads position ``i`` of batch row 0; ``logits.row(b)[i]`` of row ``b``.
     """
 
-    def __init__(self, first_rows: dict[int, torch.Tensor], last_hidden: torch.Tensor, project, rows_with=None):
+    def __init__(self, first_rows: dict[tuple[int, int], torch.Tensor], last_hidden: torch.Tensor, project,
+                 rows_with=None):
         self._rows = dict(first_rows)
-        self._hidden = last_hidden  # (T, H)
+        self._hidden = last_hidden  # (B, T, H)
         self._project = project
         self.rows_with = rows_with
 
+    def fetch(self, wanted: list[tuple[int, int]]) -> None:
+        """Project, in one call, the (batch row, position) pairs not projected yet, each with ``rows_with``'s."""
+        todo: list[tuple[int, int]] = []
+        for batch_row, index in wanted:
+            if (batch_row, index) in self._rows:
+                continue
+            more = [index] if self.rows_with is None else self.rows_with(batch_row, index)
+            todo += [(batch_row, i) for i in more if (batch_row, i) not in self._rows and (batch_row, i) not in todo]
+        if todo:
+            rows, positions = zip(*todo)
+            device = self._hidden.device
+            projected = self._project(self._hidden[torch.tensor(rows, device=device), torch.tensor(positions, device=device)])
+            self._rows.update(zip(todo, projected))
+
+    def get(self, batch_row: int, index) -> torch.Tensor:
+        key = (batch_row, int(index))
+        if key not in self._rows:
+            self.fetch([key])
+        return self._rows[key]
+
+    def row(self, batch_row: int) -> "_LazyRow":
+        return _LazyRow(self, batch_row)
+
     def __getitem__(self, index) -> torch.Tensor:
-        index = int(index)
-        row = self._rows.get(index)
-        if row is None:
-            wanted = [index] if self.rows_with is None else [i for i in self.rows_with(index) if i not in self._rows]
-            projected = self._project(self._hidden[torch.tensor(wanted, device=self._hidden.device)])
-            self._rows.update(zip(wanted, projected))
-            row = self._rows[index]
-        return row
+        return self.get(0, index)
+
+
+class _LazyRow:
+    """One batch row of :class:`LazyLogits`, indexable by position."""
+
+    def __init__(self, logits: LazyLogits, batch_row: int):
+        self.logits, self.batch_row = logits, batch_row
+
+    def __getitem__(self, index) -> torch.Tensor:
+        return self.logits.get(self.batch_row, index)
 
 
 @dataclass
 class TargetOutput:
-    logits: torch.Tensor | LazyLogits  # (T', V) float: every position, or only the last one for a prefill
-    features: torch.Tensor | None  # (1, T, F) hidden states EAGLE reads, or None when not asked for
+    logits: torch.Tensor | LazyLogits  # (B, T', V) float: every position, or only the last one for a prefill
+    features: torch.Tensor | None  # (B, T, F) hidden states EAGLE reads, or None when not asked for
 
 
 class Target:
@@ -168,25 +199,38 @@ class Target:
     def new_cache(self, capacity: int) -> TreeKVCache:
         return TreeKVCache(self.num_layers, capacity)
 
-    def attention_mask(self, past: int, position_ids: torch.Tensor, tree_mask: torch.Tensor | None):
-        """Additive 4-D mask (1, 1, T, past + T) in the model dtype, or a dict of them per layer type.
+    def attention_mask(self, past: int, position_ids: torch.Tensor, tree_mask: torch.Tensor | None,
+                       valid: torch.Tensor | None = None, key_positions: torch.Tensor | None = None):
+        """Additive 4-D mask (B, 1, T, past + T) in the model dtype, or a dict of them per layer type.
 
-        Every new token sees the whole committed prefix; among new tokens it sees what ``tree_mask`` (T, T) allows
-        (ancestors and itself), or causally when there is no tree. Sliding-window layers also hide keys more than
-        ``window`` positions back.
+        position_ids: (B, T) or (T,) positions of the new tokens. Every new token sees the committed slots
+        (``valid`` (B, past + T) bool says which slots, the new ones included, hold a row's real tokens; None = all
+        of them); among new tokens it sees what ``tree_mask`` ((B, T, T) or (T, T)) allows (ancestors and itself),
+        or causally when there is no tree, and always itself (so that a padding query attends to something).
+        Sliding-window layers also hide keys more than ``window`` positions back (``key_positions`` (B, past):
+        the positions of the committed slots, default ``0 .. past - 1``).
         """
-        length = position_ids.shape[0]
+        position_ids = position_ids.to(self.device)
+        if position_ids.dim() == 1:
+            position_ids = position_ids[None]
+        batch, length = position_ids.shape
         device = self.device
         if tree_mask is None:
             new_block = torch.ones(length, length, dtype=torch.bool, device=device).tril_()
         else:
             new_block = tree_mask.to(device)
-        allowed = torch.cat([torch.ones(length, past, dtype=torch.bool, device=device), new_block], dim=1)
-        key_positions = torch.cat([torch.arange(past, device=device), position_ids.to(device)])
+        new_block = new_block.expand(batch, length, length)
+        allowed = torch.cat([torch.ones(batch, length, past, dtype=torch.bool, device=device), new_block], dim=2)
+        if valid is not None:
+            allowed = allowed & valid.to(device)[:, None, :]
+            allowed[:, :, past:] |= torch.eye(length, dtype=torch.bool, device=device)
         full = self._additive(allowed)
         if self.window is None or not (self.all_sliding or self.mixed_layer_types):
             return full
-        in_window = (position_ids.to(device)[:, None] - key_positions[None, :]) < self.window
+        if key_positions is None:
+            key_positions = torch.arange(past, device=device).expand(batch, past)
+        key_positions = torch.cat([key_positions.to(device), position_ids], dim=1)
+        in_window = (position_ids[:, :, None] - key_positions[:, None, :]) < self.window
         sliding = self._additive(allowed & in_window)
         if self.mixed_layer_types:
             return {"full_attention": full, "sliding_attention": sliding}
@@ -195,7 +239,7 @@ class Target:
     def _additive(self, allowed: torch.Tensor) -> torch.Tensor:
         mask = torch.zeros(allowed.shape, dtype=self.dtype, device=allowed.device)
         mask.masked_fill_(~allowed, torch.finfo(self.dtype).min)
-        return mask[None, None]
+        return mask[:, None]
 
     @torch.no_grad()
     def forward(
@@ -206,28 +250,34 @@ class Target:
         tree_mask: torch.Tensor | None = None,
         last_logits_only: bool = False,
         lazy_logits: bool = False,
-        first_rows: list[int] | None = None,
+        first_rows: list[int] | list[list[int]] | None = None,
+        valid: torch.Tensor | None = None,
+        key_positions: torch.Tensor | None = None,
     ) -> TargetOutput:
-        """input_ids: (1, T) new tokens, written to the cache after its ``cache.length`` committed positions;
-        position_ids: (T,) their RoPE positions (tree depth + prefix length for a tree).
+        """input_ids: (B, T) new tokens, written to the cache after its ``cache.length`` slots; position_ids:
+        (B, T) or (T,) their RoPE positions (tree depth + prefix length for a tree); ``tree_mask``, ``valid`` and
+        ``key_positions`` as in :meth:`attention_mask`.
 
         ``lazy_logits``: the caller reads only some rows (tree verification); when this target allows it, the
-        logits come back as :class:`LazyLogits`, with the rows ``first_rows`` (default: row 0; row 0 first)
-        projected in this forward pass and the others when read."""
+        logits come back as :class:`LazyLogits`, with the positions ``first_rows`` (one list per batch row, or one
+        list for a single row; default: position 0; position 0 first) projected in this forward pass and the
+        others when read."""
         past = cache.length
         lazy = lazy_logits and self._lazy_logits is True  # only ever True for a target that returns features
         if lazy:
-            first_rows = [0] if first_rows is None else list(first_rows)
-            if not first_rows or first_rows[0] != 0:
-                raise ValueError(f"first_rows must start with row 0, got {first_rows}.")
-            logits_to_keep = torch.tensor(first_rows, dtype=torch.long, device=self.device)
+            first_rows = _first_rows(first_rows, input_ids.shape[0])
+            # one row: the model's own LM head projects them; several: gathered per row below
+            logits_to_keep = torch.tensor(first_rows[0] if len(first_rows) == 1 else [], dtype=torch.long,
+                                          device=self.device)
         else:
             logits_to_keep = 1 if last_logits_only else 0
+        mask = self.attention_mask(past, position_ids, tree_mask, valid, key_positions)
+        position_ids = position_ids.to(self.device)
         with tree_attention(self.config):
             outputs = self.model(
                 input_ids=input_ids.to(self.device),
-                attention_mask=self.attention_mask(past, position_ids, tree_mask),
-                position_ids=position_ids.to(self.device)[None],
+                attention_mask=mask,
+                position_ids=position_ids if position_ids.dim() == 2 else position_ids[None],
                 cache=cache,
                 use_cache=True,
                 output_hidden_states=self.feature_layers is not None,
@@ -238,13 +288,22 @@ class Target:
             states = outputs.hidden_states
             home = states[self.feature_layers[0]].device  # layers may live on several devices
             features = torch.cat([states[i].to(home) for i in self.feature_layers], dim=-1)
-        logits = outputs.logits[0].float()
         if lazy:
-            return TargetOutput(logits=LazyLogits(dict(zip(first_rows, logits)), outputs.hidden_states[-1][0], self.project),
-                                features=features)
+            return TargetOutput(logits=self._lazy(first_rows, outputs), features=features)
+        logits = outputs.logits.float()
         if self._lazy_logits is None and self.feature_layers is not None:
-            self._lazy_logits = self._projection_matches(outputs.hidden_states[-1][0, -logits.shape[0]:], logits)
+            self._lazy_logits = self._projection_matches(outputs.hidden_states[-1][0, -logits.shape[1]:], logits[0])
         return TargetOutput(logits=logits, features=features)
+
+    def _lazy(self, first_rows: list[list[int]], outputs) -> LazyLogits:
+        hidden = outputs.hidden_states[-1]
+        pairs = [(b, i) for b, rows in enumerate(first_rows) for i in rows]
+        if len(first_rows) == 1:
+            projected = outputs.logits[0].float()
+        else:
+            index = torch.tensor(pairs, device=hidden.device)
+            projected = self.project(hidden[index[:, 0], index[:, 1]])
+        return LazyLogits(dict(zip(pairs, projected)), hidden, self.project)
 
     def project(self, hidden: torch.Tensor) -> torch.Tensor:
         """(n, H) last hidden states -> (n, V) float logits, through the LM head alone."""
@@ -256,3 +315,15 @@ class Target:
         projected = self.project(hidden)
         scale = float(logits.abs().max()) if logits.numel() else 0.0
         return projected.shape == logits.shape and bool(((projected - logits).abs() <= 1e-4 * scale + 1e-6).all())
+
+
+def _first_rows(first_rows, batch: int) -> list[list[int]]:
+    """``first_rows`` as one list of positions per batch row, each starting with position 0."""
+    if first_rows is None:
+        first_rows = [[0]] * batch
+    elif first_rows and not isinstance(first_rows[0], (list, tuple)):
+        first_rows = [list(first_rows)]
+    if len(first_rows) != batch or any(not rows or rows[0] != 0 for rows in first_rows):
+        raise ValueError(f"first_rows must give, for each of the {batch} rows, positions starting with 0; got "
+                         f"{first_rows}.")
+    return [list(rows) for rows in first_rows]

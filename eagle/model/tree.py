@@ -108,3 +108,44 @@ def select_tree(
     tokens = torch.cat([root.reshape(1), cand_tokens[kept]])
     scores = torch.cat([torch.zeros(1, device=cand_scores.device, dtype=cand_scores.dtype), cand_scores[kept]])
     return tree_from_parents(tokens, parents, scores)
+
+
+def select_trees(roots: torch.Tensor, cand_tokens: torch.Tensor, cand_scores: torch.Tensor,
+                 cand_parents: torch.Tensor, num_nodes: int) -> list[DraftTree]:
+    """:func:`select_tree` for each of B rows: roots (B,), candidates (B, C) each."""
+    return [select_tree(root, tokens, scores, parents, num_nodes)
+            for root, tokens, scores, parents in zip(roots, cand_tokens, cand_scores, cand_parents)]
+
+
+@dataclass
+class TreeBatch:
+    """B trees padded to the same node count for one verification forward pass.
+
+    tokens, depths: (B, N); ancestor_mask: (B, N, N). A padding node (beyond a row's own tree) carries the row's
+    root token at depth 0 and sees only itself, and no real node sees it: its KV entry is written and dropped."""
+
+    trees: list[DraftTree]
+    tokens: torch.Tensor
+    depths: torch.Tensor
+    ancestor_mask: torch.Tensor
+
+    @property
+    def size(self) -> int:
+        return self.tokens.shape[1]
+
+
+def stack_trees(trees: list[DraftTree]) -> TreeBatch:
+    """Pad ``trees`` to the largest one's node count (see :class:`TreeBatch`)."""
+    size = max(tree.size for tree in trees)
+    if all(tree.size == size for tree in trees):
+        return TreeBatch(trees, torch.stack([t.tokens for t in trees]), torch.stack([t.depths for t in trees]),
+                         torch.stack([t.ancestor_mask for t in trees]))
+    device = trees[0].tokens.device
+    tokens = torch.stack([t.tokens[:1].expand(size) for t in trees]).clone()
+    depths = torch.zeros(len(trees), size, dtype=trees[0].depths.dtype, device=device)
+    ancestors = torch.eye(size, dtype=torch.bool, device=device).repeat(len(trees), 1, 1)
+    for row, tree in enumerate(trees):
+        tokens[row, : tree.size] = tree.tokens
+        depths[row, : tree.size] = tree.depths
+        ancestors[row, : tree.size, : tree.size] = tree.ancestor_mask
+    return TreeBatch(trees, tokens, depths, ancestors)

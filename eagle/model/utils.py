@@ -54,12 +54,12 @@ def initialize_tree(input_ids, model, past_key_values, logits_processor):
     target = model._eagle_target
     past_key_values.crop(0)
     out = target.forward(input_ids, past_key_values, torch.arange(input_ids.shape[1]), last_logits_only=True)
-    root = choose_token(out.logits[-1], _sampler(logits_processor))
+    root = choose_token(out.logits[0, -1], _sampler(logits_processor))
     drafter = EagleDrafter(model.ea_layer, model.tree_settings)
     next_tokens = torch.cat([input_ids[0, 1:], root.reshape(1)])[None]
     tree = drafter.draft(out.features, next_tokens)
     state.update(drafter=drafter, tree=tree)
-    return (*_outputs(tree), out.logits[None], out.features, root.reshape(1, 1))
+    return (*_outputs(tree), out.logits, out.features, root.reshape(1, 1))
 
 
 @torch.no_grad()
@@ -75,7 +75,8 @@ def tree_decoding(model, tree_candidates, past_key_values, tree_position_ids, in
     past_key_values.crop(input_ids.shape[1])
     out = model._eagle_target.forward(tree_candidates, past_key_values, tree_position_ids.cpu() + input_ids.shape[1],
                                       tree_mask=mask)
-    return out.logits[retrieve_indices], out.features, out.logits
+    logits = out.logits[0]
+    return logits[retrieve_indices], out.features, logits
 
 
 def evaluate_posterior(logits, candidates, logits_processor, generator: torch.Generator | None = None):

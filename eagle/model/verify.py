@@ -83,8 +83,34 @@ def verify_greedy(tree: DraftTree, logits) -> tuple[torch.Tensor, torch.Tensor]:
 
     Walks down from the root: a child is accepted when its token is the target's argmax after its parent. Only the
     rows of the accepted path are read (accepted + 1 of them)."""
-    path, bonus = greedy_path(tree, lambda node: logits[node].argmax())
-    return torch.tensor(path, device=tree.tokens.device), bonus.to(tree.tokens.device)
+    return verify_greedy_batch([tree], [logits])[0]
+
+
+def verify_greedy_batch(trees: list[DraftTree], logits: list, fetch=None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """:func:`verify_greedy` for B trees walked in lockstep: at each depth the rows still walking read their
+    current node's logits together (``fetch([(row, node), ...])``, when given, projects the unread ones in one
+    call; see :meth:`~eagle.model.target.LazyLogits.fetch`). logits: one indexable per tree."""
+    children = [children_by_token(tree) for tree in trees]
+    nodes = [0] * len(trees)
+    paths: list[list[int]] = [[0] for _ in trees]
+    results: list = [None] * len(trees)
+    walking = list(range(len(trees)))
+    while walking:
+        if fetch is not None:
+            fetch([(row, nodes[row]) for row in walking])
+        predicted = torch.stack([logits[row][nodes[row]] for row in walking]).argmax(-1)
+        still = []
+        for token, row, value in zip(predicted, walking, predicted.tolist()):
+            child = children[row].get(nodes[row], {}).get(value)
+            if child is None:
+                device = trees[row].tokens.device
+                results[row] = (torch.tensor(paths[row], device=device), token.to(device))
+            else:
+                nodes[row] = child
+                paths[row].append(child)
+                still.append(row)
+        walking = still
+    return results
 
 
 def verify_sampling(tree: DraftTree, logits, sampler: Sampler) -> tuple[torch.Tensor, torch.Tensor]:
