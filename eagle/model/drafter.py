@@ -94,7 +94,7 @@ class EagleDrafter:
     def select_rows(self, index: torch.Tensor) -> None:
         self.committed_kv = [(k[index.to(k.device)], v[index.to(v.device)]) for k, v in self.committed_kv or []] or None
         self.valid = None if self.valid is None else self.valid[index.to(self.valid.device)]
-        self.counts = self.counts[index.to(self.counts.device)]
+        self.counts = None if self.counts is None else self.counts[index.to(self.counts.device)]
         self.history = [self.history[i] for i in index.tolist()]
 
     @property

@@ -1,0 +1,271 @@
+"""Batched generation: every row of a left-padded batch is exactly what its prompt gives alone (greedy: Hugging
+Face greedy decoding of that prompt; sampling: the target's distribution), with per-row stops and budgets, and bad
+batches refused with a clear error."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from eagle.model.ea_model import EaModel
+from test_sampling import chi_square_p_value, exact_distribution
+from tiny_models import FAMILIES, make_head, make_target, train_head_quickly
+
+HEAD_KINDS = {"eagle3-full": (True, None), "eagle3-reduced": (True, 48), "eagle1": (False, None)}
+TREES = [(16, 3, 4, 0), (8, 2, 4, 6)]  # total_token, depth, top_k, lookup_tokens (the second grafts lookup chains)
+PROMPTS = [[1, 40, 41, 42], [1, 70, 71, 72, 73, 74, 75, 76, 77, 20], [1, 100], [1, 40, 41, 42, 40, 41]]
+MAX_NEW = 20
+
+
+def left_padded(prompts, pad=0):
+    """(ids, attention_mask) as a tokenizer with padding_side='left' returns them."""
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    return ids, mask
+
+
+def rows_of(out, width, counts):
+    """Each row's new tokens, by the per-row counts that log=True returns."""
+    return [out[b, width : width + n].tolist() for b, n in enumerate(counts)]
+
+
+@pytest.fixture(scope="module")
+def family_dirs(tmp_path_factory):
+    built = {}
+    root = tmp_path_factory.mktemp("batch-families")
+    for family in FAMILIES:
+        model = make_target(root / family, family, seed=3)
+        heads = {}
+        for kind, (eagle3, vocab) in HEAD_KINDS.items():
+            heads[kind] = root / f"{family}-{kind}"
+            make_head(heads[kind], model, eagle3=eagle3, draft_vocab_size=vocab, seed=4)
+        built[family] = (root / family, heads, model.eval())
+    return built
+
+
+def hf_alone(model, prompts, max_new_tokens=MAX_NEW, **kwargs):
+    """Hugging Face greedy decoding of each prompt alone: its new tokens."""
+    return [model.generate(torch.tensor([p]), max_new_tokens=max_new_tokens, do_sample=False, **kwargs)[0, len(p):]
+            .tolist() for p in prompts]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("kind", list(HEAD_KINDS))
+def test_each_row_equals_hf_greedy_of_its_prompt_alone(family, kind, family_dirs):
+    base, heads, reference = family_dirs[family]
+    expected = hf_alone(reference, PROMPTS)
+    model = EaModel.from_pretrained(use_eagle3=HEAD_KINDS[kind][0], base_model_path=str(base),
+                                    ea_model_path=str(heads[kind]), dtype=torch.float32)
+    ids, mask = left_padded(PROMPTS)
+    for tree in TREES:
+        model.set_tree(*tree)
+        out, counts, idx = model.eagenerate(ids, attention_mask=mask, max_new_tokens=MAX_NEW, log=True)
+        assert out.shape == (len(PROMPTS), ids.shape[1] + MAX_NEW) and out[:, : ids.shape[1]].tolist() == ids.tolist()
+        assert rows_of(out, ids.shape[1], counts) == expected, (family, kind, tree)
+        assert len(idx) == len(PROMPTS) and all(0 <= i < MAX_NEW for i in idx)
+        hf_style = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=MAX_NEW)
+        assert hf_style.tolist() == out.tolist()
+    plain = model.naivegenerate([torch.tensor(p) for p in PROMPTS], max_new_tokens=MAX_NEW)
+    assert plain.tolist() == out.tolist()
+
+
+def test_rows_stop_at_once_early_and_late_and_finished_rows_leave_the_batch(family_dirs):
+    base, heads, reference = family_dirs["llama"]
+    model = EaModel.from_pretrained(base_model_path=str(base), ea_model_path=str(heads["eagle3-full"]),
+                                    total_token=8, depth=3, top_k=3, dtype=torch.float32)
+    prompts = PROMPTS[:3]
+    free = hf_alone(reference, prompts)
+    # row 0 stops at its first token, row 1 a few tokens later, row 2 late or at its budget
+    early = next(token for i, token in enumerate(free[1][2:], 2)
+                 if token not in free[1][:i] + free[2][:12] and token != free[0][0])
+    stops = [free[0][0], early]
+    expected = hf_alone(reference, prompts, eos_token_id=stops)
+    assert len(expected[0]) == 1 and 2 < len(expected[1]) < len(expected[2])
+    batch_sizes = []
+    model.base_model.get_input_embeddings().register_forward_hook(lambda m, args, out: batch_sizes.append(out.shape[0]))
+    ids, mask = left_padded(prompts)
+    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=MAX_NEW, eos_token_id=stops,
+                         pad_token_id=0)
+    width = ids.shape[1]
+    for row, tokens in enumerate(expected):
+        assert out[row, width : width + len(tokens)].tolist() == tokens
+        assert out[row, width + len(tokens):].tolist() == [0] * (out.shape[1] - width - len(tokens))
+    assert out.shape[1] == width + max(len(t) for t in expected)
+    # the finished rows stopped costing work: later forward passes ran fewer rows
+    assert batch_sizes[0] == 3 and batch_sizes[1] == 2 and batch_sizes[-1] == 1
+    # per-row budgets: max_length cuts the longest prompt's row first
+    out, counts, _ = model.eagenerate(ids, attention_mask=mask, max_new_tokens=MAX_NEW, max_length=14, log=True)
+    assert counts == [min(MAX_NEW, 14 - len(p)) for p in prompts]
+    assert rows_of(out, width, counts) == [t[:n] for t, n in zip(free, counts)]
+
+
+def test_streaming_and_batch_steps(family_dirs):
+    base, heads, _ = family_dirs["qwen2"]
+    model = EaModel.from_pretrained(base_model_path=str(base), ea_model_path=str(heads["eagle3-full"]),
+                                    total_token=8, depth=3, top_k=3, lookup_tokens=4)
+    ids, mask = left_padded(PROMPTS)
+    final, counts, idx = model.eagenerate(ids, attention_mask=mask, max_new_tokens=MAX_NEW, log=True)
+    streamed = list(model.ea_generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW))
+    widths = [s.shape[1] for s in streamed]
+    assert widths[0] == ids.shape[1] + 1 and all(b >= a for a, b in zip(widths, widths[1:]))
+    assert streamed[-1].tolist() == final.tolist()
+    steps = list(model.generate_batch_steps(ids, attention_mask=mask, max_new_tokens=MAX_NEW))
+    assert [len(s.tokens) for s in steps] == [len(PROMPTS)] * len(steps) and all(steps[-1].finished)
+    for row in range(len(PROMPTS)):
+        tokens = [t for s in steps for t in s.tokens[row].tolist()]
+        assert tokens == final[row, ids.shape[1] : ids.shape[1] + counts[row]].tolist()
+        active = [s for s in steps if s.tokens[row].numel()]
+        assert len(active) - 2 == idx[row]  # idx = draft/verify cycles - 1; the first step is the prefill's
+        assert all(s.accepted[row] == s.tokens[row].numel() - 1 for s in active[1:-1])
+        first_done = next(i for i, s in enumerate(steps) if s.finished[row])
+        assert all(s.finished[row] and not s.tokens[row].numel() for s in steps[first_done + 1:])
+
+
+def test_a_batch_of_one_is_unchanged(family_dirs):
+    base, heads, reference = family_dirs["llama"]
+    model = EaModel.from_pretrained(base_model_path=str(base), ea_model_path=str(heads["eagle3-full"]),
+                                    total_token=8, depth=3, top_k=3)
+    prompt = torch.tensor([PROMPTS[1]])
+    out, new_tokens, idx = model.eagenerate(prompt, max_new_tokens=MAX_NEW, log=True)
+    assert isinstance(new_tokens, int) and isinstance(idx, int)
+    assert out.tolist() == reference.generate(prompt, max_new_tokens=MAX_NEW, do_sample=False).tolist()
+    cycles = len(list(model.generate_steps(prompt, max_new_tokens=MAX_NEW))) - 1
+    assert idx == cycles - 1 and new_tokens == MAX_NEW
+    assert model.eagenerate(prompt[0], max_new_tokens=MAX_NEW).tolist() == out.tolist()
+    assert model.eagenerate([prompt[0]], max_new_tokens=MAX_NEW).tolist() == out.tolist()
+    assert model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=MAX_NEW).tolist() \
+        == out.tolist()
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    root = tmp_path_factory.mktemp("batch-trained")
+    model = make_target(root / "base", "llama", seed=5)
+    make_head(root / "head", model, eagle3=True, seed=6)
+    prompts = train_head_quickly(root / "base", root / "head", eagle3=True, steps=150)
+    return root / "base", root / "head", model.eval(), prompts
+
+
+def test_ragged_acceptance_with_a_trained_head_is_lossless(trained):
+    """With a head that is really accepted, rows accept different numbers of drafts in the same step, and every row
+    is still exactly its prompt's greedy decoding."""
+    base, head, reference, fitted = trained
+    prompts = [fitted[0].tolist(), fitted[1, 1:].tolist(), fitted[2, 2:].tolist(), [1] + fitted[3].tolist()]
+    expected = hf_alone(reference, prompts, max_new_tokens=32)
+    model = EaModel.from_pretrained(base_model_path=str(base), ea_model_path=str(head), total_token=12, depth=4,
+                                    top_k=3, lookup_tokens=4, dtype=torch.float32)
+    ids, mask = left_padded(prompts)
+    steps = list(model.generate_batch_steps(ids, attention_mask=mask, max_new_tokens=32))
+    got = [[t for s in steps for t in s.tokens[row].tolist()] for row in range(len(prompts))]
+    assert got == expected
+    ragged = [s for s in steps[1:] if len({a for a, f in zip(s.accepted, s.finished) if not f}) > 1]
+    assert sum(sum(s.accepted) for s in steps) > len(steps) and ragged
+
+
+@pytest.mark.parametrize("family,window", [("mistral", 5)])
+def test_sliding_window_rows_see_their_own_window(family, window, tmp_path):
+    model = make_target(tmp_path / "base", family, seed=7, sliding_window=window).eval()
+    make_head(tmp_path / "head", model, eagle3=True, seed=8)
+    eagle = EaModel.from_pretrained(base_model_path=str(tmp_path / "base"), ea_model_path=str(tmp_path / "head"),
+                                    total_token=8, depth=2, top_k=3, dtype=torch.float32)
+    expected = hf_alone(model, PROMPTS, max_new_tokens=12)
+    ids, mask = left_padded(PROMPTS)
+    out, counts, _ = eagle.eagenerate(ids, attention_mask=mask, max_new_tokens=12, log=True)
+    assert rows_of(out, ids.shape[1], counts) == expected
+
+
+@pytest.mark.parametrize(
+    "inputs,message",
+    [
+        (lambda: (torch.tensor([[1, 2, 3], [0, 4, 5]]), torch.ones(2, 2)), r"attention_mask has shape \(2, 2\)"),
+        (lambda: (torch.tensor([[1, 2, 3], [0, 4, 5]]), torch.tensor([[1, 1, 1], [0, 0, 0]])), "Row 1 .* all zeros"),
+        (lambda: (torch.tensor([[1, 2, 3], [4, 5, 0]]), torch.tensor([[1, 1, 1], [1, 1, 0]])), "right padding or a hole"),
+        (lambda: (torch.tensor([[1, 2, 3], [4, 0, 5]]), torch.tensor([[1, 1, 1], [1, 0, 1]])), "right padding or a hole"),
+        (lambda: (torch.tensor([[1, 2, 3], [0, 4, 5]]), torch.tensor([[1, 1, 1], [0, 2, 1]])), "0 .padding. and 1"),
+        (lambda: ([torch.tensor([1, 2]), torch.tensor([], dtype=torch.long)], None), "Prompt 1 is empty"),
+        (lambda: ([torch.ones(30, dtype=torch.long), torch.tensor([1, 2])], None), "of row 0 has 30 tokens.*max_length=20"),
+    ],
+    ids=["mask-shape", "all-zero-row", "right-padding", "hole", "not-0-1", "empty-prompt", "too-long"],
+)
+@pytest.mark.parametrize("method", ["eagenerate", "naive_generate", "generate"])
+def test_bad_batches_are_refused_and_the_model_stays_usable(family_dirs, inputs, message, method):
+    base, heads, _ = family_dirs["llama"]
+    model = _usable_model(family_dirs)
+    ids, mask = inputs()
+    with pytest.raises(ValueError, match=message):
+        result = getattr(model, method)(input_ids=ids, attention_mask=mask, max_new_tokens=4, max_length=20)
+        if method.endswith("_generate"):
+            next(iter(result))
+    ids, mask = left_padded(PROMPTS[:2])
+    assert model.eagenerate(ids, attention_mask=mask, max_new_tokens=3).shape == (2, ids.shape[1] + 3)
+
+
+def test_a_batch_whose_cache_does_not_fit_is_refused_before_it_runs(family_dirs, monkeypatch):
+    from eagle.model import kv_cache
+
+    model = _usable_model(family_dirs)
+    ids, mask = left_padded(PROMPTS)
+    ran = []
+    model.base_model.register_forward_pre_hook(lambda *args: ran.append(1))
+    monkeypatch.setattr(kv_cache, "free_memory", lambda device: 1000)
+    model._cache = None
+    with pytest.raises(ValueError, match="A batch of 4 rows needs a KV cache of .* only 0.00 GiB"):
+        model.eagenerate(ids, attention_mask=mask, max_new_tokens=4)
+    assert not ran
+    monkeypatch.undo()
+    assert model.eagenerate(ids, attention_mask=mask, max_new_tokens=3).shape == (4, ids.shape[1] + 3)
+
+
+_MODELS: dict = {}
+
+
+def _usable_model(family_dirs) -> EaModel:
+    if "llama" not in _MODELS:
+        base, heads, _ = family_dirs["llama"]
+        _MODELS["llama"] = EaModel.from_pretrained(base_model_path=str(base), ea_model_path=str(heads["eagle3-full"]),
+                                                   total_token=8, depth=3, top_k=3)
+    return _MODELS["llama"]
+
+
+@pytest.fixture(scope="module")
+def sampling_pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("batch-sampling")
+    model = make_target(root / "base", "llama", seed=21, layers=4)
+    make_head(root / "head", model, eagle3=True, seed=22)
+    prompts = train_head_quickly(root / "base", root / "head", eagle3=True, steps=120)
+    eagle = EaModel.from_pretrained(base_model_path=str(root / "base"), ea_model_path=str(root / "head"),
+                                    total_token=10, depth=3, top_k=4)
+    return eagle, model.eval(), [prompts[0].tolist(), prompts[1, 1:].tolist(), [1] + prompts[2].tolist()]
+
+
+@pytest.mark.parametrize("temperature,top_k,length", [(0.8, 0, 2), (0.7, 3, 3)], ids=["temperature", "top-k"])
+def test_each_row_of_a_sampled_batch_follows_the_target_distribution(sampling_pair, temperature, top_k, length):
+    from eagle.model.verify import prepare_logits_processor
+
+    eagle, reference, prompts = sampling_pair
+    runs = 500
+    processors = prepare_logits_processor(temperature, top_k=top_k)
+    expected = [exact_distribution(reference, torch.tensor([p]), processors, length) for p in prompts]
+    ids, mask = left_padded(prompts)
+    observed: list[dict] = [{} for _ in prompts]
+    accepted = 0
+    torch.manual_seed(4321)
+    for _ in range(runs):
+        steps = list(eagle.generate_batch_steps(ids, attention_mask=mask, temperature=temperature, top_k=top_k,
+                                                max_new_tokens=length))
+        accepted += sum(sum(s.accepted) for s in steps)
+        for row in range(len(prompts)):
+            tokens = tuple(t for s in steps for t in s.tokens[row].tolist())
+            observed[row][tokens] = observed[row].get(tokens, 0) + 1
+    assert accepted > runs * 0.3  # speculation really happened
+    for row in range(len(prompts)):
+        p_value = chi_square_p_value(observed[row], expected[row], runs)
+        assert p_value > 1e-3, (row, p_value, sorted(observed[row].items(), key=lambda kv: -kv[1])[:6])
+    # torch.manual_seed reproduces a sampled batch
+    again = []
+    for _ in range(2):
+        torch.manual_seed(5)
+        again.append(eagle.eagenerate(ids, attention_mask=mask, temperature=1.0, max_new_tokens=12).tolist())
+    assert again[0] == again[1]
