@@ -152,7 +152,10 @@ def test_ragged_acceptance_with_a_trained_head_is_lossless(trained):
     """With a head that is really accepted, rows accept different numbers of drafts in the same step, and every row
     is still exactly its prompt's greedy decoding."""
     base, head, reference, fitted = trained
-    prompts = [fitted[0].tolist(), fitted[1, 1:].tolist(), fitted[2, 2:].tolist(), [1] + fitted[3].tolist()]
+    # different lengths, still what the head was fitted on: fitted prompts, two with their first answer tokens
+    answers = hf_alone(reference, fitted[:4].tolist(), max_new_tokens=6)
+    prompts = [fitted[0].tolist(), fitted[1].tolist() + answers[1][:3], fitted[2].tolist(),
+               fitted[3].tolist() + answers[3]]
     expected = hf_alone(reference, prompts, max_new_tokens=32)
     model = EaModel.from_pretrained(base_model_path=str(base), ea_model_path=str(head), total_token=12, depth=4,
                                     top_k=3, lookup_tokens=4, dtype=torch.float32)
