@@ -61,11 +61,11 @@ def tiny_checks(device: str, report: dict) -> bool:
                 for tree in [(16, 3, 4), (7, 5, 2)]:
                     model.set_tree(*tree)
                     for prompt, want in zip(prompts_here, expected):
-                        got, new, cycles = model.eagenerate(torch.tensor([prompt], device=device), max_new_tokens=24,
+                        got, new, idx = model.eagenerate(torch.tensor([prompt], device=device), max_new_tokens=24,
                                                             log=True)
                         same = torch.equal(got.cpu(), want.cpu()[:, : got.shape[1]]) and got.shape == want.shape
                         report.setdefault("tiny", []).append({"family": family, "head": kind, "tree": tree,
-                                                               "equal": same, "tokens_per_cycle": int(new) / max(1, int(cycles))})
+                                                               "equal": same, "tokens_per_cycle": int(new) / (int(idx) + 1)})
                         ok &= same
                 sampled = model.eagenerate(torch.tensor([prompts_here[0]], device=device), temperature=0.7, top_p=0.9,
                                            max_new_tokens=16)
@@ -88,14 +88,14 @@ def default_checks(device: str, gguf: str, head: str, report: dict) -> bool:
             ids = tokenizer([text], return_tensors="pt", add_special_tokens=False).input_ids.to(device)
             model.eagenerate(ids, max_new_tokens=8)  # warm-up
             t0 = time.perf_counter()
-            ea, new, cycles = model.eagenerate(ids, max_new_tokens=128, log=True)
+            ea, new, idx = model.eagenerate(ids, max_new_tokens=128, log=True)
             t1 = time.perf_counter()
             plain, plain_new, _ = model.naivegenerate(ids, max_new_tokens=128, log=True)
             t2 = time.perf_counter()
             same = torch.equal(ea.cpu(), plain.cpu())
             if dtype == torch.float32:
                 ok &= same
-            rows.append({"equal": same, "tokens_per_forward": int(new) / max(1, int(cycles)),
+            rows.append({"equal": same, "tokens_per_forward": int(new) / (int(idx) + 1),
                          "eagle_tok_s": int(new) / (t1 - t0), "plain_tok_s": int(plain_new) / (t2 - t1)})
         sampled = model.eagenerate(ids, temperature=0.7, top_p=0.9, max_new_tokens=32)
         report[f"default_{str(dtype).split('.')[-1]}"] = {"rows": rows, "sampling_shape": list(sampled.shape)}

@@ -46,12 +46,12 @@ def test_default_pair_is_lossless_and_accepted(default_model):
         assert model.eagenerate(ids, max_new_tokens=64).tolist() == plain.tolist(), prompt  # with the lookup branch
         model.set_tree(settings.total_token, settings.depth, settings.top_k, lookup_tokens=0)  # the head alone
         try:
-            eagle, new_tokens, steps = model.eagenerate(ids, max_new_tokens=64, log=True)
+            eagle, new_tokens, idx = model.eagenerate(ids, max_new_tokens=64, log=True)
         finally:
             model.set_tree(settings.total_token, settings.depth, settings.top_k, settings.lookup_tokens)
         assert eagle.tolist() == plain.tolist(), prompt
         emitted += new_tokens
-        forwards += steps + 1
+        forwards += idx + 2  # idx = cycles - 1; plus the prefill
     mean_tokens_per_forward = emitted / forwards
     # The shipped head alone gives 2.23 on these prompts with the default tree (8/2/4), 2.31 with 16/2/8; an
     # untrained head gives ~1.0.

@@ -88,10 +88,10 @@ def test_trained_head_is_accepted_and_lossless(kind, trained_pairs):
     for prompt in prompts[:6]:
         ids = prompt[None]
         expected = reference.generate(ids, max_new_tokens=40, do_sample=False)
-        got, new_tokens, steps = model.eagenerate(ids, max_new_tokens=40, log=True)
+        got, new_tokens, idx = model.eagenerate(ids, max_new_tokens=40, log=True)
         assert got.tolist() == expected.tolist()
         emitted += new_tokens - 1  # the first token comes from the prefill
-        cycles += steps
+        cycles += idx + 1  # idx: the reference's 0-based index of the last cycle
     mean_accepted = emitted / cycles  # tokens per draft/verify cycle: accepted drafts + 1
     assert mean_accepted > 1.5, mean_accepted
 

@@ -64,10 +64,10 @@ def tokens_per_forward(base: Path, head: Path) -> float:
     for prompt in PROMPTS:
         ids = model.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
                                                   return_tensors="pt", return_dict=True)["input_ids"]
-        output, new, steps = model.eagenerate(ids, max_new_tokens=32, log=True)
+        output, new, idx = model.eagenerate(ids, max_new_tokens=32, log=True)
         assert torch.equal(output, model.naivegenerate(ids, max_new_tokens=32))
         new_tokens += new
-        forwards += steps + 1
+        forwards += idx + 2  # idx = cycles - 1; plus the prefill
     return new_tokens / forwards
 
 

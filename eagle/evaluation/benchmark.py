@@ -13,6 +13,8 @@ drifts of the machine (other jobs, clocks, heat) hit every method alike and the 
 - ``hf_generate``: Hugging Face ``generate`` on the same target weights;
 - ``prompt_lookup``: Hugging Face prompt-lookup decoding (``generate(prompt_lookup_num_tokens=N)``).
 
+``--batch-size 1,4,8,16`` runs the batched-throughput mode instead (:mod:`eagle.evaluation.batch_benchmark`).
+
 On a CPU the loader packs float32 linear weights for oneDNN (``EaModel.from_pretrained(pack_cpu_weights=...)``,
 ``--pack-cpu-weights``), and the four methods above all run on those packed layers. Two more methods, asked for
 with ``--methods``, run Hugging Face's code on the layers as transformers loads them (packing turned off for the
@@ -50,6 +52,7 @@ import datetime
 import logging
 import os
 import platform
+import sys
 from collections import Counter
 from pathlib import Path
 
@@ -121,6 +124,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=0, help="Base seed; question i runs after manual_seed(seed + i).")
     parser.add_argument("--output-dir", default=os.path.join("outputs", "benchmark"),
                         help="Where results.json, report.md and the plots go.")
+    parser.add_argument("--batch-size", default=None,
+                        help="e.g. 1,4,8,16: run the batched-throughput mode instead (batched EAGLE, HF batched "
+                             "generate, batch-1 EAGLE one prompt after the other); see "
+                             "`python -m eagle.evaluation.batch_benchmark --help`.")
     return parser
 
 
@@ -443,6 +450,11 @@ def check_greedy_answers(model, per_question: list[dict], outputs: dict, prompts
 
 
 def main(argv: list[str] | None = None) -> dict:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if any(arg == "--batch-size" or arg.startswith("--batch-size=") for arg in argv):
+        from .batch_benchmark import main as batch_main  # the batched-throughput mode
+
+        return batch_main(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     args = build_parser().parse_args(argv)
     results = run(args)

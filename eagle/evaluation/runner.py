@@ -9,8 +9,8 @@ JSON line in the reference format::
      "choices": [{"index", "turns", "idxs", "new_tokens", "wall_time", "accept_lengths"}]}
 
 per turn: ``new_tokens`` the tokens really generated (stop token included), ``wall_time`` seconds,
-``idxs`` the draft/verify cycles (so ``new_tokens / (idxs + 1)`` is tokens per target forward pass, prefill
-included; the reference wrote cycles - 1 and did not count the prefill token), ``accept_lengths`` the
+``idxs`` the reference's ``idx``: the 0-based index of the last draft/verify cycle (cycles - 1, as
+``eagenerate(log=True)`` returns it; so ``new_tokens / (idxs + 1)`` is tokens per cycle), ``accept_lengths`` the
 accepted draft tokens of every step (EAGLE only). At the end the file is sorted by ``question_id`` and
 de-duplicated (the last answer wins), as in the reference.
 
@@ -195,7 +195,7 @@ def answer_question(generator: AnswerGenerator, question: dict, args: argparse.N
             answer = decode_answer(template, generator.tokenizer, result.new_ids, generator.text_stop_ids)
             conversation[-1] = (user_message, answer)
             choice["turns"].append(answer)
-            choice["idxs"].append(result.steps)
+            choice["idxs"].append(max(result.steps - 1, 0))
             choice["new_tokens"].append(result.new_tokens)
             choice["wall_time"].append(result.wall_time)
             if record_accepts:
