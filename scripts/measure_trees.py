@@ -52,9 +52,11 @@ def main(argv=None) -> None:
         raise SystemExit(f"--configs: expected a comma-separated subset of {', '.join(names)}, got {args.configs!r}.")
     resolve_model_paths(args)
     model = EaModel.from_pretrained(base_model_path=args.base_model_path, ea_model_path=args.ea_model_path)
-    start = time.perf_counter()
-    tuned = autotune.tune_tree(model, {}, use_cache=not args.fresh)
-    print(f"tuner: {time.perf_counter() - start:.1f} s")
+    tuned = None
+    if "tuned" in wanted:
+        start = time.perf_counter()
+        tuned = autotune.tune_tree(model, {}, use_cache=not args.fresh)
+        print(f"tuner: {time.perf_counter() - start:.1f} s")
     trees = {"eagle_head_tree": model.tree_settings, "eagle_tuned": tuned, "eagle_hand": parse_trees(args.hand)[0],
              "eagle_60_7_10": REFERENCE_TREE}
     trees = {names[w]: trees[names[w]] for w in wanted}
