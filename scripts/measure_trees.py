@@ -37,19 +37,29 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-new-tokens", type=int, default=128, help="New tokens per answer at most.")
     parser.add_argument("--hand", default="8/2/4/16", help="A hand-tuned total_token/depth/top_k/lookup tree.")
     parser.add_argument("--fresh", action="store_true", help="Tune again instead of reading the tuner's cache.")
+    parser.add_argument("--configs", default="head,tuned,hand,reference",
+                        help="EAGLE configurations to run: head (the head's own tree), tuned (total_token=-1), "
+                        "hand (--hand), reference (60/7/10).")
     return parser
 
 
 def main(argv=None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     args = build_parser().parse_args(argv)
+    names = {"head": "eagle_head_tree", "tuned": "eagle_tuned", "hand": "eagle_hand", "reference": "eagle_60_7_10"}
+    wanted = [part.strip() for part in args.configs.split(",") if part.strip()]
+    if not wanted or set(wanted) - set(names):
+        raise SystemExit(f"--configs: expected a comma-separated subset of {', '.join(names)}, got {args.configs!r}.")
     resolve_model_paths(args)
     model = EaModel.from_pretrained(base_model_path=args.base_model_path, ea_model_path=args.ea_model_path)
-    start = time.perf_counter()
-    tuned = autotune.tune_tree(model, {}, use_cache=not args.fresh)
-    print(f"tuner: {time.perf_counter() - start:.1f} s")
+    tuned = None
+    if "tuned" in wanted:
+        start = time.perf_counter()
+        tuned = autotune.tune_tree(model, {}, use_cache=not args.fresh)
+        print(f"tuner: {time.perf_counter() - start:.1f} s")
     trees = {"eagle_head_tree": model.tree_settings, "eagle_tuned": tuned, "eagle_hand": parse_trees(args.hand)[0],
              "eagle_60_7_10": REFERENCE_TREE}
+    trees = {names[w]: trees[names[w]] for w in wanted}
     template = get_template("auto")
     stop_ids = engine_stop_ids(model.tokenizer, model.base_model, model, template.is_llama3)
     hf_config = hf_generation_config(max_new_tokens=args.max_new_tokens, stop_ids=stop_ids)
