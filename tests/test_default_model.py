@@ -58,6 +58,23 @@ def test_default_pair_is_lossless_and_accepted(default_model):
     assert mean_tokens_per_forward > 2.0, mean_tokens_per_forward
 
 
+def test_default_pair_equals_hugging_face_generate_on_the_same_gguf(default_model):
+    """The independent reference: transformers loads the same GGUF file itself (float32), and its greedy
+    ``generate`` gives EAGLE's tokens exactly (a bug shared by eagenerate and naivegenerate would show here)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    gguf = Path(defaults.default_base_model_path())
+    reference = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32).eval()
+    model = default_model
+    for prompt in PROMPTS[:2]:
+        ids = model.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                                  return_tensors="pt", return_dict=True)["input_ids"]
+        expected = reference.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=32, do_sample=False,
+                                      eos_token_id=sorted(model.stop_token_ids()), pad_token_id=0)
+        assert model.eagenerate(ids, max_new_tokens=32).tolist() == expected.tolist(), prompt
+
+
 def test_python_m_eagle_help_lists_the_flags():
     out = subprocess.run([sys.executable, "-m", "eagle", "--help"], capture_output=True, text=True, check=True).stdout
     for flag in ("--prompt", "--max-new-tokens", "--temperature", "--base-model-path", "--ea-model-path",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+from transformers import AutoModelForCausalLM
 
 from eagle.model import EaModel, choices
 from eagle.model.kv_cache import initialize_past_key_values
@@ -30,6 +31,12 @@ def test_reference_style_loop_equals_eagenerate(tmp_path):
         ids, draft, retrieve, tree_mask, positions, new_token, _, root = update_inference_inputs(
             ids, candidates, best, accept, retrieve, None, new_token, data, lengths, model, features, sample_p,
             past_key_values=past_key_values)
+    # the loop stops once 29 tokens are out (its last step may accept several): each output is exactly greedy search
+    # of its own length, and they agree on their common tokens
+    reference = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
+    assert ids.shape[1] - input_ids.shape[1] == new_token >= 29
+    assert ids.tolist() == reference.generate(input_ids, max_new_tokens=new_token, do_sample=False).tolist()
+    assert expected.tolist() == reference.generate(input_ids, max_new_tokens=30, do_sample=False).tolist()
     n = min(ids.shape[1], expected.shape[1])
     assert ids[0, :n].tolist() == expected[0, :n].tolist()
     assert len(choices.mc_sim_7b_63) == 25
@@ -52,8 +59,10 @@ def test_total_token_minus_one_tunes_the_tree_on_this_device(tmp_path, caplog, m
     assert (model.tree_settings.depth, model.tree_settings.top_k) == (5, 4)
     assert model.total_token in autotune.SIZE_CHOICES
     assert f"tuned the tree for this cpu: {model.total_token}/5/4/" in caplog.text
-    out = model.eagenerate(torch.tensor([[1, 20, 21]]), max_new_tokens=6)
-    assert out.shape == (1, 9)
+    prompt = torch.tensor([[1, 20, 21]])
+    reference = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
+    assert model.eagenerate(prompt, max_new_tokens=6).tolist() == reference.generate(
+        prompt, max_new_tokens=6, do_sample=False).tolist()
 
 
 COMPAT_MODULES = ("cnets", "cnets1", "configs", "choices", "utils")

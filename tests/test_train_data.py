@@ -163,10 +163,12 @@ def test_batched_generation_matches_plain_greedy_decoding(tiny_target):
         for text in ["Hi", "A much longer question about the weather today?", "Why?"]
     ]
     stops = end_of_turn_ids(tokenizer)
+    assert stops == [tokenizer.convert_tokens_to_ids("<|im_end|>")]  # ChatML's end of turn, written out
     outs = generate_batch(model, tokenizer, prompts, max_new_tokens=12, stop_ids=stops)
     for prompt, out in zip(prompts, outs):
         ids = tokenizer(prompt, add_special_tokens=False, return_tensors="pt")["input_ids"]
-        reference = model.generate(ids, max_new_tokens=12, do_sample=False, eos_token_id=stops, pad_token_id=0)
+        reference = model.generate(ids, max_new_tokens=12, do_sample=False,
+                                   eos_token_id=[tokenizer.convert_tokens_to_ids("<|im_end|>")], pad_token_id=0)
         reference = reference[0, ids.shape[1]:].tolist()
         finished = bool(reference) and reference[-1] in stops
         assert out.token_ids == (reference[:-1] if finished else reference)
@@ -203,8 +205,11 @@ def test_gen_data_writes_sharegpt_records_and_resumes(tiny_target, tmp_path, cap
     tokenizer = AutoTokenizer.from_pretrained(directory)
     prompt = tokenizer.apply_chat_template([{"role": "user", "content": "What is 1+1?"}], tokenize=False,
                                            add_generation_prompt=True)
-    expected = generate_batch(model, tokenizer, [prompt], 6, end_of_turn_ids(tokenizer))[0]
-    assert by_id["question-2"]["conversations"][1]["value"] == tokenizer.decode(expected.token_ids, skip_special_tokens=True)
+    # (computed by transformers' own greedy generate, not by the batched generation gen_data uses)
+    ids = tokenizer(prompt, add_special_tokens=False, return_tensors="pt")["input_ids"]
+    end = tokenizer.convert_tokens_to_ids("<|im_end|>")  # ChatML's end of turn
+    expected = model.generate(ids, max_new_tokens=6, do_sample=False, eos_token_id=[end], pad_token_id=0)[0, ids.shape[1]:]
+    assert by_id["question-2"]["conversations"][1]["value"] == tokenizer.decode(expected, skip_special_tokens=True)
 
     # Resuming: nothing is redone; asking for more synthesized prompts adds only the new ones.
     before = out.read_text()
