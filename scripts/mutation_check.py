@@ -20,31 +20,55 @@ import sys
 import time
 from pathlib import Path
 
-# name: (file, original text, mutated text); each original must occur exactly once.
+# name: (file, original text, mutated text), or a list of them for code that has had several shapes (the first whose
+# original text occurs exactly once is applied).
 MUTATIONS = {
     # greedy verification reads the target's choice from the parent's row instead of the node's own
-    "greedy_row": ("eagle/model/verify.py",
-                   "path, bonus = greedy_path(tree, lambda node: logits[node].argmax())",
-                   "path, bonus = greedy_path(tree, lambda node: logits[max(node - 1, 0)].argmax())"),
+    "greedy_row": [
+        ("eagle/model/verify.py", "predicted = torch.stack([logits[row][nodes[row]] for row in walking]).argmax(-1)",
+         "predicted = torch.stack([logits[row][max(nodes[row] - 1, 0)] for row in walking]).argmax(-1)"),
+        ("eagle/model/verify.py", "path, bonus = greedy_path(tree, lambda node: logits[node].argmax())",
+         "path, bonus = greedy_path(tree, lambda node: logits[max(node - 1, 0)].argmax())"),
+    ],
     # the residual is left unnormalised after a rejected sibling (the next sibling is accepted too rarely)
     "residual_unnormalised": ("eagle/model/verify.py", "            residual = residual / total\n",
                               "            residual = residual\n"),
     # after rejections the bonus token is drawn from the full target distribution instead of the residual
-    "bonus_from_target": ("eagle/model/verify.py", "        if accepted is None:\n            return path, residual",
-                          "        if accepted is None:\n            return path, probs"),
+    "bonus_from_target": [
+        ("eagle/model/verify.py", "        if accepted is None:\n            return path, residual",
+         "        if accepted is None:\n            return path, probs"),
+        ("eagle/model/verify.py", "return torch.tensor(path, device=tree.tokens.device), sampler.draw(residual)",
+         "return torch.tensor(path, device=tree.tokens.device), sampler.draw(probs)"),
+    ],
     # cache compaction moves the accepted keys but leaves the values where they were
     "compaction_values": ("eagle/model/kv_cache.py",
                           "            self.values[:, :, start : start + positions.numel()] = self.values[:, :, positions]\n",
                           ""),
     # a reduced-vocabulary head maps draft ids to target ids with the offset alone
-    "d2t_offset": ("eagle/model/draft_head.py", "return ids + self.d2t[ids]", "return self.d2t[ids]"),
+    "d2t_offset": [("eagle/model/draft_head.py", "return ids + self.d2t[ids]", "return self.d2t[ids]"),
+                   ("eagle/model/cnets.py", "return ids + self.d2t[ids]", "return self.d2t[ids]")],
     # the tree is verified under a causal mask: every node also sees the nodes before it that are not its ancestors
     "tree_mask_causal": ("eagle/model/target.py", "new_block = tree_mask.to(device)",
                          "new_block = torch.ones(length, length, dtype=torch.bool, device=device).tril_()"),
     # the head is fed the features of the tree's first nodes instead of the accepted path's
-    "features_gather": ("eagle/model/generation.py", "features = tree_features[:, path.to(tree_features.device)]",
-                        "features = tree_features[:, : path.numel()]"),
+    "features_gather": [
+        ("eagle/model/generation.py",
+         "features = tree_features[torch.arange(index.shape[0], device=index.device)[:, None], index]",
+         "features = tree_features[:, : index.shape[1]]"),
+        ("eagle/model/generation.py", "features = tree_features[:, path.to(tree_features.device)]",
+         "features = tree_features[:, : path.numel()]"),
+    ],
 }
+
+
+def find_mutation(root: Path, name: str) -> tuple[Path, str, str]:
+    """(source file, original text, mutated text) of the first shape of ``name`` found exactly once under ``root``."""
+    shapes = MUTATIONS[name] if isinstance(MUTATIONS[name], list) else [MUTATIONS[name]]
+    for relative, old, new in shapes:
+        source = root / relative
+        if source.is_file() and source.read_text().count(old) == 1:
+            return source, old, new
+    raise SystemExit(f"{name}: the code it changes was not found exactly once (the code moved: update MUTATIONS).")
 
 
 def run_files(root: Path, files: list[str], name: str) -> None:
@@ -69,8 +93,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--list", action="store_true", help="List the mutations and exit.")
     args = parser.parse_args(argv)
     if args.list or not args.mutation:
-        for name, (path, _, _) in MUTATIONS.items():
-            print(f"{name:<24}{path}")
+        for name in MUTATIONS:
+            print(f"{name:<24}{find_mutation(Path(args.root).resolve(), name)[0].relative_to(Path(args.root).resolve())}")
         return 0
     if args.mutation != "none" and args.mutation not in MUTATIONS:
         parser.error(f"unknown mutation {args.mutation!r}; expected one of {', '.join(MUTATIONS)} or none")
@@ -78,12 +102,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.mutation == "none":
         run_files(root, args.files, "none")
         return 0
-    relative, old, new = MUTATIONS[args.mutation]
-    source = root / relative
+    source, old, new = find_mutation(root, args.mutation)
     original = source.read_text()
-    if original.count(old) != 1:
-        raise SystemExit(f"{relative}: the text this mutation changes occurs {original.count(old)} times, expected 1 "
-                         "(the code moved: update MUTATIONS).")
     source.write_text(original.replace(old, new))
     try:
         run_files(root, args.files, args.mutation)
