@@ -263,6 +263,23 @@ def test_waiting_requests_join_one_batch_and_get_their_answers_alone(tiny_model)
     assert model.batch_sizes == [7]  # the seven that waited ran as one batch
 
 
+@pytest.mark.skipif(not hasattr(EaModel, "generate_batch_steps"), reason="the engine generates one sequence at a time")
+def test_batches_above_the_eagle_limit_decode_plainly_with_the_same_answers(tiny_model):
+    model = ControlledModel(tiny_model)
+    expected = [reference(tiny_model, chat_ids(tiny_model, message), 12)[0] for message in PROMPTS[:4]]
+    model.gate.clear()
+    with serve(model, eagle_max_batch_size=2) as server, concurrent.futures.ThreadPoolExecutor(4) as pool:
+        futures = [pool.submit(ask, server, PROMPTS[0], 12)]
+        wait_until(lambda: metric(server, "eagle_running_requests") == 1, "the first request to run")
+        futures += [pool.submit(ask, server, message, 12) for message in PROMPTS[1:4]]
+        wait_until(lambda: metric(server, "eagle_queue_depth") == 3, "three requests to wait")
+        model.gate.set()
+        answers = [future.result(timeout=WAIT_S) for future in futures]
+    assert [a.choices[0].message.content for a in answers] == expected
+    assert [a.model_extra["eagle"]["mode"] for a in answers] == ["eagle", "plain", "plain", "plain"]
+    assert model.batch_sizes == [3]
+
+
 # ------------------------------------------------------------------------------------------------------- errors
 def test_api_key_is_required_when_set(tiny_model, monkeypatch):
     with serve(tiny_model, api_key="sesame") as server:

@@ -57,6 +57,7 @@ class Update:
     completion_tokens: int = 0
     steps: int = 0
     accepted: int = 0
+    mode: str = EAGLE
 
     @property
     def final(self) -> bool:
@@ -76,11 +77,12 @@ class GenerationRequest:
     steps: int = 0
     accepted: int = 0
     done: bool = False
+    mode: str = EAGLE  # how it was generated: EAGLE or PLAIN (set when its batch starts)
 
     def finish(self, reason: str | None = None, error: APIError | None = None, text: str = "") -> None:
         self.done = True
         self.deliver(Update(text=text, finish_reason=reason, error=error, completion_tokens=self.completion_tokens,
-                            steps=self.steps, accepted=self.accepted))
+                            steps=self.steps, accepted=self.accepted, mode=self.mode))
 
 
 def _batch_key(params: GenerationParams) -> tuple | None:
@@ -143,11 +145,13 @@ class Scheduler:
 
     ``max_queue``: requests that may wait (besides the running batch); ``max_batch_size``: requests per batch
     once the engine batches (1 today); ``max_length``: prompt plus answer, in tokens; ``use_eagle``: EAGLE or plain
-    decoding; ``is_llama3``: also stop at ``<|eot_id|>``.
+    decoding; ``is_llama3``: also stop at ``<|eot_id|>``; ``eagle_max_batch_size``: batches of more requests run
+    plain decoding (the same greedy tokens and sampled distribution; EAGLE's drafts stop paying in large batches on
+    some devices); 0 = EAGLE at every batch size.
     """
 
     def __init__(self, model, max_queue: int = 64, max_batch_size: int = 1, max_length: int = 2048,
-                 use_eagle: bool = True, is_llama3: bool = False):
+                 use_eagle: bool = True, is_llama3: bool = False, eagle_max_batch_size: int = 0):
         if max_queue < 1 or max_batch_size < 1:
             raise ValueError(f"max_queue and max_batch_size must be >= 1, got {max_queue} and {max_batch_size}")
         self.model, self.max_queue, self.max_length = model, max_queue, max_length
@@ -155,6 +159,7 @@ class Scheduler:
         # requests per batch: the engine's batched loop where it has one (see the module docstring)
         self.batch_capacity = max_batch_size if hasattr(model, "generate_batch_steps") else 1
         self.use_eagle, self.is_llama3 = use_eagle, is_llama3
+        self.eagle_max_batch_size = eagle_max_batch_size  # larger batches decode plainly (0: no limit)
         self.mode = EAGLE if use_eagle else PLAIN
         self.metrics = Metrics()
         self._waiting: collections.deque[GenerationRequest] = collections.deque()
@@ -286,7 +291,7 @@ class Scheduler:
         steps = self.model.generate_batch_steps(
             [torch.tensor(r.prompt_ids, dtype=torch.long) for r in batch], temperature=params.temperature,
             top_p=params.top_p, top_k=params.top_k, max_new_tokens=max(r.params.max_new_tokens for r in batch),
-            max_length=self.max_length, is_llama3=self.is_llama3, use_eagle=self.use_eagle)
+            max_length=self.max_length, is_llama3=self.is_llama3, use_eagle=self._eagle_for(batch))
         open_rows = list(range(len(batch)))
         try:
             for step in steps:
@@ -315,7 +320,15 @@ class Scheduler:
         return self.model.generate_steps(input_ids, temperature=params.temperature, top_p=params.top_p,
                                          top_k=params.top_k, max_new_tokens=params.max_new_tokens,
                                          max_length=self.max_length, is_llama3=self.is_llama3,
-                                         use_eagle=self.use_eagle, generator=generator)
+                                         use_eagle=self._eagle_for([request]), generator=generator)
+
+    def _eagle_for(self, batch: list[GenerationRequest]) -> bool:
+        """Whether ``batch`` runs EAGLE (else plain decoding); recorded on each request."""
+        limit = self.eagle_max_batch_size
+        use_eagle = self.use_eagle and (limit <= 0 or len(batch) <= limit)
+        for request in batch:
+            request.mode = EAGLE if use_eagle else PLAIN
+        return use_eagle
 
     def _deliver_step(self, request: GenerationRequest, step) -> None:
         tokens = step.tokens.tolist()

@@ -27,15 +27,17 @@ DEFAULT_MAX_QUEUE = 64
 
 def create_app(model, served_model_name: str = "eagle", api_key: str | None = None, model_type: str | None = None,
                use_eagle: bool = True, max_length: int = 2048, default_max_tokens: int = 512,
-               max_queue: int = DEFAULT_MAX_QUEUE, max_batch_size: int = 8):
+               max_queue: int = DEFAULT_MAX_QUEUE, max_batch_size: int = 8, eagle_max_batch_size: int = 0):
     """The FastAPI app serving ``model`` (an ``EaModel``). ``max_length``: prompt plus answer in tokens (capped by
-    the model's position limit); ``use_eagle=False`` serves plain decoding (for comparison). The model worker
+    the model's position limit); ``use_eagle=False`` serves plain decoding (for comparison);
+    ``eagle_max_batch_size`` > 0: larger batches run plain decoding. The model worker
     starts when the app starts (uvicorn's lifespan) and stops with it."""
     from .streaming import _position_limit
 
     max_length = min(max_length, _position_limit(model) or max_length)
     scheduler = Scheduler(model, max_queue=max_queue, max_batch_size=max_batch_size, max_length=max_length,
-                          use_eagle=use_eagle, is_llama3=MODEL_TYPES[model_type].is_llama3 if model_type else False)
+                          use_eagle=use_eagle, eagle_max_batch_size=eagle_max_batch_size,
+                          is_llama3=MODEL_TYPES[model_type].is_llama3 if model_type else False)
     settings = ServerSettings(served_model_name=served_model_name, api_key=api_key, model_type=model_type,
                               default_max_tokens=default_max_tokens)
     return build_app(model, scheduler, settings)
@@ -124,6 +126,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-batch-size", type=int, default=8,
                         help="waiting requests generated together in one batch, where the engine generates batches "
                         "(default 8)")
+    parser.add_argument("--eagle-max-batch-size", type=int, default=0,
+                        help="batches of more requests than this run plain decoding (the same greedy answers; "
+                        "batched plain decoding can outrun EAGLE on a CPU); 0 = EAGLE at every batch size (default 0)")
     parser.add_argument("--max-queue", type=int, default=DEFAULT_MAX_QUEUE,
                         help=f"requests that may wait for the model; more get 429 (default {DEFAULT_MAX_QUEUE})")
     parser.add_argument("--max-length", type=int, default=2048,
@@ -159,7 +164,8 @@ def main(argv: list[str] | None = None) -> None:
         warm_up(model, use_eagle=not args.no_eagle)
     app = create_app(model, served_model_name=name, api_key=args.api_key, model_type=args.model_type,
                      use_eagle=not args.no_eagle, max_length=args.max_length, default_max_tokens=args.max_new_tokens,
-                     max_queue=args.max_queue, max_batch_size=args.max_batch_size)
+                     max_queue=args.max_queue, max_batch_size=args.max_batch_size,
+                     eagle_max_batch_size=args.eagle_max_batch_size)
     if args.host not in ("127.0.0.1", "localhost", "::1"):
         logger.warning("serving on %s: anyone who can reach this address can use the model%s", args.host,
                        "" if args.api_key else " (no --api-key set)")

@@ -188,7 +188,7 @@ async def _answer(request: Request, body: schema.SamplingRequest, prompt_ids: li
                             text=TextStream(model.tokenizer, params.stop))
     scheduler.submit(job)  # 429 when the queue is full, before any answer starts
     answer = _Answer(("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex, settings.served_model_name,
-                     int(time.time()), chat, len(prompt_ids), scheduler.mode)
+                     int(time.time()), chat, len(prompt_ids))
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return StreamingResponse(_stream(answer, job, channel, scheduler, include_usage),
@@ -205,13 +205,12 @@ class _Answer:
     created: int
     chat: bool
     prompt_tokens: int
-    mode: str
 
     def usage(self, update: Update) -> dict:
         return schema.usage(self.prompt_tokens, update.completion_tokens)
 
     def eagle(self, update: Update) -> dict:
-        return schema.eagle_stats(self.mode, update.steps, update.accepted, update.completion_tokens)
+        return schema.eagle_stats(update.mode, update.steps, update.accepted, update.completion_tokens)
 
     def whole(self, text: str, update: Update) -> dict:
         if self.chat:

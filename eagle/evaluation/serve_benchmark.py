@@ -47,6 +47,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-tokens", type=int, default=64, help="max_tokens of every request (default 64)")
     parser.add_argument("--num-prompts", type=int, default=16,
                         help="MT-bench first turns used, spread over categories, sent round robin (default 16)")
+    parser.add_argument("--eagle-max-batch-size", type=int, default=0,
+                        help="the EAGLE server runs batches of more requests with plain decoding (0 = never; as "
+                        "the server's flag)")
     parser.add_argument("--output-dir", default="serve_benchmark",
                         help="where the JSON, Markdown table and plot go (default ./serve_benchmark)")
     args = parser.parse_args(argv)
@@ -134,7 +137,8 @@ def measure(model, args: argparse.Namespace, prompts: list[str]) -> tuple[list[d
     for clients in args.clients:
         for mode in MODES:
             app = create_app(model, served_model_name="bench", use_eagle=mode == "eagle", model_type=args.model_type,
-                             max_queue=max(64, clients), default_max_tokens=args.max_tokens)
+                             max_queue=max(64, clients), default_max_tokens=args.max_tokens,
+                             eagle_max_batch_size=args.eagle_max_batch_size)
             with BackgroundServer(app) as server:
                 run_load(server.url, "bench", prompts[:1], 1, 1, 8)  # warm-up
                 per_client = max(args.requests_per_client, -(-args.min_requests // clients))
