@@ -9,13 +9,38 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from eagle.model.ea_model import EaModel
-from test_sampling import chi_square_p_value, exact_distribution
+from test_sampling import chi_square_p_value, hf_warpers
 from tiny_models import FAMILIES, make_head, make_target, train_head_quickly
 
 HEAD_KINDS = {"eagle3-full": (True, None), "eagle3-reduced": (True, 48), "eagle1": (False, None)}
 TREES = [(16, 3, 4, 0), (8, 2, 4, 6)]  # total_token, depth, top_k, lookup_tokens (the second grafts lookup chains)
 PROMPTS = [[1, 40, 41, 42], [1, 70, 71, 72, 73, 74, 75, 76, 77, 20], [1, 100], [1, 40, 41, 42, 40, 41]]
 MAX_NEW = 20
+
+
+def exact_distribution(reference, prompt, processors, length):
+    """{token tuple: probability} of the first ``length`` tokens of ancestral sampling from the plain base model
+    under ``processors`` (Hugging Face's warpers), by enumeration over the support (probability > 1e-6)."""
+    dist = {(): 1.0}
+    for _ in range(length):
+        nxt = {}
+        for prefix, p in dist.items():
+            ids = torch.cat([prompt[0], torch.tensor(prefix, dtype=torch.long)])[None]
+            with torch.no_grad():
+                logits = reference(ids).logits[0, -1:].float()
+            probs = torch.softmax(processors(ids, logits), dim=-1)[0]
+            for token in (probs > 1e-6).nonzero().flatten().tolist():
+                nxt[prefix + (token,)] = p * float(probs[token])
+        dist = nxt
+    return dist
+
+
+def sequence_p_value(observed: dict, expected: dict, runs: int) -> float:
+    """Pearson's test of sampled token tuples (``observed`` counts) against their exact probabilities."""
+    cells = sorted(set(expected) | set(observed))
+    obs = torch.tensor([float(observed.get(c, 0)) for c in cells], dtype=torch.float64)
+    exp = torch.tensor([expected.get(c, 0.0) * runs for c in cells], dtype=torch.float64)
+    return chi_square_p_value(obs, exp)
 
 
 def left_padded(prompts, pad=0):
@@ -247,11 +272,9 @@ def sampling_pair(tmp_path_factory):
 
 @pytest.mark.parametrize("temperature,top_k,length", [(0.8, 0, 2), (0.7, 3, 3)], ids=["temperature", "top-k"])
 def test_each_row_of_a_sampled_batch_follows_the_target_distribution(sampling_pair, temperature, top_k, length):
-    from eagle.model.verify import prepare_logits_processor
-
     eagle, reference, prompts = sampling_pair
     runs = 500
-    processors = prepare_logits_processor(temperature, top_k=top_k)
+    processors = hf_warpers(temperature, top_k=top_k)
     expected = [exact_distribution(reference, torch.tensor([p]), processors, length) for p in prompts]
     ids, mask = left_padded(prompts)
     observed: list[dict] = [{} for _ in prompts]
@@ -266,7 +289,7 @@ def test_each_row_of_a_sampled_batch_follows_the_target_distribution(sampling_pa
             observed[row][tokens] = observed[row].get(tokens, 0) + 1
     assert accepted > runs * 0.2  # speculation really happened
     for row in range(len(prompts)):
-        p_value = chi_square_p_value(observed[row], expected[row], runs)
+        p_value = sequence_p_value(observed[row], expected[row], runs)
         assert p_value > 1e-3, (row, p_value, sorted(observed[row].items(), key=lambda kv: -kv[1])[:6])
     # torch.manual_seed reproduces a sampled batch
     again = []

