@@ -32,11 +32,12 @@ import time
 import torch
 from tqdm import tqdm
 
+from eagle.cli import HelpFormatter, add_model_arguments, load_model_from_args, resolve_model_args
+from eagle.templates import encode_prompt, get_template
 from eagle.utils.device import synchronize
 
 from .methods import engine_stop_ids, hf_generation_config
 from .questions import load_questions, spread_over_categories
-from .templates import encode_prompt, get_template
 
 logger = logging.getLogger(__name__)
 
@@ -51,11 +52,10 @@ def build_parser() -> argparse.ArgumentParser:
         description="Throughput of batched EAGLE against Hugging Face batched generate and batch-1 EAGLE, side by "
                     "side on the same left-padded batches of MT-bench first turns (greedy); writes "
                     "batch_results.json, batch_report.md and a plot of tokens/s against batch size.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=HelpFormatter,
     )
+    add_model_arguments(parser, quantization=False)
     parser.add_argument("--batch-size", required=True, help="Comma-separated batch sizes, e.g. 1,4,8,16.")
-    parser.add_argument("--base-model-path", default=None, help="Target model; default: the embedded default model.")
-    parser.add_argument("--ea-model-path", default=None, help="Draft head; default: the embedded default head.")
     parser.add_argument("--num-questions", type=int, default=None,
                         help="Questions cut into batches (default: the largest batch size).")
     parser.add_argument("--max-new-tokens", type=int, default=128, help="New tokens per answer at most.")
@@ -175,9 +175,8 @@ def main(argv: list[str] | None = None) -> dict:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     args = build_parser().parse_args(argv)
     sizes = parse_batch_sizes(args.batch_size)
-    from eagle.defaults import load_default_model
-
-    model = load_default_model(args.base_model_path, args.ea_model_path)
+    resolve_model_args(args)
+    model = load_model_from_args(args)
     tokenizer = model.tokenizer
     stop_ids = engine_stop_ids(tokenizer, model.base_model, model)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop_ids[0]
@@ -188,7 +187,8 @@ def main(argv: list[str] | None = None) -> dict:
     os.makedirs(args.output_dir, exist_ok=True)
     meta = {"date": time.strftime("%Y-%m-%d"), "machine": platform.machine(), "cpus": os.cpu_count(),
             "torch_threads": torch.get_num_threads(), "max_new_tokens": args.max_new_tokens,
-            "questions": len(prompts), "tree": dict(vars(model.tree_settings))}
+            "questions": len(prompts), "tree": dict(vars(model.tree_settings)),
+            "models": [os.path.basename(str(args.base_model_path)), os.path.basename(str(args.ea_model_path))]}
     with open(os.path.join(args.output_dir, "batch_results.json"), "w") as handle:
         json.dump({"meta": meta, "results": {str(k): v for k, v in results.items()}}, handle, indent=2)
     lines = report_lines(results)
