@@ -219,6 +219,25 @@ def next_inputs(trees: TreeBatch, results: list, tree_features):
     return new, next_tokens, valid, features
 
 
+class OneSequenceDrafter:
+    """Serves a batch of one with a drafter of the one-sequence interface (``reset()``, ``draft(features,
+    next_tokens) -> DraftTree``, no ``draft_batch``)."""
+
+    def __init__(self, drafter):
+        self.drafter, self.needs_features = drafter, drafter.needs_features
+
+    def reset(self, batch_size: int = 1) -> None:
+        if batch_size != 1:
+            raise ValueError(f"{type(self.drafter).__name__} drafts one sequence at a time (it has no draft_batch).")
+        self.drafter.reset()
+
+    def select_rows(self, index: torch.Tensor) -> None:
+        pass
+
+    def draft_batch(self, features, next_tokens: torch.Tensor, valid: torch.Tensor | None = None) -> list[DraftTree]:
+        return [self.drafter.draft(features, next_tokens)]
+
+
 @torch.no_grad()  # on a generator: entered around each resumption, so the caller's grad mode is left alone
 def speculative_decode_batch(
     target: Target,
@@ -240,6 +259,8 @@ def speculative_decode_batch(
     batch, length = input_ids.shape
     if max(budgets) <= 0:
         return
+    if not hasattr(drafter, "draft_batch"):
+        drafter = OneSequenceDrafter(drafter)
     drafter.reset(batch)
     cache.reset(batch)
     roots, features = prefill(target, input_ids, cache, sampler, drafter.needs_features, pads)
