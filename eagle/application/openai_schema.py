@@ -172,11 +172,7 @@ def chat_chunk(request_id: str, model: str, created: int, delta: dict | None, fi
                              "model": model, "choices": []}
     if delta is not None:
         chunk["choices"] = [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]
-    if usage_ is not None:
-        chunk["usage"] = usage_
-    if eagle is not None:
-        chunk["eagle"] = eagle
-    return chunk
+    return _with_extras(chunk, usage_, eagle)
 
 
 def completion(request_id: str, model: str, text: str | None, finish_reason: str | None, created: int,
@@ -186,11 +182,16 @@ def completion(request_id: str, model: str, text: str | None, finish_reason: str
                               "choices": []}
     if text is not None:
         answer["choices"] = [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}]
+    return _with_extras(answer, usage_, eagle)
+
+
+def _with_extras(body: dict, usage_: dict | None, eagle: dict | None) -> dict:
+    """``body`` with the ``usage`` and ``eagle`` (extension) fields where given."""
     if usage_ is not None:
-        answer["usage"] = usage_
+        body["usage"] = usage_
     if eagle is not None:
-        answer["eagle"] = eagle
-    return answer
+        body["eagle"] = eagle
+    return body
 
 
 def sse(data: dict | str) -> str:
