@@ -169,8 +169,15 @@ class OracleDrafter:
         self.reference, self.first, self.temperature = reference, first_token, temperature
         self.history = None
 
-    def reset(self) -> None:
+    def reset(self, batch_size: int = 1) -> None:
         self.history = None
+
+    def select_rows(self, index: torch.Tensor) -> None:
+        pass
+
+    def draft_batch(self, features, next_tokens: torch.Tensor, valid=None):
+        assert next_tokens.shape[0] == 1 and valid is None, "one row only"
+        return [self.draft(features, next_tokens)]
 
     def _top(self, sequences: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         with torch.no_grad():
