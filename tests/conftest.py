@@ -23,3 +23,16 @@ def tiny_tokenizer_dir(tmp_path_factory):
 def tiny_pair(tmp_path_factory):
     """(base_dir, head_dir) of a tiny Llama target with a random full-vocabulary EAGLE-3 head."""
     return make_tiny_pair(tmp_path_factory.mktemp("pair"), "llama", eagle3=True)
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tiny_pair):
+    """An ``EaModel`` on :func:`tiny_pair` with a 12-token tree (depth 3, top-k 4), loaded once per test module."""
+    import torch
+
+    from eagle.model.ea_model import EaModel
+
+    base_dir, head_dir = tiny_pair
+    torch.manual_seed(0)
+    return EaModel.from_pretrained(base_model_path=str(base_dir), ea_model_path=str(head_dir), total_token=12,
+                                   depth=3, top_k=4)

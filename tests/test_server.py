@@ -70,16 +70,6 @@ class ControlledModel:
 
 
 @pytest.fixture(scope="module")
-def tiny_model(tiny_pair):
-    from eagle.model.ea_model import EaModel
-
-    base_dir, head_dir = tiny_pair
-    torch.manual_seed(0)
-    return EaModel.from_pretrained(base_model_path=str(base_dir), ea_model_path=str(head_dir), total_token=12,
-                                   depth=3, top_k=4)
-
-
-@pytest.fixture(scope="module")
 def served(tiny_model):
     """A server on the tiny model with default settings, shared by the tests that only read answers."""
     with BackgroundServer(create_app(tiny_model, served_model_name=NAME, max_batch_size=8)) as server:

@@ -60,16 +60,6 @@ def tokenizer(tiny_tokenizer_dir):
     return AutoTokenizer.from_pretrained(tiny_tokenizer_dir)
 
 
-@pytest.fixture(scope="module")
-def tiny_model(tiny_pair):
-    from eagle.model.ea_model import EaModel
-
-    base_dir, head_dir = tiny_pair
-    torch.manual_seed(0)
-    return EaModel.from_pretrained(base_model_path=str(base_dir), ea_model_path=str(head_dir), total_token=12,
-                                   depth=3, top_k=4)
-
-
 # ------------------------------------------------------------------------------------------------------- prompts
 HISTORY = [("Hi", "Hello!")]
 

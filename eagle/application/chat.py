@@ -5,7 +5,7 @@ snapshots); :mod:`eagle.application.webui` only lays out the page and turns that
 everything here is testable without a browser or a server.
 
 Stop and Clear do not cancel the running answer (a Gradio cancel racing a streamed update can leave the chat
-showing "Error"): they flag the session, and its answer ends after the step in progress like a finished one. After
+showing "Error"): they flag the browser tab, and its answer ends after the step in progress like a finished one. After
 Stop the partial answer stays in the chat (and in the prompt of the next turn); after Clear the answer's last update
 is an empty chat, so that an update already on its way cannot bring the old conversation back.
 """
@@ -111,53 +111,53 @@ class NothingToRegenerate(ValueError):
 
 
 class ChatController:
-    """What the chat's buttons do, for every session (browser tab) of one loaded model; sessions are named by
-    the caller (Gradio's session hash)."""
+    """What the chat's buttons do, for every browser tab of one loaded model; tabs are named by the caller
+    (Gradio's session hash)."""
 
     def __init__(self, runner: ChatRunner):
         self.runner = runner
-        self._requests: dict[str, str] = {}  # session -> STOP or CLEAR: its answer ends at its next step
+        self._requests: dict[str, str] = {}  # tab -> STOP or CLEAR: its answer ends at its next step
         self._lock = threading.Lock()
 
     # ------------------------------------------------------------------------------------------- the buttons
-    def submit(self, message: str, history: list[ChatTurn], session: str) -> list[ChatTurn]:
+    def submit(self, message: str, history: list[ChatTurn], tab: str) -> list[ChatTurn]:
         """The conversation with ``message`` added, its answer pending; :class:`PromptError` when it cannot be
         answered (empty, too long), and then nothing changes."""
-        self._take_request(session)  # a Stop pressed while idle does not stop the next answer
+        self._take_request(tab)  # a Stop pressed while idle does not stop the next answer
         self.runner.prompt(finished_turns(history), message)
         return [*history, ChatTurn(message)]
 
-    def regenerate(self, history: list[ChatTurn], session: str) -> list[ChatTurn]:
+    def regenerate(self, history: list[ChatTurn], tab: str) -> list[ChatTurn]:
         """The conversation with its last answer pending again; :class:`NothingToRegenerate` when it is empty."""
-        self._take_request(session)
+        self._take_request(tab)
         if not history:
             raise NothingToRegenerate("Nothing to regenerate yet: send a message first.")
         return [*history[:-1], ChatTurn(history[-1].user)]
 
-    def stop(self, session: str) -> None:
-        """The session's answer ends after its step in progress and stays in the chat."""
+    def stop(self, tab: str) -> None:
+        """The tab's answer ends after its step in progress and stays in the chat."""
         with self._lock:
-            self._requests[session] = STOP
+            self._requests[tab] = STOP
 
-    def clear(self, session: str) -> AnswerUpdate:
-        """The session's answer (if any) ends and clears the chat once more; returns the empty chat."""
+    def clear(self, tab: str) -> AnswerUpdate:
+        """The tab's answer (if any) ends and clears the chat once more; returns the empty chat."""
         with self._lock:
-            self._requests[session] = CLEAR
+            self._requests[tab] = CLEAR
         return AnswerUpdate.empty_chat()
 
-    def forget(self, session: str) -> None:
-        """The session is gone (its page was closed)."""
-        self._take_request(session)
+    def forget(self, tab: str) -> None:
+        """The tab is gone (its page was closed)."""
+        self._take_request(tab)
 
-    def _take_request(self, session: str) -> str | None:
+    def _take_request(self, tab: str) -> str | None:
         with self._lock:
-            return self._requests.pop(session, None)
+            return self._requests.pop(tab, None)
 
     # ------------------------------------------------------------------------------------------- answering
-    def answer(self, history: list[ChatTurn], settings: AnswerSettings, session: str) -> Iterator[AnswerUpdate]:
+    def answer(self, history: list[ChatTurn], settings: AnswerSettings, tab: str) -> Iterator[AnswerUpdate]:
         """Stream the answer to the last (pending) turn: one :class:`AnswerUpdate` at most every
         ``UPDATE_INTERVAL_S`` and at the end. Nothing when no turn is pending (the message was refused). Ends
-        early, keeping what it has, when the session asks to stop (and, comparing, skips the second answer)."""
+        early, keeping what it has, when the tab asks to stop (and, comparing, skips the second answer)."""
         if not history or history[-1].answer is not None:
             return
         prompt = self.runner.prompt(finished_turns(history[:-1]), history[-1].user)  # PromptError: bad state
@@ -166,18 +166,18 @@ class ChatController:
             stream = self.runner.stream(prompt, decoding, settings.temperature, settings.top_p, int(settings.top_k),
                                         int(settings.max_new_tokens))
             try:
-                for update in self._updates(answering, decoding, stream, session):
+                for update in self._updates(answering, decoding, stream, tab):
                     yield update
                     if update.cleared or answering.stopped:
                         return
             finally:
                 stream.close()
 
-    def _updates(self, answering: _Answering, decoding: str, stream, session: str) -> Iterator[AnswerUpdate]:
+    def _updates(self, answering: _Answering, decoding: str, stream, tab: str) -> Iterator[AnswerUpdate]:
         last_update = 0.0
         for progress in stream:
             answering.results[decoding] = progress
-            request = self._take_request(session)
+            request = self._take_request(tab)
             if request == CLEAR:  # an update sent before Clear may reach the page after it: clear again, last
                 yield AnswerUpdate.empty_chat()
                 return
