@@ -140,3 +140,34 @@ def test_a_copy_that_never_ran_can_be_unpacked():
     pack_linear_layers(net)
     clone = copy.deepcopy(net)
     assert unpack_linear_layers(clone) == 2 and type(clone[0]) is nn.Linear
+
+
+def test_the_row_limit_rule_follows_the_cpu_and_an_explicit_limit(monkeypatch):
+    monkeypatch.setattr(cpu_linear, "PACKED_MAX_ROWS", None)
+    for capability, limit in (("AVX512", None), ("AVX512_BF16", None), ("AMX", None), ("AVX2", 64), ("DEFAULT", 64)):
+        cpu_linear._cpu_row_limit.cache_clear()
+        monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda capability=capability: capability)
+        assert cpu_linear.packed_max_rows() == limit
+    cpu_linear._cpu_row_limit.cache_clear()
+    monkeypatch.setattr(cpu_linear, "PACKED_MAX_ROWS", 16)
+    assert cpu_linear.packed_max_rows() == 16
+    monkeypatch.undo()
+    cpu_linear._cpu_row_limit.cache_clear()
+
+
+@pytest.mark.parametrize("limit", [None, 64, 8])
+def test_long_calls_are_exact_under_every_row_limit(monkeypatch, limit):
+    """A batch's trees (hundreds of rows) and a long prefill give nn.Linear's results whether they take the packed
+    copy (no limit) or F.linear (a limit below their rows)."""
+    monkeypatch.setattr(cpu_linear, "PACKED_MAX_ROWS", limit)
+    net = _net()
+    x = torch.randn(3, 100, 24)  # 300 rows
+    with torch.no_grad():
+        expected = net(x)
+        pack_linear_layers(net)
+        used = []
+        original = torch.ops.mkldnn._linear_pointwise
+        monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", lambda *a: used.append(1) or original(*a),
+                            raising=False)
+        torch.testing.assert_close(net(x), expected, rtol=1e-5, atol=1e-5)
+    assert bool(used) == (cpu_linear.packed_max_rows() is None or cpu_linear.packed_max_rows() >= 300)

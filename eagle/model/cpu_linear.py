@@ -8,10 +8,10 @@ makes the difference between EAGLE losing and winning on a CPU.
 
 :func:`pack_linear_layers` turns every plain ``nn.Linear`` of a module into a :class:`PackedLinear` in place: the
 same parameters and ``state_dict`` (the original weight stays where it was), plus a packed copy used when no
-gradient is needed and the input is a CPU tensor of the weight's dtype with at most :data:`PACKED_MAX_ROWS` rows.
-Float32 weights are always packable; bfloat16 weights on a CPU that computes in bfloat16 natively (AVX512-BF16 or
+gradient is needed and the input is a CPU tensor of the weight's dtype (with at most 64 rows on a CPU without
+AVX-512, see :func:`packed_max_rows`). Float32 weights are always packable; bfloat16 weights on a CPU that computes in bfloat16 natively (AVX512-BF16 or
 AMX, see :func:`native_bfloat16`), where the packed kernels read half the bytes of float32 ones. Anything else
-(training, a long prefill, another device or dtype) goes through ``F.linear``, and a weight replaced or changed in
+(training, a long prefill on a CPU without AVX-512, another device or dtype) goes through ``F.linear``, and a weight replaced or changed in
 place since packing is repacked before use. The one change a layer cannot notice is one made through
 ``weight.data`` (it has its own version counter): call :func:`pack_linear_layers` again after such a change. The
 cost is memory: the packed copy doubles the linear layers' footprint.
@@ -31,9 +31,12 @@ logger = logging.getLogger(__name__)
 
 # Rows the packed layout is tuned for (oneDNN's batch-size hint): a draft tree's verification. Any row count works.
 PACKING_ROWS_HINT = 8
-# Calls with more rows than this go through ``F.linear``: for longer calls (a long prompt's prefill, a training
-# batch) the packed kernel is no faster, and on one thread slower (timings: docs/PERFORMANCE.md).
-PACKED_MAX_ROWS = 64
+# The most rows a call may have to use the packed copy (more go through ``F.linear``); None: the CPU's rule,
+# :func:`packed_max_rows`. Set it to force a limit.
+PACKED_MAX_ROWS: int | None = None
+# The limit on a CPU without AVX-512: there, past about 64 rows the packed kernel gained nothing and on one thread
+# lost at 512 rows. With AVX-512 it wins at every row count measured, up to 3,200 (timings: docs/PERFORMANCE.md).
+AVX2_PACKED_MAX_ROWS = 64
 # The command-line choice (``--pack-cpu-weights``) -> ``EaModel.from_pretrained(pack_cpu_weights=...)``.
 PACK_FLAG_VALUES = {"auto": "auto", "on": True, "off": False}
 # ``pack="auto"`` packs models whose linear weights take at most this much memory (the packed copy doubles it).
@@ -69,6 +72,19 @@ def native_bfloat16() -> bool:
         return False
 
 
+@functools.lru_cache(maxsize=None)
+def _cpu_row_limit() -> int | None:
+    capability = torch.backends.cpu.get_cpu_capability()
+    return None if capability.startswith("AVX512") or "AMX" in capability else AVX2_PACKED_MAX_ROWS
+
+
+def packed_max_rows() -> int | None:
+    """The most rows a call may have to use the packed copy; None: no limit. :data:`PACKED_MAX_ROWS` when set,
+    else none on a CPU with AVX-512 (or AMX), where packed beats ``F.linear`` at every row count measured (a batch's
+    draft trees, long prefills, one thread or two), and :data:`AVX2_PACKED_MAX_ROWS` elsewhere."""
+    return _cpu_row_limit() if PACKED_MAX_ROWS is None else PACKED_MAX_ROWS
+
+
 def _packable_dtype(dtype: torch.dtype) -> bool:
     return dtype == torch.float32 or (dtype == torch.bfloat16 and native_bfloat16())
 
@@ -96,7 +112,8 @@ class PackedLinear(nn.Linear):
     def _packed_call(self, input: torch.Tensor) -> bool:
         """Whether this call can use the packed copy: a few rows of CPU tensors of the packed dtype, and no gradient
         to record."""
-        if input.numel() > PACKED_MAX_ROWS * self.in_features:
+        limit = packed_max_rows()
+        if limit is not None and input.numel() > limit * self.in_features:
             return False
         tensors = (input, self.weight) if self.bias is None else (input, self.weight, self.bias)
         if any(t.device.type != "cpu" or t.dtype != self.weight.dtype for t in tensors):
