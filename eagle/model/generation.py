@@ -322,10 +322,8 @@ class RunningBatch:
             self._retire()
             if self._pending:
                 yield self._admit()
-                self._retire()
+                continue
             if not self.rows.index:
-                if self._pending:
-                    continue
                 self._steps = None  # ended: the next add starts a new loop
                 return
             yield self._verify_step()
