@@ -32,9 +32,10 @@ WAIT_S = 60  # upper bound of any single wait in these tests
 
 
 class ControlledModel:
-    """The wrapped ``EaModel`` with hooks in ``generate_steps`` (and ``generate_batch_steps`` where the engine has
-    it): while ``gate`` is cleared the worker waits before each step; a prompt containing ``fail_token`` raises
-    inside the engine. Counts the steps run and records the size of each batched generation."""
+    """The wrapped ``EaModel`` with hooks in its running batches (``continuous_batch``; ``generate_steps`` for an
+    engine of one sequence at a time): while ``gate`` is cleared the worker waits before each step; a prompt
+    containing ``fail_token`` makes the engine raise at its next step. Counts the steps run and records, for each
+    running batch, how many requests were added at each step boundary (``batches``)."""
 
     def __init__(self, model):
         self._model = model
@@ -42,17 +43,14 @@ class ControlledModel:
         self.gate.set()
         self.fail_token: int | None = None
         self.steps_run = 0
-        self.batch_sizes: list[int] = []  # of each batched generation
+        self.batches: list[list[int]] = []  # per running batch: requests added before its first step, then joins
+        self.rows_per_step: list[int] = []  # rows each step of a running batch computed for
 
     def __getattr__(self, name):
-        if name == "generate_batch_steps":
-            getattr(self._model, name)  # AttributeError where the engine generates one sequence at a time
-            return self._batch_steps
         return getattr(self._model, name)
 
-    def _batch_steps(self, prompts, **kwargs):
-        self.batch_sizes.append(len(prompts))
-        return self._gated(self._model.generate_batch_steps(prompts, **kwargs))
+    def continuous_batch(self, **kwargs):
+        return ControlledBatch(self, self._model.continuous_batch(**kwargs))
 
     def generate_steps(self, input_ids, **kwargs):
         if self.fail_token is not None and self.fail_token in input_ids[0].tolist():
@@ -67,6 +65,42 @@ class ControlledModel:
                 yield step
         finally:
             inner.close()
+
+
+class ControlledBatch:
+    """A running batch under :class:`ControlledModel`'s hooks."""
+
+    def __init__(self, owner: ControlledModel, inner):
+        self.owner, self.inner = owner, inner
+        self.added: list[int] = []
+        owner.batches.append(self.added)
+        self.steps, self.last_add, self.failing = 0, None, False
+
+    def add(self, input_ids, **kwargs):
+        if self.owner.fail_token is not None and self.owner.fail_token in input_ids.tolist():
+            self.failing = True
+        if self.last_add == self.steps:
+            self.added[-1] += 1
+        else:
+            self.added.append(1)
+        self.last_add = self.steps
+        return self.inner.add(input_ids, **kwargs)
+
+    def cancel(self, row):
+        self.inner.cancel(row)
+
+    def __iter__(self):
+        for step in self.inner:
+            assert self.owner.gate.wait(WAIT_S), "the test never opened the gate"
+            if self.failing:
+                raise RuntimeError("simulated engine failure")
+            self.owner.steps_run += 1
+            self.owner.rows_per_step.append(len(step))
+            self.steps += 1
+            yield step
+
+    def close(self):
+        self.inner.close()
 
 
 @pytest.fixture(scope="module")
@@ -237,12 +271,12 @@ def test_load_64_requests_from_16_threads(served, tiny_model):
     assert metric(served, "eagle_queue_depth") == 0
 
 
-@pytest.mark.skipif(not hasattr(EaModel, "generate_batch_steps"), reason="the engine generates one sequence at a time")
-def test_waiting_requests_join_one_batch_and_get_their_answers_alone(tiny_model):
+def test_waiting_requests_join_the_running_batch_and_get_their_answers_alone(tiny_model):
     model = ControlledModel(tiny_model)
     expected = [reference(tiny_model, chat_ids(tiny_model, message), 16)[0] for message in PROMPTS]
     model.gate.clear()  # the first request holds the worker while the others arrive
-    with serve(model, max_batch_size=8) as server, concurrent.futures.ThreadPoolExecutor(8) as pool:
+    with serve(model, max_batch_size=8, eagle_max_batch_size=0) as server, \
+            concurrent.futures.ThreadPoolExecutor(8) as pool:
         futures = [pool.submit(ask, server, PROMPTS[0], 16)]
         wait_until(lambda: metric(server, "eagle_running_requests") == 1, "the first request to run")
         futures += [pool.submit(ask, server, message, 16) for message in PROMPTS[1:]]
@@ -250,10 +284,9 @@ def test_waiting_requests_join_one_batch_and_get_their_answers_alone(tiny_model)
         model.gate.set()
         answers = [future.result(timeout=WAIT_S).choices[0].message.content for future in futures]
     assert answers == expected
-    assert model.batch_sizes == [7]  # the seven that waited ran as one batch
+    assert model.batches == [[1, 7]]  # the seven that waited joined the first request's batch at its next step
 
 
-@pytest.mark.skipif(not hasattr(EaModel, "generate_batch_steps"), reason="the engine generates one sequence at a time")
 def test_batches_above_the_eagle_limit_decode_plainly_with_the_same_answers(tiny_model):
     model = ControlledModel(tiny_model)
     expected = [reference(tiny_model, chat_ids(tiny_model, message), 12)[0] for message in PROMPTS[:4]]
@@ -267,7 +300,34 @@ def test_batches_above_the_eagle_limit_decode_plainly_with_the_same_answers(tiny
         answers = [future.result(timeout=WAIT_S) for future in futures]
     assert [a.choices[0].message.content for a in answers] == expected
     assert [a.model_extra["eagle"]["mode"] for a in answers] == ["eagle", "plain", "plain", "plain"]
-    assert model.batch_sizes == [3]
+    assert model.batches == [[1], [3]]  # the EAGLE batch took no one, the next one ran plain
+
+
+def test_rows_of_a_batch_end_at_their_own_budget_stop_string_or_disconnect(tiny_model):
+    """Four requests of one running batch: each ends on its own (4 tokens; a stop string; a client that goes away;
+    40 tokens) and leaves the batch, while the others go on to their answers alone."""
+    model = ControlledModel(tiny_model)
+    message = long_prompt(tiny_model, 40)
+    full, _ = reference(tiny_model, chat_ids(tiny_model, message), 40)
+    short, _ = reference(tiny_model, chat_ids(tiny_model, message), 4)
+    stop = full[10:13]
+    model.gate.clear()
+    with serve(model, max_batch_size=8, eagle_max_batch_size=0) as server, \
+            concurrent.futures.ThreadPoolExecutor(3) as pool:
+        leaving = OpenStream(server, message, 40)
+        wait_until(lambda: metric(server, "eagle_running_requests") == 1, "the first request to run")
+        futures = [pool.submit(ask, server, message, 4), pool.submit(ask, server, message, 40, stop=[stop]),
+                   pool.submit(ask, server, message, 40)]
+        wait_until(lambda: metric(server, "eagle_queue_depth") == 3, "three requests to wait")
+        model.gate.set()
+        wait_until(lambda: model.steps_run >= 3, "the three to join")
+        leaving.close()
+        answers = [future.result(timeout=WAIT_S).choices[0] for future in futures]
+        wait_until(lambda: metric(server, 'eagle_requests_total{outcome="cancelled"}') == 1, "the cancellation")
+    assert [a.message.content for a in answers] == [short, full[: full.index(stop)], full]
+    assert [a.finish_reason for a in answers] == ["length", "stop", "length"]
+    assert model.batches == [[1, 3]] and max(model.rows_per_step) == 4
+    assert model.rows_per_step[-1] == 1  # the last row ran alone: the others had left the batch
 
 
 # ------------------------------------------------------------------------------------------------------- errors
@@ -352,12 +412,12 @@ def test_full_queue_gets_429_with_retry_after(tiny_model):
 
 
 class OpenStream:
-    """A streamed chat request, open after its first event; :meth:`close` drops the connection. (The line
+    """A streamed greedy chat request, open after its first event; :meth:`close` drops the connection. (The line
     iterator is kept: dropping it half read would close the connection.)"""
 
     def __init__(self, server, message: str, max_tokens: int):
         body = {"model": NAME, "messages": [{"role": "user", "content": message}], "max_tokens": max_tokens,
-                "stream": True}
+                "stream": True, "temperature": 0}
         self.context = httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=WAIT_S)
         response = self.context.__enter__()
         assert response.status_code == 200

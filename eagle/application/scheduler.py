@@ -1,17 +1,19 @@
 """The server's model worker: one thread owns the model and runs the queued requests.
 
 Requests wait in a bounded queue (:meth:`Scheduler.submit` refuses with a 429 :class:`APIError` when it is full).
-The worker takes a batch of waiting requests, runs it with :meth:`Scheduler.run_batch`, which generates step by
-step and hands each request its new text through its ``deliver`` callback, and takes the next batch. Between two
-steps it drops requests that were cancelled (a client that went away), so their place is freed at once.
+The worker starts a batch with the oldest waiting request and the waiting requests that can share its generation
+(greedy ones together; sampled ones with the same temperature / top-p / top-k and no seed), up to
+``max_batch_size``, and runs it through the engine's running batch (``EaModel.continuous_batch``), handing each
+request its new text through its ``deliver`` callback after every step.
 
-Batching: when the engine generates batches (``EaModel.generate_batch_steps``), a batch takes the first waiting
-request and the waiting requests that can share its generation (greedy ones together; sampled ones with the same
-temperature / top-p / top-k and no seed), up to ``max_batch_size``: requests that arrive while a batch runs join
-the next batch. A request that sets a seed runs alone (its own random generator). Each request ends at its own stop
-token, budget, stop string or cancellation; the batch ends when all of them have. With an engine that generates
-one sequence at a time (``generate_steps`` only), every batch holds one request.
-:meth:`Scheduler._batch_steps` is the one place that turns a batch into per-request steps.
+Continuous batching: at every step boundary, requests that wait join the running batch (from the oldest, while
+they can share its generation, up to ``max_batch_size`` rows; a seeded request runs alone, with its own random
+generator), and rows whose request ended leave it: each request ends at its own stop token, budget
+(``max_tokens``), stop string or cancellation (a client that went away), so its place is freed at once. A batch
+keeps its mode (EAGLE or plain decoding, see ``eagle_max_batch_size``); when the load calls for the other mode, or
+the oldest waiting request needs another kind of batch, the running batch takes no one until it ends, and the next
+one starts. With an engine that generates one sequence at a time (``generate_steps`` only), every batch holds one
+request.
 """
 
 from __future__ import annotations
@@ -143,11 +145,11 @@ class Metrics:
 class Scheduler:
     """Owns ``model`` (an ``EaModel``) in one worker thread; see the module docstring.
 
-    ``max_queue``: requests that may wait (besides the running batch); ``max_batch_size``: requests per batch
-    once the engine batches (1 today); ``max_length``: prompt plus answer, in tokens; ``use_eagle``: EAGLE or plain
-    decoding; ``is_llama3``: also stop at ``<|eot_id|>``; ``eagle_max_batch_size``: batches of more requests run
-    plain decoding (the same greedy tokens and sampled distribution; EAGLE's drafts stop paying in large batches on
-    some devices); 0 = EAGLE at every batch size.
+    ``max_queue``: requests that may wait (besides the running batch); ``max_batch_size``: rows of a running
+    batch; ``max_length``: prompt plus answer, in tokens; ``use_eagle``: EAGLE or plain
+    decoding; ``is_llama3``: also stop at ``<|eot_id|>``; ``eagle_max_batch_size``: when more requests than this
+    run or wait, batches run plain decoding (the same greedy tokens and sampled distribution; EAGLE's drafts stop
+    paying in large batches on some devices); 0 = EAGLE at every batch size.
     """
 
     def __init__(self, model, max_queue: int = 64, max_batch_size: int = 1, max_length: int = 2048,
@@ -157,7 +159,7 @@ class Scheduler:
         self.model, self.max_queue, self.max_length = model, max_queue, max_length
         self.max_batch_size = max_batch_size
         # requests per batch: the engine's batched loop where it has one (see the module docstring)
-        self.batch_capacity = max_batch_size if hasattr(model, "generate_batch_steps") else 1
+        self.batch_capacity = max_batch_size if hasattr(model, "continuous_batch") else 1
         self.use_eagle, self.is_llama3 = use_eagle, is_llama3
         self.eagle_max_batch_size = eagle_max_batch_size  # larger batches decode plainly (0: no limit)
         self.mode = EAGLE if use_eagle else PLAIN
@@ -218,6 +220,7 @@ class Scheduler:
 
     # ------------------------------------------------------------------------------------------- worker side
     def _next_batch(self) -> list[GenerationRequest] | None:
+        """The requests a new batch starts with: the oldest waiting one and those that can share its generation."""
         with self._cond:
             while not self._waiting and not self._closing:
                 self._cond.wait()
@@ -246,15 +249,20 @@ class Scheduler:
                     self.metrics.batch_size = 0
 
     def run_batch(self, batch: list[GenerationRequest]) -> None:
-        """Generate every request of ``batch`` to its end, delivering text after each step; an error ends the
-        batch's unfinished requests with a 500 and leaves the worker serving."""
+        """Generate ``batch`` and the requests that join it to their ends, delivering text after each step; an
+        error ends the unfinished requests with a 500 and leaves the worker serving."""
         start = time.perf_counter()
         try:
-            for request, step in self._batch_steps(batch):
-                self._deliver_step(request, step)
+            if hasattr(self.model, "continuous_batch"):
+                self._run_continuous(batch)
+            else:
+                for request, step in self._one_request_steps(batch[0]):
+                    self._deliver_step(request, step)
         except Exception as err:  # noqa: BLE001 - reported to the clients, logged, and the worker goes on
             logger.exception("generation failed")
-            for request in batch:
+            with self._cond:
+                members = list(self._running)
+            for request in members:
                 if not request.done:
                     self.metrics.count("error")
                     request.finish(error=APIError(500, f"Internal error during generation: {err}",
@@ -263,13 +271,91 @@ class Scheduler:
             with self.metrics.lock:
                 self.metrics.busy_seconds += time.perf_counter() - start
 
-    def _batch_steps(self, batch: list[GenerationRequest]) -> Iterator[tuple[GenerationRequest, object]]:
-        """``(request, Step)`` pairs as the engine produces them; ends each request (stop token, budget, stop
-        string, cancellation)."""
-        if len(batch) > 1:
-            yield from self._batched_steps(batch)
+    def _run_continuous(self, batch: list[GenerationRequest]) -> None:
+        """One running batch of the engine (``EaModel.continuous_batch``) for ``batch``: each row ends at its stop
+        token, its own budget, a stop string or its client's cancellation (the row leaves the engine's batch at the
+        next step); at every step boundary waiting requests of the same kind join it (see :meth:`_joiners`)."""
+        params, key = batch[0].params, _batch_key(batch[0].params)
+        use_eagle = self._wants_eagle(len(batch))
+        generator = None
+        if params.seed is not None:
+            generator = torch.Generator(device=self.model.device).manual_seed(params.seed)
+        running = self.model.continuous_batch(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
+                                              max_length=self.max_length, is_llama3=self.is_llama3,
+                                              use_eagle=use_eagle, generator=generator)
+        rows: dict[int, GenerationRequest] = {}
+        for request in batch:
+            self._join(running, rows, request, use_eagle)
+        try:
+            for update in running:
+                for row, part in update.items():
+                    request = rows.get(row)
+                    if request is None:
+                        continue
+                    if part.tokens.numel() and not request.done and not request.cancelled.is_set():
+                        self._deliver_step(request, Step(tokens=part.tokens, accepted=part.accepted))
+                    if part.finished:
+                        del rows[row]
+                        self._end(request)
+                self._boundary(running, rows, key, use_eagle)
+        finally:
+            running.close()
+        for request in rows.values():  # the engine ended without flagging them (it should not happen)
+            self._end(request)
+
+    def _join(self, running, rows: dict, request: GenerationRequest, use_eagle: bool) -> None:
+        """Add ``request`` to the engine's running batch (it joins at the next step)."""
+        if request.cancelled.is_set():
+            self.metrics.count("cancelled")
+            request.done = True
             return
-        request = batch[0]
+        try:
+            (row,) = running.add(torch.tensor(request.prompt_ids, dtype=torch.long),
+                                 max_new_tokens=request.params.max_new_tokens)
+        except Exception as err:  # noqa: BLE001 - this request fails (a cache that does not fit), the batch goes on
+            logger.exception("a request could not join the batch")
+            self.metrics.count("error")
+            request.finish(error=APIError(500, f"Internal error: {err}", type="server_error"))
+            return
+        request.mode = EAGLE if use_eagle else PLAIN
+        rows[row] = request
+
+    def _boundary(self, running, rows: dict, key, use_eagle: bool) -> None:
+        """Between two steps: rows whose request ended (stop string) or was cancelled leave; waiting requests
+        join."""
+        for row, request in list(rows.items()):
+            if request.done or request.cancelled.is_set():
+                running.cancel(row)
+                del rows[row]
+                self._end(request)
+        for request in self._joiners(key, use_eagle, len(rows)):
+            self._join(running, rows, request, use_eagle)
+        with self._cond:
+            self._running = list(rows.values())
+            self.metrics.batch_size = len(rows)
+
+    def _joiners(self, key, use_eagle: bool, active: int) -> list[GenerationRequest]:
+        """Waiting requests that join a running batch of ``active`` rows: from the oldest, while they can share its
+        generation (same :func:`_batch_key`; none for a seeded request's batch), up to ``max_batch_size`` rows, and
+        only while the load (rows plus waiting requests) still calls for the batch's mode (see
+        ``eagle_max_batch_size``). Otherwise the batch takes no one, ends with its rows, and the next batch starts
+        with the oldest waiting request, in the mode its size calls for."""
+        with self._cond:
+            if key is None or self._closing or not self._waiting:
+                return []
+            load = min(active + len(self._waiting), self.batch_capacity)
+            if self._wants_eagle(load) != use_eagle:
+                return []
+            joining = []
+            while self._waiting and active + len(joining) < self.batch_capacity:
+                if _batch_key(self._waiting[0].params) != key:
+                    break
+                joining.append(self._waiting.popleft())
+            return joining
+
+    def _one_request_steps(self, request: GenerationRequest) -> Iterator[tuple[GenerationRequest, object]]:
+        """An engine that generates one sequence at a time (``generate_steps`` only): ``(request, Step)`` pairs;
+        ends the request (stop token, budget, stop string, cancellation)."""
         if request.cancelled.is_set():
             self.metrics.count("cancelled")
             return
@@ -283,52 +369,23 @@ class Scheduler:
             steps.close()
         self._end(request)
 
-    def _batched_steps(self, batch: list[GenerationRequest]) -> Iterator[tuple[GenerationRequest, Step]]:
-        """One batched generation for ``batch`` (requests of one :func:`_batch_key`). A row that has ended (its
-        stop token, its own budget, a stop string, a cancelled client) is no longer delivered; the generation stops
-        when every row has ended."""
-        params = batch[0].params
-        steps = self.model.generate_batch_steps(
-            [torch.tensor(r.prompt_ids, dtype=torch.long) for r in batch], temperature=params.temperature,
-            top_p=params.top_p, top_k=params.top_k, max_new_tokens=max(r.params.max_new_tokens for r in batch),
-            max_length=self.max_length, is_llama3=self.is_llama3, use_eagle=self._eagle_for(batch))
-        open_rows = list(range(len(batch)))
-        try:
-            for step in steps:
-                for row in list(open_rows):
-                    request = batch[row]
-                    tokens = step.tokens[row][:request.params.max_new_tokens - request.completion_tokens]
-                    if tokens.numel() and not request.cancelled.is_set():
-                        yield request, Step(tokens=tokens, accepted=min(int(step.accepted[row]), tokens.numel()))
-                    if (step.finished[row] or request.done or request.cancelled.is_set()
-                            or request.completion_tokens >= request.params.max_new_tokens):
-                        open_rows.remove(row)
-                        self._end(request)
-                if not open_rows:
-                    break
-        finally:
-            steps.close()
-        for row in open_rows:  # the engine ended without flagging them (it should not happen)
-            self._end(batch[row])
-
     def _steps_of(self, request: GenerationRequest):
         params = request.params
         generator = None
         if params.seed is not None:
             generator = torch.Generator(device=self.model.device).manual_seed(params.seed)
         input_ids = torch.tensor([request.prompt_ids], dtype=torch.long)
+        use_eagle = self._wants_eagle(1)
+        request.mode = EAGLE if use_eagle else PLAIN
         return self.model.generate_steps(input_ids, temperature=params.temperature, top_p=params.top_p,
                                          top_k=params.top_k, max_new_tokens=params.max_new_tokens,
                                          max_length=self.max_length, is_llama3=self.is_llama3,
-                                         use_eagle=self._eagle_for([request]), generator=generator)
+                                         use_eagle=use_eagle, generator=generator)
 
-    def _eagle_for(self, batch: list[GenerationRequest]) -> bool:
-        """Whether ``batch`` runs EAGLE (else plain decoding); recorded on each request."""
+    def _wants_eagle(self, rows: int) -> bool:
+        """Whether a batch of ``rows`` requests runs EAGLE (else plain decoding)."""
         limit = self.eagle_max_batch_size
-        use_eagle = self.use_eagle and (limit <= 0 or len(batch) <= limit)
-        for request in batch:
-            request.mode = EAGLE if use_eagle else PLAIN
-        return use_eagle
+        return self.use_eagle and (limit <= 0 or rows <= limit)
 
     def _deliver_step(self, request: GenerationRequest, step) -> None:
         tokens = step.tokens.tolist()

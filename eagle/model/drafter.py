@@ -6,7 +6,9 @@ The interface is three calls, in the spirit of transformers' candidate generator
 - ``draft_batch(features, next_tokens, valid) -> list[DraftTree]``: take, for each of B rows, the target features
   of the newly committed positions with the token that follows each of them (the last valid one being the root
   the target just chose), and return one tree per row rooted at that token (``draft`` does it for one row);
-- ``select_rows(index)``: keep the rows ``index`` (finished rows leave the batch).
+- ``select_rows(index)``: keep the rows ``index`` (finished rows leave the batch);
+- ``add_rows(features, next_tokens, valid)``: rows join the batch after the given committed pairs (a running
+  batch takes new requests between steps; see :class:`~eagle.model.generation.RunningBatch`).
 
 ``NoDrafter`` returns the root alone, which turns the speculative loop into plain decoding; ``EagleDrafter``
 grows an EAGLE-2 dynamic tree with an EAGLE-1 or EAGLE-3 head.
@@ -61,6 +63,9 @@ class NoDrafter:
     def select_rows(self, index: torch.Tensor) -> None:
         pass
 
+    def add_rows(self, features, next_tokens: torch.Tensor, valid: torch.Tensor | None = None) -> None:
+        pass
+
     def draft_batch(self, features, next_tokens: torch.Tensor, valid: torch.Tensor | None = None) -> list[DraftTree]:
         return [root_only_tree(row[-1] if valid is None else row[valid[b]][-1]) for b, row in enumerate(next_tokens)]
 
@@ -96,6 +101,36 @@ class EagleDrafter:
         self.valid = None if self.valid is None else self.valid[index.to(self.valid.device)]
         self.counts = None if self.counts is None else self.counts[index.to(self.counts.device)]
         self.history = [self.history[i] for i in index.tolist()]
+
+    def add_rows(self, features: torch.Tensor, next_tokens: torch.Tensor, valid: torch.Tensor | None = None) -> None:
+        """k rows join the batch (after the existing ones): the head commits their pairs (features (k, m, F),
+        next_tokens (k, m), valid (k, m) bool or None; m may be 0) in a pass of their own, and its cache rows are
+        appended to the batch's (the shorter side padded with slots no row sees)."""
+        joining = EagleDrafter(self.head, self.settings)
+        joining.reset(next_tokens.shape[0])
+        if next_tokens.shape[1]:
+            joining._commit(features, next_tokens, valid)
+            joining.history = [row if valid is None else row[valid[b]] for b, row in enumerate(next_tokens)]
+        self._append(joining)
+
+    def _append(self, other: "EagleDrafter") -> None:
+        """Append ``other``'s rows after this drafter's."""
+        rows = (len(self.history), len(other.history))
+        lengths = (self.committed_length, other.committed_length)
+        slots = max(lengths)
+        present = [t for t in (self.counts, other.counts, self.valid, other.valid) if t is not None]
+        device = present[0].device if present else self.head.fc.weight.device
+        if slots:
+            layers = len(self.committed_kv or other.committed_kv)
+            pairs = zip(self.committed_kv or [(None, None)] * layers, other.committed_kv or [(None, None)] * layers)
+            self.committed_kv = [(_stack_rows(k1, k2, rows, slots), _stack_rows(v1, v2, rows, slots))
+                                 for (k1, v1), (k2, v2) in pairs]
+            self.valid = torch.cat([_slots_valid(valid, n, length, slots, device)
+                                    for valid, n, length in zip((self.valid, other.valid), rows, lengths)])
+        if self.counts is not None or other.counts is not None:
+            self.counts = torch.cat([c.to(device) if c is not None else torch.zeros(n, dtype=torch.long, device=device)
+                                     for c, n in zip((self.counts, other.counts), rows)])
+        self.history = self.history + other.history
 
     @property
     def committed_length(self) -> int:
@@ -206,3 +241,22 @@ class EagleDrafter:
         self.history[row] = history = new_tokens if history is None else torch.cat([history, new_tokens])
         chain = find_continuation(history, self.settings.lookup_tokens)
         return graft_chain(tree, chain) if chain.numel() else tree
+
+
+def _stack_rows(first, second, rows: tuple[int, int], slots: int) -> torch.Tensor:
+    """Two (rows, heads, slots, dim) head-cache tensors (either may be None: no slots yet), padded to ``slots``
+    slots with zeros and stacked on the batch axis."""
+    like = first if first is not None else second
+    parts = []
+    for tensor, n in zip((first, second), rows):
+        tensor = like.new_zeros(n, like.shape[1], 0, like.shape[3]) if tensor is None else tensor.to(like.device)
+        parts.append(torch.cat([tensor, like.new_zeros(n, like.shape[1], slots - tensor.shape[2], like.shape[3])],
+                               dim=2))
+    return torch.cat(parts)
+
+
+def _slots_valid(valid, rows: int, length: int, slots: int, device) -> torch.Tensor:
+    """(rows, slots) bool: which head-cache slots hold a row's pairs (``valid`` (rows, length) or None = all)."""
+    if valid is None:
+        valid = torch.ones(rows, length, dtype=torch.bool, device=device)
+    return torch.cat([valid.to(device), torch.zeros(rows, slots - length, dtype=torch.bool, device=device)], dim=1)

@@ -19,7 +19,7 @@ from torch import nn
 from .cpu_linear import pack_linear_layers, should_auto_pack, unpack_linear_layers
 from .draft_config import head_layer_ids
 from .drafter import EagleDrafter, NoDrafter, TreeSettings
-from .generation import BatchStep, Step, speculative_decode_batch
+from .generation import BatchStep, RunningBatch, Step, speculative_decode_batch
 from .head_tree import check_tree_arguments, head_tree_for, resolve_tree
 from .kv_cache import check_cache_fits
 from .loading import load_base_model, load_ea_layer
@@ -256,13 +256,23 @@ class EaModel(nn.Module):
         """The preallocated cache for ``request``'s rows: the longest padded prompt plus the largest budget plus
         one tree. Refuses (``ValueError``) a batch whose cache would not fit in the free memory."""
         capacity = request.input_ids.shape[1] + max(request.budgets) + self.tree_settings.max_tree_size
+        return self._reserve_cache(request.batch_size, capacity, fresh=True)
+
+    def _reserve_cache(self, batch_size: int, capacity: int, fresh: bool):
+        """The shared cache, with room for ``batch_size`` rows of ``capacity`` slots (checked against the free
+        memory first). ``fresh``: a generation starts, a cache too small is replaced; else (rows join a running
+        batch) it grows in place, keeping its rows."""
         config, dtype = self.config.get_text_config(), self.base_model.dtype
-        if self._cache is None or self._cache.capacity < capacity:
-            check_cache_fits(config, request.batch_size, capacity, dtype, self.device)
-            self._cache = None  # free the old one first
-            self._cache = self._eagle_target.new_cache(capacity)  # grown for this call; reused by later ones
-        elif self._cache.batch_size != request.batch_size:  # reallocated for this batch size when first written
-            check_cache_fits(config, request.batch_size, self._cache.capacity, dtype, self.device)
+        cache = self._cache
+        if cache is None or cache.capacity < capacity:
+            check_cache_fits(config, batch_size, capacity, dtype, self.device)
+            if cache is None or fresh:
+                self._cache = None  # free the old one first
+                self._cache = self._eagle_target.new_cache(capacity)  # grown for this call; reused by later ones
+            else:
+                cache.grow(capacity)
+        elif cache.batch_size != batch_size:  # reallocated for this batch size when first written
+            check_cache_fits(config, batch_size, cache.capacity, dtype, self.device)
         return self._cache
 
     def _steps(self, request: GenerationRequest) -> Iterator[BatchStep]:
@@ -302,6 +312,16 @@ class EaModel(nn.Module):
                                          top_k=top_k, max_new_tokens=max_new_tokens, max_length=max_length,
                                          is_llama3=is_llama3, use_eagle=use_eagle, generator=generator,
                                          stop_ids=stop_ids))
+
+    def continuous_batch(self, temperature=0.0, top_p=0.0, top_k=0, max_length=2048, is_llama3=False,
+                         use_eagle=True, generator: torch.Generator | None = None,
+                         stop_token_ids=None) -> "ContinuousBatch":
+        """A batch that prompts join and leave between steps (what a server's scheduler drives; see
+        :class:`ContinuousBatch`), with one set of sampling settings. The model runs one generation at a time:
+        no other generation call while it runs."""
+        stop_ids = self.stop_token_ids(is_llama3) if stop_token_ids is None else _token_id_set(stop_token_ids)
+        return ContinuousBatch(self, dict(temperature=temperature, top_p=top_p, top_k=top_k, max_length=max_length,
+                                          use_eagle=use_eagle, generator=generator, stop_ids=stop_ids))
 
     def _stream_ids(self, request: GenerationRequest):
         new: list[list[int]] = [[] for _ in range(request.batch_size)]
@@ -384,3 +404,54 @@ class EaModel(nn.Module):
                                 max_new_tokens=max_new_tokens, max_length=max_length, use_eagle=use_eagle,
                                 stop_ids=stop_ids, pad_token_id=pad_token_id)
         return self._run(request, False)
+
+
+class ContinuousBatch:
+    """A running batch of ``EaModel`` (:meth:`EaModel.continuous_batch`): the engine's
+    :class:`~eagle.model.generation.RunningBatch` with each prompt checked as every generation method checks it.
+
+    - ``add(input_ids, attention_mask=None, max_new_tokens=512) -> list[int]``: one prompt (S,) or (1, S), a
+      left-padded batch or a list of prompts, each with its own budget; returns their row numbers. Checked at
+      once (``ValueError``; the cache grows if it must, refused when it would not fit in memory); the rows join at
+      the next step boundary (prefilled together, then verified with the others).
+    - ``cancel(row)``: the row leaves at the next step boundary (a client that went away).
+    - Iterating yields, after each target forward pass, a dict {row: :class:`~eagle.model.generation.RowStep`}
+      (new tokens, accepted drafts, finished). Each row's greedy tokens are those of its prompt alone; sampled rows
+      follow the target distribution. Iteration ends when no row generates or waits; ``close()`` abandons it.
+    """
+
+    def __init__(self, model: EaModel, settings: dict):
+        self.model, self.settings = model, settings
+        self._running = None
+        self._capacity = 0
+
+    def add(self, input_ids, attention_mask=None, max_new_tokens: int = 512) -> list[int]:
+        settings = dict(self.settings)
+        use_eagle = settings.pop("use_eagle")
+        request = self.model._request(input_ids, attention_mask, max_new_tokens=max_new_tokens, use_eagle=use_eagle,
+                                      **settings)
+        tree = self.model.tree_settings.max_tree_size if use_eagle else 1
+        self._capacity = max(self._capacity, request.input_ids.shape[1] + max(request.budgets) + tree)
+        rows = request.batch_size + (self._running.size if self._running is not None else 0)
+        cache = self.model._reserve_cache(rows, self._capacity, fresh=self._running is None)
+        if self._running is None:
+            target, drafter = ((self.model._eagle_target, EagleDrafter(self.model.ea_layer, self.model.tree_settings))
+                               if use_eagle else (self.model._plain_target, NoDrafter()))
+            self._running = RunningBatch(target, drafter, cache, request.sampler(), set(request.stop_token_ids))
+        return self._running.add(request.engine_ids, list(request.pads), list(request.budgets))
+
+    def cancel(self, row: int) -> None:
+        if self._running is not None:
+            self._running.cancel(row)
+
+    @property
+    def size(self) -> int:
+        """Rows generating or waiting to join."""
+        return 0 if self._running is None else self._running.size
+
+    def __iter__(self) -> Iterator[dict]:
+        return iter(self._running) if self._running is not None else iter(())
+
+    def close(self) -> None:
+        if self._running is not None:
+            self._running.close()

@@ -234,8 +234,195 @@ class OneSequenceDrafter:
     def select_rows(self, index: torch.Tensor) -> None:
         pass
 
+    def add_rows(self, features, next_tokens: torch.Tensor, valid: torch.Tensor | None = None) -> None:
+        raise ValueError(f"{type(self.drafter).__name__} drafts one sequence at a time: rows cannot join its batch.")
+
     def draft_batch(self, features, next_tokens: torch.Tensor, valid: torch.Tensor | None = None) -> list[DraftTree]:
         return [self.drafter.draft(features, next_tokens)]
+
+
+@dataclass
+class RowStep:
+    """One row's part of a :class:`RunningBatch` step: its new tokens, how many came from accepted drafts, and
+    whether the row has ended (this is then its last step)."""
+
+    tokens: torch.Tensor
+    accepted: int
+    finished: bool
+
+
+class RunningBatch:
+    """The generation loop over a batch that rows join and leave between steps (continuous batching).
+
+    ``add(input_ids, pads, budgets)`` queues rows (left-padded prompts (k, S), ``pads[b]`` padding slots before
+    row b's tokens, at most ``budgets[b]`` new tokens each) and returns their row numbers (0, 1, ... in the order
+    added); ``cancel(row)`` makes a row leave. Both take effect at the next step boundary: iterating yields, after
+    each target forward pass, a dict {row: :class:`RowStep`} of the rows that pass computed for (the rows that
+    joined, after the prefill of joining rows; every row generating, after a verification). A row ends after its
+    first stop token (included) or its budget, and then leaves the batch (its cache and drafter rows are dropped,
+    see :func:`drop_finished`). Iteration ends when no row generates or waits; rows added after that start it
+    again.
+
+    Joining rows are prefilled together in a cache of their own, then appended as batch rows of the target cache
+    (:meth:`~eagle.model.kv_cache.TreeKVCache.add_rows`) and of the drafter's state (``add_rows``): every row keeps
+    its own committed slots ``start .. length - 1`` (:class:`Rows`), so each computes what its prompt alone
+    computes. All rows share the sampler (one set of sampling settings). Invariant between steps: the cache holds
+    each row's committed tokens except the last emitted one (the root), which its next tree starts from. The cache
+    must have room for every row (prompt, budget and one tree: the caller grows it, see ``EaModel``).
+    """
+
+    def __init__(self, target: Target, drafter, cache, sampler: Sampler | None, stop_token_ids: set[int]):
+        self.target, self.cache, self.sampler = target, cache, sampler
+        self.drafter = drafter if hasattr(drafter, "draft_batch") else OneSequenceDrafter(drafter)
+        self.stop_token_ids = set(stop_token_ids)
+        self.rows = Rows([], [], [])
+        self.carried: tuple = (None, None, None)  # the drafter's next inputs: features, next tokens, valid
+        self._pending: list[tuple[int, torch.Tensor]] = []  # (row, prompt tokens (n,))
+        self._budget: dict[int, int] = {}
+        self._emitted: dict[int, int] = {}
+        self._ended: set[int] = set()  # finished or cancelled, still in the cache until the next boundary
+        self._next_row = 0
+        self._steps: Iterator | None = None
+
+    def add(self, input_ids: torch.Tensor, pads: list[int], budgets: list[int]) -> list[int]:
+        rows = list(range(self._next_row, self._next_row + input_ids.shape[0]))
+        self._next_row += len(rows)
+        for row, ids, pad, budget in zip(rows, input_ids, pads, budgets):
+            self._pending.append((row, ids[pad:]))
+            self._budget[row], self._emitted[row] = budget, 0
+        if self._steps is None:
+            self._steps = self._loop()
+        return rows
+
+    def cancel(self, row: int) -> None:
+        self._pending = [(r, ids) for r, ids in self._pending if r != row]
+        if row in self.rows.index:
+            self._ended.add(row)
+
+    @property
+    def size(self) -> int:
+        """Rows generating or waiting to join."""
+        return len(self.rows.index) - len(self._ended) + len(self._pending)
+
+    def __iter__(self) -> "RunningBatch":
+        return self
+
+    def __next__(self) -> dict[int, RowStep]:
+        if self._steps is None:
+            raise StopIteration
+        return next(self._steps)
+
+    def close(self) -> None:
+        if self._steps is not None:
+            self._steps.close()
+
+    @torch.no_grad()  # on a generator: entered around each resumption, so the caller's grad mode is left alone
+    def _loop(self) -> Iterator[dict[int, RowStep]]:
+        while True:
+            self._retire()
+            if self._pending:
+                yield self._admit()
+                continue
+            if not self.rows.index:
+                self._steps = None  # ended: the next add starts a new loop
+                return
+            yield self._verify_step()
+
+    def _retire(self) -> None:
+        """Rows that ended (or were cancelled) leave the batch."""
+        keep = [i for i, row in enumerate(self.rows.index) if row not in self._ended]
+        if len(keep) == len(self.rows.index):
+            return
+        for row in self.rows.index:
+            if row in self._ended:
+                self._ended.discard(row)
+                del self._budget[row], self._emitted[row]
+        if keep:
+            self.rows, carried = drop_finished(keep, self.rows, self.cache, self.drafter, list(self.carried))
+            self.carried = tuple(carried)
+        else:
+            self.rows, self.carried = Rows([], [], []), (None, None, None)
+
+    def _admit(self) -> dict[int, RowStep]:
+        """Prefill the waiting rows and make them batch rows; emit their first tokens."""
+        pending, self._pending = self._pending, []
+        joining = [row for row, _ in pending]
+        ids, pads = _left_pad([tokens for _, tokens in pending])
+        alone = not self.rows.index
+        if alone:  # the batch starts (again): straight into the cache
+            self.drafter.reset(len(joining))
+            self.cache.reset(len(joining))
+            cache = self.cache
+        else:
+            cache = self.target.new_cache(self.cache.capacity)
+        roots, features = prefill(self.target, ids, cache, self.sampler, self.drafter.needs_features, pads)
+        width = ids.shape[1]
+        rows = Rows(joining, list(pads), [width] * len(joining))
+        next_tokens = torch.cat([ids[:, 1:].to(roots.device), roots[:, None]], dim=1)
+        valid = None
+        if any(pads):  # pair j (feature j, token j + 1) is row b's when slot j holds one of its tokens
+            valid = torch.arange(width, device=roots.device)[None] >= torch.tensor(pads, device=roots.device)[:, None]
+        if alone:
+            self.rows, self.carried = rows, (features, next_tokens, valid)
+        else:  # the head commits their prompt pairs now; the last pair (root) goes with the batch's next draft
+            self.cache.add_rows(cache)
+            self.drafter.add_rows(None if features is None else features[:, :-1], next_tokens[:, :-1],
+                                  None if valid is None else valid[:, :-1])
+            last = (None if features is None else features[:, -1:], next_tokens[:, -1:], None)
+            self.carried = _join_carried(self.carried, last)
+            self.rows = Rows(self.rows.index + rows.index, self.rows.start + rows.start,
+                             self.rows.length + rows.length)
+        return self._emit(joining, [root.reshape(1) for root in roots], [0] * len(joining))
+
+    def _verify_step(self) -> dict[int, RowStep]:
+        """Draft, verify, evaluate and commit every row; emit their new tokens."""
+        features, next_tokens, valid = self.carried
+        trees = stack_trees(self.drafter.draft_batch(features, next_tokens, valid))  # rooted at the last emitted
+        logits, fetch, tree_features = verify_trees(self.target, trees, self.cache, self.rows, lazy_logits=True)
+        results = evaluate_batch(trees.trees, logits, fetch, self.sampler)
+        commit_batch(self.cache, self.rows, [path for path, _ in results], trees.size)
+        new, next_tokens, valid, features = next_inputs(trees, results, tree_features)
+        self.carried = (features, next_tokens, valid)
+        return self._emit(self.rows.index, new, [tokens.shape[0] - 1 for tokens in new])
+
+    def _emit(self, rows: list[int], new: list[torch.Tensor], accepted: list[int]) -> dict[int, RowStep]:
+        """Cut each row's new tokens at its stop token and budget; rows that end leave at the next boundary."""
+        step = {}
+        for row, tokens, count in zip(rows, new, accepted):
+            tokens, done = _truncate(tokens, self._budget[row] - self._emitted[row], self.stop_token_ids)
+            self._emitted[row] += tokens.shape[0]
+            finished = done or self._emitted[row] >= self._budget[row]
+            if finished:
+                self._ended.add(row)
+            step[row] = RowStep(tokens, min(count, tokens.shape[0]), finished)
+        return step
+
+
+def _left_pad(prompts: list[torch.Tensor]) -> tuple[torch.Tensor, list[int]]:
+    """Prompts (n_b,) -> (ids (k, S) left-padded with each row's first token, pads)."""
+    width = max(p.shape[0] for p in prompts)
+    pads = [width - p.shape[0] for p in prompts]
+    return torch.stack([torch.cat([p[:1].expand(pad), p]) for p, pad in zip(prompts, pads)]), pads
+
+
+def _join_carried(carried: tuple, joining: tuple) -> tuple:
+    """The drafter's next inputs of the batch's rows followed by those of joining rows, padded on the right to a
+    common width (the padding is not valid)."""
+    features, tokens, valid = carried
+    new_features, new_tokens, new_valid = joining
+    width = max(tokens.shape[1], new_tokens.shape[1])
+
+    def widen(t, fill=0):
+        if t is None or t.shape[1] == width:
+            return t
+        return torch.cat([t, t.new_full((t.shape[0], width - t.shape[1], *t.shape[2:]), fill)], dim=1)
+
+    def valid_of(v, t):
+        return widen(torch.ones(t.shape[:2], dtype=torch.bool, device=t.device) if v is None else v, False)
+
+    joined_features = None if features is None else torch.cat([widen(features), widen(new_features).to(features)])
+    return (joined_features, torch.cat([widen(tokens), widen(new_tokens).to(tokens.device)]),
+            torch.cat([valid_of(valid, tokens), valid_of(new_valid, new_tokens).to(tokens.device)]))
 
 
 @torch.no_grad()  # on a generator: entered around each resumption, so the caller's grad mode is left alone
@@ -250,49 +437,22 @@ def speculative_decode_batch(
     stop_token_ids: set[int],
 ) -> Iterator[BatchStep]:
     """Generate after the left-padded prompts ``input_ids`` (B, S) (row b: ``pads[b]`` padding slots, then its
-    tokens). Yields one :class:`BatchStep` per target forward pass.
+    tokens): a :class:`RunningBatch` that no row joins. Yields one :class:`BatchStep` per target forward pass.
 
-    Row b stops after its first stop token (included) or after ``budgets[b]`` tokens. Invariant between steps: the
-    cache holds each row's committed tokens except the last emitted one (the root), which its next tree starts
-    from.
+    Row b stops after its first stop token (included) or after ``budgets[b]`` tokens.
     """
-    batch, length = input_ids.shape
+    batch = input_ids.shape[0]
     if max(budgets) <= 0:
         return
-    if not hasattr(drafter, "draft_batch"):
-        drafter = OneSequenceDrafter(drafter)
-    drafter.reset(batch)
-    cache.reset(batch)
-    roots, features = prefill(target, input_ids, cache, sampler, drafter.needs_features, pads)
-    rows = Rows(list(range(batch)), list(pads), [length] * batch)
-    next_tokens = torch.cat([input_ids[:, 1:].to(roots.device), roots[:, None]], dim=1)
-    valid = None
-    if any(pads):  # pair j (feature j, token j + 1) is row b's when slot j holds one of its tokens
-        valid = torch.arange(length, device=roots.device)[None] >= torch.tensor(pads, device=roots.device)[:, None]
-    new, accepted = [root.reshape(1) for root in roots], [0] * batch
-    emitted, finished = [0] * batch, [False] * batch
-    while True:
-        step = BatchStep([roots.new_zeros(0)] * batch, [0] * batch, list(finished))
-        keep = []
-        for i, row in enumerate(rows.index):
-            tokens, done = _truncate(new[i], budgets[row] - emitted[row], stop_token_ids)
-            emitted[row] += tokens.shape[0]
-            step.tokens[row], step.accepted[row] = tokens, min(accepted[i], tokens.shape[0])
-            finished[row] = step.finished[row] = done or emitted[row] >= budgets[row]
-            if not finished[row]:
-                keep.append(i)
+    running = RunningBatch(target, drafter, cache, sampler, stop_token_ids)
+    running.add(input_ids, pads, budgets)
+    finished, empty = [False] * batch, input_ids.new_zeros(0)
+    for update in running:
+        step = BatchStep([empty] * batch, [0] * batch, list(finished))
+        for row, part in update.items():
+            step.tokens[row], step.accepted[row] = part.tokens, part.accepted
+            step.finished[row] = finished[row] = part.finished
         yield step
-        if not keep:
-            return
-        if len(keep) < len(rows.index):
-            rows, (features, next_tokens, valid) = drop_finished(keep, rows, cache, drafter,
-                                                                 [features, next_tokens, valid])
-        trees = stack_trees(drafter.draft_batch(features, next_tokens, valid))  # rooted at the last emitted tokens
-        logits, fetch, tree_features = verify_trees(target, trees, cache, rows, lazy_logits=True)
-        results = evaluate_batch(trees.trees, logits, fetch, sampler)
-        commit_batch(cache, rows, [path for path, _ in results], trees.size)
-        new, next_tokens, valid, features = next_inputs(trees, results, tree_features)
-        accepted = [tokens.shape[0] - 1 for tokens in new]
 
 
 def speculative_decode(

@@ -75,6 +75,27 @@ class TreeKVLayer(CacheLayerMixin):
             index = index.to(self.keys.device)
             self.keys, self.values = self.keys[index], self.values[index]
 
+    def add_rows(self, other: "TreeKVLayer") -> None:
+        """Append ``other``'s batch rows (same capacity) after this layer's; it holds the longer of the two
+        lengths (the shorter side's extra slots are leftovers its rows never attend)."""
+        if other.is_initialized:
+            if self.is_initialized:
+                self.keys = torch.cat([self.keys, other.keys.to(self.keys.device)])
+                self.values = torch.cat([self.values, other.values.to(self.values.device)])
+            else:
+                self.keys, self.values, self.device = other.keys, other.values, other.device
+                self.is_initialized = True
+        self.length = max(self.length, other.length)
+
+    def grow(self, capacity: int) -> None:
+        """Hold up to ``capacity`` slots, keeping what is stored."""
+        if self.is_initialized and self.keys.shape[2] < capacity:
+            extra = capacity - self.keys.shape[2]
+            self.keys = torch.cat([self.keys, self.keys.new_zeros(*self.keys.shape[:2], extra, self.keys.shape[3])], 2)
+            self.values = torch.cat([self.values, self.values.new_zeros(*self.values.shape[:2], extra,
+                                                                        self.values.shape[3])], 2)
+        self.capacity = max(self.capacity, capacity)
+
     def keep(self, positions: torch.Tensor, start: int) -> None:
         """Move the entries at ``positions`` (ascending, all >= start) to ``start...`` and drop the rest."""
         if self.is_initialized and positions.numel():
@@ -132,6 +153,21 @@ class TreeKVCache(Cache):
         """Keep the batch rows ``index`` (finished rows leave the batch)."""
         for layer in self.layers:
             layer.select_rows(index)
+
+    def add_rows(self, other: "TreeKVCache") -> None:
+        """Append the batch rows of ``other`` (a cache of the same capacity, where joining rows were prefilled)
+        after this cache's rows (rows join a running batch). Every row keeps its slots; the cache holds the longer
+        of the two lengths."""
+        if other.capacity != self.capacity:
+            raise ValueError(f"Cannot join a cache of {other.capacity} slots to one of {self.capacity}.")
+        for layer, joining in zip(self.layers, other.layers):
+            layer.add_rows(joining)
+
+    def grow(self, capacity: int) -> None:
+        """Hold up to ``capacity`` slots per row from now on, keeping every row's entries."""
+        for layer in self.layers:
+            layer.grow(capacity)
+        self.capacity = max(self.capacity, capacity)
 
 
 def cache_bytes(config, batch_size: int, capacity: int, dtype: torch.dtype) -> int:
