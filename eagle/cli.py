@@ -23,9 +23,10 @@ Without argparse (a server, a notebook)::
   :data:`eagle.model.loading.DTYPES_BY_NAME`), ``--pack-cpu-weights`` (auto, on, off);
 - ``--load-in-8bit`` / ``--load-in-4bit`` (bitsandbytes, CUDA only).
 
-The rules live here and nowhere else: a model path not given is the embedded pair's, and the embedded head brings
-the tree tuned for it (:func:`eagle.defaults.resolve_model_paths`); tree values are checked when the flags are
-parsed; ``dtype="auto"`` is float16 on an accelerator and float32 on the CPU; where generation stops is
+The rules live here and nowhere else: a model path not given is the embedded pair's
+(:func:`eagle.defaults.resolve_model_paths`), and tree settings not given are left to ``EaModel.from_pretrained``,
+which takes the tree the head carries for the kind of device the model runs on (the embedded head's CPU tree on a
+CPU); tree values are checked when the flags are parsed; ``dtype="auto"`` is float16 on an accelerator and float32 on the CPU; where generation stops is
 ``EaModel.stop_token_ids``; prompts come from :mod:`eagle.templates`.
 """
 
@@ -51,7 +52,8 @@ TREE_KEYS = ("total_token", "depth", "top_k", "lookup_tokens")
 @dataclass(frozen=True)
 class ModelOptions:
     """What to load and where. ``None`` paths: the embedded pair's (see :func:`eagle.defaults.resolve_model_paths`);
-    ``None`` tree settings: the embedded pair's tuned tree, else ``EaModel.from_pretrained``'s defaults.
+    ``None`` tree settings: ``EaModel.from_pretrained``'s, the head's own tree for the device it runs on, else the
+    reference's defaults.
 
     ``device``: None leaves placement to ``from_pretrained`` (the CPU); "auto" is the best accelerator; else a
     device name. ``dtype``: None is ``from_pretrained``'s default; "auto" float16 on an accelerator, float32 on the
@@ -79,14 +81,12 @@ class ModelOptions:
         return {key: getattr(self, key) for key in TREE_KEYS if getattr(self, key) is not None}
 
     def resolved(self) -> ModelOptions:
-        """These options with the embedded pair filled in where paths (and then tree settings) are not given."""
+        """These options with the embedded pair filled in where paths are not given (tree settings stay as
+        given: see :func:`eagle.defaults.resolve_model_paths`)."""
         from eagle import defaults
 
-        base, head, tree = defaults.resolve_model_paths(self.base_model_path, self.ea_model_path, self.need_head)
-        if self.total_token == -1:
-            tree = {}  # total_token=-1 tunes every setting not given (EaModel.from_pretrained)
-        tree.update(self.tree)
-        return dataclasses.replace(self, base_model_path=base, ea_model_path=head, **tree)
+        base, head = defaults.resolve_model_paths(self.base_model_path, self.ea_model_path, self.need_head)
+        return dataclasses.replace(self, base_model_path=base, ea_model_path=head)
 
 
 # ------------------------------------------------------------------------------------------------------ the flags
@@ -152,7 +152,7 @@ def add_model_arguments(parser: argparse.ArgumentParser, *, use_eagle3: bool = T
         given = tree if isinstance(tree, dict) else {}
         for key, (flag, kind, text) in TREE_FLAGS.items():
             default = given.get(key)
-            unset = ("the tuned value for the embedded pair, else " if default is None else "")
+            unset = ("the head's own tree for this device, else " if default is None else "")
             parser.add_argument(flag, type=kind, default=default,
                                 help=f"{text} (default: {unset}{LOADER_DEFAULTS[key] if default is None else default})")
     if placement:
@@ -192,16 +192,14 @@ def model_options(args: argparse.Namespace, need_head: bool = True) -> ModelOpti
 
 
 def resolve_model_args(args: argparse.Namespace, need_head: bool = True) -> ModelOptions:
-    """:func:`model_options` with the embedded pair filled in, also written back to ``args`` (paths, and the tree
-    flags the command has), so that a report records what was loaded. A missing embedded model exits with why."""
+    """:func:`model_options` with the embedded pair filled in, the paths also written back to ``args`` so that a
+    report records what was loaded (the tree in use is the loaded model's ``tree_settings``: tree flags not given
+    stay None here). A missing embedded model exits with why."""
     try:
         options = model_options(args, need_head).resolved()
     except FileNotFoundError as err:
         raise SystemExit(f"error: {err}") from None
     args.base_model_path, args.ea_model_path = options.base_model_path, options.ea_model_path
-    for key in TREE_KEYS:
-        if hasattr(args, key):
-            setattr(args, key, getattr(options, key))
     return options
 
 

@@ -37,14 +37,15 @@ def default_ea_model_path() -> str:
     return str(DEFAULT_HEAD_DIR)
 
 # The tree tuned for the default pair lives in the head's config.json ("eagle_tree", see eagle/model/head_tree.py),
-# by kind of device. On a 2-core CPU: 8/2/4 plus the prompt-lookup branch (lookup_tokens=16), small and shallow
-# because every verified tree token costs time there (see README, "Embedded default"). No GPU tree has been
-# measured, so a GPU gets the reference's 60/7/10.
+# by kind of device, and EaModel.from_pretrained reads it for the device the model lands on: nothing here passes a
+# tree explicitly, so a GPU gets the head's GPU tree (the reference's 60/7/10 while the head carries none) and a
+# CPU its CPU tree.
 
 
 def default_tree_settings(kind: str = "cpu") -> dict:
     """``{"total_token", "depth", "top_k", "lookup_tokens"}`` the embedded default head carries for ``kind`` of
-    device (its config.json's ``eagle_tree``; the reference's defaults for a kind it has no tree for)."""
+    device (its config.json's ``eagle_tree``; the reference's defaults for a kind it has no tree for): what
+    ``from_pretrained`` uses there when no tree argument is given."""
     from dataclasses import asdict
 
     from eagle.model.head_tree import read_head_trees, resolve_tree
@@ -53,27 +54,25 @@ def default_tree_settings(kind: str = "cpu") -> dict:
 
 
 def resolve_model_paths(base_model_path: str | None, ea_model_path: str | None,
-                        need_head: bool = True) -> tuple[str, str | None, dict]:
+                        need_head: bool = True) -> tuple[str, str | None]:
     """The one "embedded pair" rule of every command and of :func:`load_default_model`.
 
     A base model path not given is the embedded SmolLM2-135M-Instruct; a head path not given is the embedded head
-    (left None when ``need_head`` is False: a baseline without a head). Returns ``(base_model_path, ea_model_path,
-    tree)`` where ``tree`` holds the tree settings tuned for the embedded pair when the head is the embedded one
-    (``{}`` otherwise); settings a caller was given win over it."""
+    (left None when ``need_head`` is False: a baseline without a head). Returns ``(base_model_path,
+    ea_model_path)``. No tree comes with them: ``EaModel.from_pretrained`` takes the tree the head carries for the
+    kind of device it runs on, for every setting not given."""
     if base_model_path is None:
         base_model_path = default_base_model_path()
-    tree: dict = {}
     if ea_model_path is None and need_head:
         ea_model_path = default_ea_model_path()
-        tree = default_tree_settings()
-    return base_model_path, ea_model_path, tree
+    return base_model_path, ea_model_path
 
 
 def load_default_model(base_model_path: str | None = None, ea_model_path: str | None = None, use_eagle3: bool = True,
                        pack_cpu_weights: bool | str = "auto", **tree_overrides):
-    """``EaModel`` for the given paths, falling back to the embedded default pair (and its tuned tree) for
-    whatever is not given (:func:`resolve_model_paths`). Tree settings given as keyword arguments
-    (``total_token``, ``depth``, ``top_k``, ``lookup_tokens``) win."""
+    """``EaModel`` for the given paths, falling back to the embedded default pair for whatever is not given
+    (:func:`resolve_model_paths`); the tree is the head's own for the device (see ``EaModel.from_pretrained``).
+    Tree settings given as keyword arguments (``total_token``, ``depth``, ``top_k``, ``lookup_tokens``) win."""
     from eagle.cli import ModelOptions, load_model
 
     return load_model(ModelOptions(base_model_path=base_model_path, ea_model_path=ea_model_path,

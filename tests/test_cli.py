@@ -58,13 +58,33 @@ def test_tree_flags_are_checked_alike_by_every_command(command, argv, message, c
 
 def test_one_embedded_pair_rule():
     base, head = defaults.default_base_model_path(), defaults.default_ea_model_path()
-    assert defaults.resolve_model_paths(None, None) == (base, head, TREE)
-    assert defaults.resolve_model_paths("mine", None) == ("mine", head, TREE)  # the embedded head brings its tree
-    assert defaults.resolve_model_paths(None, "my-head") == (base, "my-head", {})
-    assert defaults.resolve_model_paths(None, None, need_head=False) == (base, None, {})  # a baseline
+    assert defaults.resolve_model_paths(None, None) == (base, head)
+    assert defaults.resolve_model_paths("mine", None) == ("mine", head)
+    assert defaults.resolve_model_paths(None, "my-head") == (base, "my-head")
+    assert defaults.resolve_model_paths(None, None, need_head=False) == (base, None)  # a baseline
     options = cli.ModelOptions(lookup_tokens=0, depth=3).resolved()
     assert (options.base_model_path, options.ea_model_path) == (base, head)
-    assert options.tree == {**TREE, "lookup_tokens": 0, "depth": 3}  # what the user gave wins
+    assert options.tree == {"lookup_tokens": 0, "depth": 3}  # only what the user gave: the rest is the head's
+    assert cli.ModelOptions().resolved().tree == {}
+
+
+def test_the_embedded_head_tree_is_chosen_per_device_by_from_pretrained(monkeypatch):
+    """No command passes the embedded head's CPU tree explicitly: from_pretrained reads the head's tree for the
+    device the model lands on, so a GPU gets the head's GPU tree (the reference's while it has none)."""
+    from eagle.model.head_tree import REFERENCE_TREE, head_tree_for, read_head_trees, resolve_tree
+
+    calls = []
+    monkeypatch.setattr(EaModel, "from_pretrained", classmethod(lambda cls, **kwargs: calls.append(kwargs)))
+    for device in ("cpu", "cuda"):
+        cli.load_model(cli.ModelOptions(device=device, dtype="float32"))
+        assert not set(cli.TREE_KEYS) & set(calls[-1])
+    config = {"eagle_tree": read_head_trees(defaults.default_ea_model_path())}
+    on_cpu = resolve_tree({}, head_tree_for(config, torch.device("cpu")))[0]
+    assert {k: getattr(on_cpu, k) for k in cli.TREE_KEYS} == TREE == defaults.default_tree_settings("cpu")
+    on_gpu = resolve_tree({}, head_tree_for(config, torch.device("cuda")))[0]
+    assert {k: getattr(on_gpu, k) for k in cli.TREE_KEYS} == defaults.default_tree_settings("cuda")
+    if "cuda" not in config["eagle_tree"]:
+        assert on_gpu == REFERENCE_TREE
 
 
 @pytest.fixture
@@ -85,8 +105,8 @@ def test_every_command_loads_the_embedded_pair_the_same_way(command, loads):
     assert args.base_model_path is None  # the flags stay as parsed (a server names the model by them)
     cli.resolve_model_args(args)  # what the benchmark calls to record the paths used
     assert (args.base_model_path, args.ea_model_path) == (call["base_model_path"], call["ea_model_path"])
-    expected = {**TREE, "lookup_tokens": 3} if command != "simulate" else TREE
-    assert {key: call[key] for key in TREE} == expected
+    expected = {"lookup_tokens": 3} if command != "simulate" else {}
+    assert {key: call[key] for key in TREE if key in call} == expected  # the rest is the head's for the device
     assert call["pack_cpu_weights"] == "auto" and call["use_eagle3"] is True
     if command == "python -m eagle":  # no placement flags: from_pretrained's own dtype and the CPU, as before
         assert "dtype" not in call and "device_map" not in call

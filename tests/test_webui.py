@@ -390,7 +390,8 @@ def test_cli_flags_follow_the_reference_and_are_safe_by_default():
         parse_args(["--model-type", "llama3"])
 
 
-def test_without_paths_the_web_ui_uses_the_tree_tuned_for_the_embedded_pair(monkeypatch, tmp_path):
+def test_without_paths_the_web_ui_leaves_the_tree_to_the_embedded_head(monkeypatch, tmp_path):
+    """No tree flags: from_pretrained gets none and takes the tree the head carries for the device it runs on."""
     from eagle import defaults
     from eagle.application.webui import load_model, parse_args
     from eagle.model.ea_model import EaModel
@@ -398,7 +399,8 @@ def test_without_paths_the_web_ui_uses_the_tree_tuned_for_the_embedded_pair(monk
     calls = []
     monkeypatch.setattr(EaModel, "from_pretrained", classmethod(lambda cls, **kwargs: calls.append(kwargs)))
     load_model(parse_args([]))
-    assert {k: calls[-1][k] for k in defaults.default_tree_settings()} == defaults.default_tree_settings()
+    assert calls[-1]["ea_model_path"] == defaults.default_ea_model_path()
+    assert not {"total_token", "depth", "top_k", "lookup_tokens"} & set(calls[-1])
     load_model(parse_args(["--lookup-tokens", "0", "--total-token", "12"]))
     assert calls[-1]["lookup_tokens"] == 0 and calls[-1]["total_token"] == 12
     load_model(parse_args(["--base-model-path", str(tmp_path), "--ea-model-path", str(tmp_path)]))

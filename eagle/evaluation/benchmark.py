@@ -281,18 +281,17 @@ def display_path(path: str | None) -> str | None:
 
 
 def _settings(args, model, device, dtype, questions) -> dict:
-    head = getattr(model, "ea_layer", None)
-    total_tokens = getattr(head, "total_tokens", None)
+    tree = model.tree_settings  # the tree in use: flags given, else the head's own for this device
     import transformers
 
     return {
         "base_model_path": display_path(args.base_model_path),
         "ea_model_path": display_path(args.ea_model_path),
         "use_eagle3": args.use_eagle3,
-        "total_token": (total_tokens + 1) if isinstance(total_tokens, int) else args.total_token,
-        "depth": getattr(head, "depth", args.depth),
-        "top_k": getattr(head, "top_k", args.top_k),
-        "lookup_tokens": model.tree_settings.lookup_tokens,
+        "total_token": tree.total_token,
+        "depth": tree.depth,
+        "top_k": tree.top_k,
+        "lookup_tokens": tree.lookup_tokens,
         "temperature": args.temperature,
         "max_new_tokens": args.max_new_tokens,
         "prompt_lookup_num_tokens": args.prompt_lookup_num_tokens,

@@ -213,8 +213,8 @@ def default_max_length(prompt_length: int, max_new_tokens: int) -> int:
 
 
 def resolve_model_paths(args) -> None:
-    """Fill ``args.base_model_path`` / ``args.ea_model_path`` (and the tree flags ``args`` has) by the embedded-pair
-    rule; kept for scripts written against it: see :func:`eagle.cli.resolve_model_args`."""
+    """Fill ``args.base_model_path`` / ``args.ea_model_path`` by the embedded-pair rule; kept for scripts written
+    against it: see :func:`eagle.cli.resolve_model_args`."""
     resolve_model_args(args)
 
 
