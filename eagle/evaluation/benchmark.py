@@ -169,12 +169,13 @@ class TimedMethods:
         if method == "eagle":
             return eagle_generate(self.model, input_ids, **options)
         if method == "eagle_no_lookup":
-            settings = self.model.tree_settings
+            settings, batch_trees = self.model.tree_settings, self.model.batch_trees
             self.model.set_tree(settings.total_token, settings.depth, settings.top_k, lookup_tokens=0)
             try:
                 return eagle_generate(self.model, input_ids, **options)
             finally:
-                self.model.set_tree(settings.total_token, settings.depth, settings.top_k, settings.lookup_tokens)
+                self.model.tree_settings = settings
+                self.model.set_batch_trees(batch_trees)
         if method == "plain":
             return plain_generate(self.model, input_ids, **options)
         if method in UNPACKED_METHODS:  # only the base model runs here: the head keeps its packed layers

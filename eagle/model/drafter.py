@@ -52,6 +52,17 @@ class TreeSettings:
         return self.total_token + self.lookup_tokens
 
 
+def tree_for_batch(settings: TreeSettings, batch_trees: dict[int, TreeSettings] | None,
+                   batch_size: int) -> TreeSettings:
+    """The tree for ``batch_size`` rows: the entry of ``batch_trees`` ({smallest batch size: settings}, see
+    :mod:`eagle.model.batch_tree`) with the largest key <= ``batch_size``, else ``settings`` (the batch-1 tree)."""
+    chosen = settings
+    for size, tree in sorted((batch_trees or {}).items()):
+        if size <= batch_size:
+            chosen = tree
+    return chosen
+
+
 class NoDrafter:
     """Plain decoding in the speculative loop: no draft, the tree is the root alone."""
 
@@ -76,6 +87,9 @@ class NoDrafter:
 class EagleDrafter:
     """EAGLE-2 dynamic tree drafting with an EAGLE head, for B rows at once (one tree per row, same settings).
 
+    ``batch_trees`` ({smallest batch size: settings}, see :mod:`eagle.model.batch_tree`): each draft uses the tree
+    for the number of rows it drafts (``settings`` when none applies); ``settings`` then holds the tree in use.
+
     State: the head's KV cache over the committed (feature, next token) pairs of every row; it only ever holds
     committed positions, so a rejected tree needs no rollback. Rows commit different numbers of pairs per step, so
     once a step brings padding, ``valid`` (B, slots) says which cache slots hold a row's pairs and ``counts`` (B,)
@@ -85,9 +99,10 @@ class EagleDrafter:
 
     needs_features = True
 
-    def __init__(self, head, settings: TreeSettings):
+    def __init__(self, head, settings: TreeSettings, batch_trees: dict[int, TreeSettings] | None = None):
         self.head = head
-        self.settings = settings
+        self.settings = self.batch1_settings = settings
+        self.batch_trees = dict(batch_trees or {})
         self.reset()
 
     def reset(self, batch_size: int = 1) -> None:
@@ -147,6 +162,7 @@ class EagleDrafter:
         after each; valid: (B, m) bool, which of them are a row's (a contiguous run; None = all). The root of row
         b is its last valid next token. Returns B trees of at most ``total_token`` nodes each (plus a grafted
         lookup chain)."""
+        self.settings = tree_for_batch(self.batch1_settings, self.batch_trees, next_tokens.shape[0])
         head, k = self.head, self.settings.top_k
         hidden, last = self._commit(features, next_tokens, valid)
         batch = next_tokens.shape[0]
@@ -157,7 +173,7 @@ class EagleDrafter:
         scores, draft_ids = logp.topk(k, dim=-1)
         candidates = self._expand(hidden[rows, last][:, None], head.draft_to_target(draft_ids), scores)
         trees = select_trees(roots, *candidates, self.settings.total_token - 1)
-        if self.settings.lookup_tokens:
+        if any(tree.lookup_tokens for tree in (self.batch1_settings, *self.batch_trees.values())):
             trees = [self._graft_lookup(b, tree, next_tokens[b] if valid is None else next_tokens[b][valid[b]])
                      for b, tree in enumerate(trees)]
         return trees
@@ -237,8 +253,12 @@ class EagleDrafter:
         return self.valid[:, None, :].expand(batch, k, -1)
 
     def _graft_lookup(self, row: int, tree: DraftTree, new_tokens: torch.Tensor) -> DraftTree:
+        """Extend the row's history (kept whenever some batch size's tree looks up, so that a batch whose rows
+        leave can switch to one) and graft its continuation when the tree in use looks up."""
         history = self.history[row]
         self.history[row] = history = new_tokens if history is None else torch.cat([history, new_tokens])
+        if not self.settings.lookup_tokens:
+            return tree
         chain = find_continuation(history, self.settings.lookup_tokens)
         return graft_chain(tree, chain) if chain.numel() else tree
 

@@ -19,6 +19,7 @@ from torch import nn
 from .cpu_linear import pack_linear_layers, should_auto_pack, unpack_linear_layers
 from .draft_config import head_layer_ids
 from .drafter import EagleDrafter, NoDrafter, TreeSettings
+from .batch_tree import check_batch_trees, describe_batch_trees, head_batch_trees, largest_tree_size, tree_for_batch
 from .generation import BatchStep, RunningBatch, Step, speculative_decode_batch
 from .head_tree import check_tree_arguments, head_tree_for, resolve_tree
 from .kv_cache import check_cache_fits
@@ -111,6 +112,7 @@ class EaModel(nn.Module):
         self._plain_target = Target(base_model, feature_layers=None)
         self._cache = None
         self.set_tree(total_token, depth, top_k, lookup_tokens)
+        self.batch_trees: dict[int, TreeSettings] = {}
 
     # ------------------------------------------------------------------ loading
     @classmethod
@@ -167,16 +169,43 @@ class EaModel(nn.Module):
             logger.info("Tree %s (%s)", _describe(model.tree_settings),
                         ", ".join(f"{key} from the {source}" if source != "argument" else f"{key} given"
                                   for key, source in sources.items()))
+        if all(value is None for value in explicit.values()):  # an explicit tree applies to every batch size
+            model.set_batch_trees(head_batch_trees(ea_layer.config, device, model.tree_settings))
         return model
 
     def set_tree(self, total_token: int, depth: int, top_k: int, lookup_tokens: int | None = None) -> None:
         """Change the draft tree settings (nodes verified per step including the root, depth, top-k, and the most
         prompt-lookup tokens grafted per step; None keeps the current value). ``tree_settings`` holds them: the
-        one place the drafter reads."""
+        one place the drafter reads. Like any tree set explicitly, it applies to batches too (``batch_trees`` is
+        emptied; :meth:`set_batch_trees` sets per-batch trees again)."""
         if lookup_tokens is None:
             lookup_tokens = self.tree_settings.lookup_tokens if hasattr(self, "tree_settings") else 0
         self.tree_settings = TreeSettings(total_token=total_token, depth=depth, top_k=top_k,
                                           lookup_tokens=lookup_tokens)
+
+    @property
+    def tree_settings(self) -> TreeSettings:
+        """The draft tree of a single sequence, and of every batch size ``batch_trees`` has no entry for.
+        Assigning it empties ``batch_trees`` (an explicit tree applies to every batch size)."""
+        return self._tree_settings
+
+    @tree_settings.setter
+    def tree_settings(self, settings: TreeSettings) -> None:
+        self._tree_settings = settings
+        self.batch_trees = {}
+
+    def set_batch_trees(self, trees: dict[int, TreeSettings]) -> None:
+        """Per-batch trees: ``{smallest batch size (>= 2): TreeSettings}``; a batch of B rows drafts with the entry
+        of the largest key <= B (re-chosen each step as rows finish), ``tree_settings`` below every key. ``{}``:
+        ``tree_settings`` for every batch size. See :mod:`eagle.model.batch_tree`; the embedded head carries
+        the CPU's."""
+        self.batch_trees = check_batch_trees(trees)
+        if self.batch_trees:
+            logger.info("Batch trees: %s", describe_batch_trees(self.batch_trees))
+
+    def tree_for_batch(self, batch_size: int) -> TreeSettings:
+        """The tree a batch of ``batch_size`` rows drafts with."""
+        return tree_for_batch(self.tree_settings, self.batch_trees, batch_size)
 
     def set_cpu_weight_packing(self, enabled: bool) -> int:
         """Pack (or unpack) the float32 CPU weights (and a bfloat16 head's, where the CPU computes in bfloat16
@@ -255,7 +284,8 @@ class EaModel(nn.Module):
     def _cache_for(self, request: GenerationRequest):
         """The preallocated cache for ``request``'s rows: the longest padded prompt plus the largest budget plus
         one tree. Refuses (``ValueError``) a batch whose cache would not fit in the free memory."""
-        capacity = request.input_ids.shape[1] + max(request.budgets) + self.tree_settings.max_tree_size
+        tree_size = largest_tree_size(self.tree_settings, self.batch_trees, request.batch_size)
+        capacity = request.input_ids.shape[1] + max(request.budgets) + tree_size
         return self._reserve_cache(request.batch_size, capacity, fresh=True)
 
     def _reserve_cache(self, batch_size: int, capacity: int, fresh: bool):
@@ -279,7 +309,7 @@ class EaModel(nn.Module):
         """The generation loop over a checked request: one :class:`~eagle.model.generation.BatchStep` per target
         forward pass."""
         if request.use_eagle:
-            target, drafter = self._eagle_target, EagleDrafter(self.ea_layer, self.tree_settings)
+            target, drafter = self._eagle_target, EagleDrafter(self.ea_layer, self.tree_settings, self.batch_trees)
         else:
             target, drafter = self._plain_target, NoDrafter()
         return speculative_decode_batch(target, drafter, self._cache_for(request), request.engine_ids,
@@ -430,12 +460,13 @@ class ContinuousBatch:
         use_eagle = settings.pop("use_eagle")
         request = self.model._request(input_ids, attention_mask, max_new_tokens=max_new_tokens, use_eagle=use_eagle,
                                       **settings)
-        tree = self.model.tree_settings.max_tree_size if use_eagle else 1
-        self._capacity = max(self._capacity, request.input_ids.shape[1] + max(request.budgets) + tree)
         rows = request.batch_size + (self._running.size if self._running is not None else 0)
+        tree = largest_tree_size(self.model.tree_settings, self.model.batch_trees, rows) if use_eagle else 1
+        self._capacity = max(self._capacity, request.input_ids.shape[1] + max(request.budgets) + tree)
         cache = self.model._reserve_cache(rows, self._capacity, fresh=self._running is None)
         if self._running is None:
-            target, drafter = ((self.model._eagle_target, EagleDrafter(self.model.ea_layer, self.model.tree_settings))
+            target, drafter = ((self.model._eagle_target, EagleDrafter(self.model.ea_layer, self.model.tree_settings,
+                                                                          self.model.batch_trees))
                                if use_eagle else (self.model._plain_target, NoDrafter()))
             self._running = RunningBatch(target, drafter, cache, request.sampler(), set(request.stop_token_ids))
         return self._running.add(request.engine_ids, list(request.pads), list(request.budgets))
