@@ -113,3 +113,31 @@ def test_a_head_with_a_bad_batch_tree_field_says_what_was_expected(pair, tmp_pat
     (bad / "model.safetensors").write_bytes((head / "model.safetensors").read_bytes())
     with pytest.raises(ValueError, match="eagle_batch_tree"):
         EaModel.from_pretrained(base_model_path=str(base), ea_model_path=str(bad), dtype=torch.float32)
+
+
+def test_a_row_s_padding_is_filled_with_more_of_its_own_candidates(pair):
+    """Row 0 repeats itself (its lookup grafts a chain), row 1 does not: row 1's tree is filled up to row 0's size
+    with its next best candidates, a superset of the tree it drafts alone; row 0's keeps its chain."""
+    base, head, _ = pair
+    model = EaModel.from_pretrained(base_model_path=str(base), ea_model_path=str(head), dtype=torch.float32)
+    settings = TreeSettings(4, 2, 3, 6)
+    tokens = torch.tensor([[5, 6, 7, 8, 9, 10, 5, 6, 7], [11, 12, 13, 14, 15, 16, 17, 18, 19]])
+    torch.manual_seed(0)
+    features = torch.randn(2, tokens.shape[1], model.ea_layer.fc.weight.shape[1])
+    batched = drafter_module.EagleDrafter(model.ea_layer, settings)
+    batched.reset(2)
+    trees = batched.draft_batch(features, tokens)
+    alone = []
+    for row in range(2):
+        drafter = drafter_module.EagleDrafter(model.ea_layer, settings)
+        drafter.reset(1)
+        alone.append(drafter.draft_batch(features[row : row + 1], tokens[row : row + 1])[0])
+    assert alone[0].size > settings.total_token and alone[1].size == settings.total_token  # chain / no chain
+    assert trees[0].tokens.tolist() == alone[0].tokens.tolist()
+    assert trees[1].size == alone[0].size
+    assert token_paths(alone[1]) < token_paths(trees[1])
+
+
+def token_paths(tree) -> set[tuple[int, ...]]:
+    """Every node as the tokens from the root to it."""
+    return {tuple(tree.tokens[tree.ancestor_mask[node]].tolist()) for node in range(tree.size)}

@@ -22,7 +22,7 @@ import torch
 
 from .draft_layers import KVPair
 from .lookup import find_continuation, graft_chain
-from .tree import DraftTree, root_only_tree, select_trees
+from .tree import DraftTree, root_only_tree, select_tree, select_trees
 
 
 @dataclass(frozen=True)
@@ -160,8 +160,9 @@ class EagleDrafter:
                     valid: torch.Tensor | None = None) -> list[DraftTree]:
         """features: (B, m, F) target features of the m newly committed positions; next_tokens: (B, m) the token
         after each; valid: (B, m) bool, which of them are a row's (a contiguous run; None = all). The root of row
-        b is its last valid next token. Returns B trees of at most ``total_token`` nodes each (plus a grafted
-        lookup chain)."""
+        b is its last valid next token. Returns B trees of at most ``total_token`` nodes each plus a grafted lookup
+        chain, of the tree for B rows (``batch_trees``); in a batch, a tree smaller than the largest is filled up
+        to its size with more of the head's candidates (:meth:`_fill_padding`)."""
         self.settings = tree_for_batch(self.batch1_settings, self.batch_trees, next_tokens.shape[0])
         head, k = self.head, self.settings.top_k
         hidden, last = self._commit(features, next_tokens, valid)
@@ -173,10 +174,27 @@ class EagleDrafter:
         scores, draft_ids = logp.topk(k, dim=-1)
         candidates = self._expand(hidden[rows, last][:, None], head.draft_to_target(draft_ids), scores)
         trees = select_trees(roots, *candidates, self.settings.total_token - 1)
+        chains = [None] * batch
         if any(tree.lookup_tokens for tree in (self.batch1_settings, *self.batch_trees.values())):
-            trees = [self._graft_lookup(b, tree, next_tokens[b] if valid is None else next_tokens[b][valid[b]])
-                     for b, tree in enumerate(trees)]
-        return trees
+            chains = [self._lookup_chain(b, next_tokens[b] if valid is None else next_tokens[b][valid[b]])
+                      for b in range(batch)]
+            trees = [graft_chain(tree, chain) if chain is not None else tree for tree, chain in zip(trees, chains)]
+        return self._fill_padding(trees, roots, candidates, chains) if batch > 1 else trees
+
+    def _fill_padding(self, trees: list[DraftTree], roots, candidates, chains) -> list[DraftTree]:
+        """Every row's tree is padded to the batch's largest for verification (a row whose lookup found nothing
+        next to one that grafted a long chain): fill a smaller tree's padding with its next best candidates
+        instead, verified at no extra cost. Each row keeps its chain; its tree grows to at most the largest."""
+        size = max(tree.size for tree in trees)
+        filled = []
+        for b, tree in enumerate(trees):
+            if tree.size < size:
+                nodes = self.settings.total_token - 1 + size - tree.size
+                tree = select_tree(roots[b], candidates[0][b], candidates[1][b], candidates[2][b], nodes)
+                if chains[b] is not None:
+                    tree = graft_chain(tree, chains[b])
+            filled.append(tree)
+        return filled
 
     def _commit(self, features, next_tokens, valid):
         """Run the head over the new pairs into its committed cache. Returns its states (B, m, H) and the index of
@@ -252,15 +270,16 @@ class EagleDrafter:
             return torch.ones(batch, k, self.committed_length, dtype=torch.bool, device=device)
         return self.valid[:, None, :].expand(batch, k, -1)
 
-    def _graft_lookup(self, row: int, tree: DraftTree, new_tokens: torch.Tensor) -> DraftTree:
+    def _lookup_chain(self, row: int, new_tokens: torch.Tensor) -> torch.Tensor | None:
         """Extend the row's history (kept whenever some batch size's tree looks up, so that a batch whose rows
-        leave can switch to one) and graft its continuation when the tree in use looks up."""
+        leave can switch to one) and return its lookup continuation, or None when there is none or the tree in use
+        does not look up."""
         history = self.history[row]
         self.history[row] = history = new_tokens if history is None else torch.cat([history, new_tokens])
         if not self.settings.lookup_tokens:
-            return tree
+            return None
         chain = find_continuation(history, self.settings.lookup_tokens)
-        return graft_chain(tree, chain) if chain.numel() else tree
+        return chain if chain.numel() else None
 
 
 def _stack_rows(first, second, rows: tuple[int, int], slots: int) -> torch.Tensor:
