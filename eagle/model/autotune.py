@@ -3,9 +3,10 @@
 The best tree is the one with the most tokens per second, and that is a product of two things measured here:
 
 - costs on this device: verifying a tree of n tokens after a realistic context (timed for a few sizes and
-  interpolated), one draft of depth d and top-k k (timed), and the rest of a step (a plain decoding step minus a
-  one-token verification); each the fastest of a few runs taken in turns, since other work on the machine
-  only adds time and a change of load then hits every measurement alike;
+  interpolated; with reading an accepted path's logits and the cache compaction after it), one draft of depth d
+  and top-k k (timed), and the rest of a step (a plain decoding step minus a one-token verification); each the
+  fastest of a few runs taken in turns, since other work on the machine only adds time and a change of load then
+  hits every measurement alike;
 - the head's acceptance on a few built-in calibration prompts: their greedy answers are recorded once with plain
   decoding (:func:`eagle.model.replay.record`), then the drafter drafts the deepest tree of each top-k at every
   position of every answer. Greedy verification accepts the longest path that spells the recorded continuation,
@@ -37,7 +38,7 @@ from tqdm import tqdm
 from eagle.utils.device import synchronize
 
 from .drafter import EagleDrafter, TreeSettings
-from .generation import verify_tree
+from .generation import commit, verify_tree
 from .head_tree import REFERENCE_TREE, TREE_KEYS, device_kind
 from .lookup import find_continuation
 from .replay import Recording, record
@@ -280,8 +281,9 @@ def best_seconds(runs: dict, repeats: int, device, progress=None) -> dict:
 
 
 def verification_run(model, size: int, prefix: int = PREFIX, top_k: int = 4):
-    """A function that verifies a ``size``-node tree after a ``prefix``-token context: the target forward plus
-    reading the logits rows of a 3-token path (on a CPU only the rows read go through the LM head)."""
+    """A function that verifies a ``size``-node tree after a ``prefix``-token context as a step of the loop does:
+    the target forward, reading the logits rows of a 3-token path (on a CPU only the rows read go through the LM
+    head) and keeping that path's KV entries (the cache compaction, a copy in every layer)."""
     target, vocab, device = model._eagle_target, model.vocab_size, model.device
     cache = target.new_cache(prefix + size + 1)
     generator = torch.Generator().manual_seed(0)
@@ -290,6 +292,7 @@ def verification_run(model, size: int, prefix: int = PREFIX, top_k: int = 4):
     tree = tree_from_parents(torch.randint(0, vocab, (size,), generator=generator).to(device), parents.to(device),
                              torch.zeros(size, device=device))
     path = [node for node in tree.retrieve_indices[0][:3].tolist() if node >= 0]
+    kept = torch.tensor(path, device=device)
     with torch.no_grad():
         target.forward(context, cache, torch.arange(prefix), last_logits_only=True)
 
@@ -298,6 +301,7 @@ def verification_run(model, size: int, prefix: int = PREFIX, top_k: int = 4):
         logits, _ = verify_tree(target, tree, cache, lazy_logits=True)
         for node in path:
             logits[node].argmax()
+        commit(cache, prefix, kept)
 
     return run
 
