@@ -151,3 +151,31 @@ def test_a_row_that_joins_a_sampled_batch_follows_the_target_distribution(pair):
     for row in range(2):
         p_values = position_p_values(reference, torch.tensor([prompts[row]]), samples[row], hf_warpers(**options))
         assert min(p_values) > 1e-3, (row, p_values)
+
+
+def test_a_batch_that_rows_keep_joining_stays_as_long_as_its_rows(pair):
+    """80 requests through one running batch, a new one joining whenever one ends: every answer is its greedy answer
+    alone, and neither the target's cache nor the head's grows with the number of requests served."""
+    models, reference, prompts = pair
+    batch = models["eagle3"].continuous_batch()
+    jobs = [(prompts[i % len(prompts)], 6 + i % 5) for i in range(80)]
+    expected = {job: hf_alone(reference, job[0], job[1]) for job in set(map(lambda j: (tuple(j[0]), j[1]), jobs))}
+    rows = {}
+    for job in jobs[:3]:
+        rows[batch.add(torch.tensor(job[0]), max_new_tokens=job[1])[0]] = [job, []]
+    waiting, served, slots = jobs[3:], [], []
+    for step in batch:
+        for row, part in step.items():
+            rows[row][1] += part.tokens.tolist()
+            if part.finished:
+                job, tokens = rows.pop(row)
+                served.append(tokens == expected[(tuple(job[0]), job[1])])
+                if waiting:
+                    job = waiting.pop(0)
+                    rows[batch.add(torch.tensor(job[0]), max_new_tokens=job[1])[0]] = [job, []]
+        running = batch._running  # the engine's state, to check its size
+        slots.append((running.cache.length, running.drafter.committed_length))
+    assert len(served) == 80 and all(served)
+    longest = max(len(p) for p in prompts) + 10 + models["eagle3"].tree_settings.max_tree_size
+    assert max(target for target, _ in slots) <= longest
+    assert max(head for _, head in slots) <= 2 * longest + 64

@@ -116,6 +116,7 @@ class EagleDrafter:
         self.valid = None if self.valid is None else self.valid[index.to(self.valid.device)]
         self.counts = None if self.counts is None else self.counts[index.to(self.counts.device)]
         self.history = [self.history[i] for i in index.tolist()]
+        self._compact()
 
     def add_rows(self, features: torch.Tensor, next_tokens: torch.Tensor, valid: torch.Tensor | None = None) -> None:
         """k rows join the batch (after the existing ones): the head commits their pairs (features (k, m, F),
@@ -146,6 +147,21 @@ class EagleDrafter:
             self.counts = torch.cat([c.to(device) if c is not None else torch.zeros(n, dtype=torch.long, device=device)
                                      for c, n in zip((self.counts, other.counts), rows)])
         self.history = self.history + other.history
+        self._compact()
+
+    def _compact(self) -> None:
+        """Once most head-cache slots hold no row's pair (rows commit ragged numbers of pairs per step, leave and
+        join), move each row's pairs to the first slots, in order, and drop the rest: a batch that rows keep
+        joining stays as long as its longest row. Exact: attention reads a set of slots, positions come from
+        ``counts``."""
+        if self.valid is None or not self.committed_kv:
+            return
+        longest = int(self.counts.max()) if self.counts.numel() else 0
+        if self.valid.shape[1] <= 2 * longest + 64:
+            return
+        order = torch.sort((~self.valid).to(torch.int8), dim=1, stable=True).indices[:, :longest]  # valid first
+        self.committed_kv = [(_gather_slots(k, order), _gather_slots(v, order)) for k, v in self.committed_kv]
+        self.valid = torch.arange(longest, device=self.valid.device)[None] < self.counts.to(self.valid.device)[:, None]
 
     @property
     def committed_length(self) -> int:
@@ -292,6 +308,12 @@ def _stack_rows(first, second, rows: tuple[int, int], slots: int) -> torch.Tenso
         parts.append(torch.cat([tensor, like.new_zeros(n, like.shape[1], slots - tensor.shape[2], like.shape[3])],
                                dim=2))
     return torch.cat(parts)
+
+
+def _gather_slots(tensor: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+    """(B, heads, slots, dim) -> (B, heads, L, dim): row b's slots ``order[b]`` (B, L)."""
+    order = order.to(tensor.device)[:, None, :, None].expand(-1, tensor.shape[1], -1, tensor.shape[3])
+    return tensor.gather(2, order)
 
 
 def _slots_valid(valid, rows: int, length: int, slots: int, device) -> torch.Tensor:
