@@ -154,6 +154,7 @@ class LlamaCppRunner:
             self.close()
             raise
         self.binary = binary
+        self.methods = tuple(self.servers)  # what ran, still known after close()
 
     def run(self, method: str, prompt_ids: list[int], max_new_tokens: int, temperature: float,
             seed: int) -> tuple[Generation, dict]:
@@ -211,9 +212,9 @@ def summarise(per_question: list[dict], outputs: dict, runner: LlamaCppRunner | 
                "acceptance": None, "greedy_check": None}
     if runner is None:
         return section
-    if "llamacpp_eagle3" in runner.servers:
+    if "llamacpp_eagle3" in runner.methods:
         section["acceptance"] = acceptance([q["methods"]["llamacpp_eagle3"]["llamacpp_timings"] for q in per_question])
-    if set(runner.servers) == set(LLAMACPP_METHODS):
+    if set(runner.methods) == set(LLAMACPP_METHODS):
         different = [q["question_id"] for q in per_question
                      if outputs[q["question_id"]]["llamacpp_eagle3"] != outputs[q["question_id"]]["llamacpp"]]
         section["greedy_check"] = {"checked": len(per_question), "identical": len(per_question) - len(different),
@@ -229,7 +230,8 @@ def report_lines(section: dict | None, temperature: float) -> list[str]:
     lines += [f"- {note}" for note in section["notes"]]
     if section["server"]:
         extra = " ".join(section.get("extra_args") or [])
-        lines.append(f"- llama-server: `{os.path.basename(section['server'])}`, {section.get('threads')} thread(s)"
+        threads = section.get("threads")
+        lines.append(f"- llama-server: `{os.path.basename(section['server'])}`, {threads} thread{'s' * (threads != 1)}"
                      + (f", extra arguments `{extra}`" if extra else "") + ", our head exported with "
                      f"`python -m eagle.export --format llama.cpp`, `--spec-type draft-eagle3 --spec-draft-n-max "
                      f"{section['draft_tokens']}`; timed around each HTTP request, prompt cache off.")
