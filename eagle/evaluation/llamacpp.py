@@ -207,7 +207,7 @@ def summarise(per_question: list[dict], outputs: dict, runner: LlamaCppRunner | 
     our head equal its plain ones (None when no llama.cpp method was asked for)."""
     if runner is None and not notes:
         return None
-    section = {"notes": list(notes), "server": runner.binary if runner else None, "draft_tokens": draft_tokens,
+    section = {"notes": list(notes), "server": os.path.basename(runner.binary) if runner else None, "draft_tokens": draft_tokens,
                "threads": runner.threads if runner else None, "extra_args": runner.extra_args if runner else [],
                "acceptance": None, "greedy_check": None}
     if runner is None:
