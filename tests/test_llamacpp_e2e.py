@@ -1,7 +1,10 @@
 """End to end in llama.cpp: the embedded default head, exported with ``python -m eagle.export --format llama.cpp``,
 runs as llama-server's EAGLE-3 draft next to the embedded SmolLM2 GGUF, on 8 MT-bench first turns (one per
 category). Greedy answers equal llama.cpp's plain decoding, and at least 0.25 of the drafted tokens are accepted at
-3 draft tokens (0.298 measured; the issue's target was 0.30).
+3 draft tokens with llama.cpp's default draft settings (0.298 measured; the issue's target was 0.30). And on the
+same float32 weights (the target's GGUF dequantized by scripts/gguf_to_float.py) the head accepts in llama.cpp what
+it accepts in this project's engine with the same 3-token chain: a conversion mistake (target layers, RoPE order,
+norms, d2t) shows as a gap there.
 
 llama-server is built once per machine by scripts/build_llama_cpp.sh (15-40 minutes on 2 cores; reused from its
 cache directory afterwards). Without cmake or a C++ compiler the test is skipped, saying so."""
@@ -11,6 +14,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -70,3 +74,63 @@ def test_exported_default_head_runs_in_llama_server(tmp_path, llama_server_binar
     assert stats is not None, "llama-server drafted nothing: the EAGLE-3 draft was not used"
     # Measured 2026-12-01: 355 of 1,191 drafted tokens accepted (0.298) on these questions; the floor sits below it.
     assert stats["accepted_fraction"] >= 0.25, stats
+
+
+def _engine_chain_acceptance(prompts: list[str], max_new_tokens: int) -> dict:
+    """Drafted and accepted tokens of this project's engine drafting what llama.cpp drafts: a chain of the head's
+    3 likeliest tokens (top-1 at each of 3 levels), no lookup branch, greedy."""
+    from eagle.model.ea_model import EaModel
+
+    model = EaModel.from_pretrained(total_token=4, depth=2, top_k=1, lookup_tokens=0)
+    drafted = accepted = 0
+    for prompt in prompts:
+        ids = model.tokenizer(prompt, return_tensors="pt")["input_ids"]
+        steps = model.generate_batch_steps(ids, max_new_tokens=max_new_tokens)
+        next(steps)  # the prefill's step drafts nothing
+        for step in steps:
+            if step.tokens[0].numel():
+                drafted, accepted = drafted + 3, accepted + step.accepted[0]
+    return {"drafted": drafted, "accepted": accepted, "accepted_fraction": accepted / drafted}
+
+
+def test_head_accepts_in_llama_cpp_what_it_accepts_here(tmp_path, llama_server_binary):
+    prompts = [_chat(q["turns"][0]) for q in spread_over_categories(load_questions("mt_bench"), 8)[:4]]
+    target = tmp_path / "target.f32.gguf"
+    subprocess.run([sys.executable, str(ROOT / "scripts" / "gguf_to_float.py"), "--output", str(target)], check=True,
+                   capture_output=True)
+    draft = tmp_path / "head.gguf"
+    assert export_main(["--format", "llama.cpp", "--base-model-path", str(target), "--output", str(draft)]) == 0
+    server = llamacpp.LlamaServer(llama_server_binary, str(target), draft=str(draft), draft_tokens=3, threads=1)
+    try:
+        theirs = llamacpp.acceptance([server.complete(p, 64)["timings"] for p in prompts])
+    finally:
+        server.close()
+    ours = _engine_chain_acceptance(prompts, 64)
+    # Measured 2026-12-01 on 8 questions, 96 tokens: 359/1177 (0.305) in llama.cpp, 365/1203 (0.303) here. The two
+    # engines round differently (float16 head products in llama.cpp, bfloat16 here), so a draft can differ now and
+    # then; a conversion mistake moves the fraction by far more.
+    assert theirs is not None and abs(theirs["accepted_fraction"] - ours["accepted_fraction"]) <= 0.04, (theirs, ours)
+
+
+def test_benchmark_summary_reads_acceptance_and_answers_after_the_servers_close(llama_server_binary):
+    from eagle.defaults import default_ea_model_path
+
+    prompts = [_chat(q["turns"][0]) for q in spread_over_categories(load_questions("mt_bench"), 8)[:2]]
+    runner = llamacpp.LlamaCppRunner(list(llamacpp.LLAMACPP_METHODS), default_base_model_path(),
+                                     default_ea_model_path(), threads=1)
+    per_question, outputs = [], {}
+    try:
+        for number, prompt in enumerate(prompts):
+            record, outputs[number] = {"question_id": number, "methods": {}}, {}
+            for method in llamacpp.LLAMACPP_METHODS:
+                generation, timings = runner.run(method, prompt, 32, 0.0, 0)
+                record["methods"][method] = {"llamacpp_timings": timings}
+                outputs[number][method] = generation.new_ids
+            per_question.append(record)
+    finally:
+        runner.close()  # the benchmark closes the servers before it summarises
+    section = llamacpp.summarise(per_question, outputs, runner, [], 3)
+    assert section["threads"] == 1 and section["acceptance"]["drafted"] > 0
+    assert section["greedy_check"] == {"checked": 2, "identical": 2, "different_questions": []}
+    lines = "\n".join(llamacpp.report_lines(section, 0.0))
+    assert "Drafted tokens accepted" in lines and "1 thread," in lines

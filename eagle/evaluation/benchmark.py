@@ -52,6 +52,7 @@ import datetime
 import logging
 import os
 import platform
+import shlex
 import sys
 from collections import Counter
 from pathlib import Path
@@ -118,6 +119,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="Threads of the llama.cpp methods (default: torch's thread count).")
     parser.add_argument("--llamacpp-draft-tokens", type=int, default=3,
                         help="Draft tokens per step of llamacpp_eagle3 (llama-server --spec-draft-n-max).")
+    parser.add_argument("--llamacpp-args", default="",
+                        help="More llama-server arguments for both llama.cpp methods, one quoted string (e.g. "
+                        "'--poll 0', '--spec-draft-p-min 0.5'); recorded in the report. Default: none (llama.cpp's "
+                        "own defaults).")
     parser.add_argument("--template", default="auto", choices=sorted(TEMPLATES),
                         help="Prompt template ('auto' = the tokenizer's chat template).")
     parser.add_argument("--warmup", type=int, default=1, help="Untimed runs of every method before timing.")
@@ -345,7 +350,7 @@ def run(args: argparse.Namespace) -> dict:
     stop_ids = engine_stop_ids(tokenizer, model.base_model, model, template.is_llama3)  # HF stops where EAGLE does
     llama, methods, llama_notes = llamacpp.start_for_benchmark(
         methods, args.base_model_path, args.ea_model_path, args.llamacpp_threads or torch.get_num_threads(),
-        args.llamacpp_draft_tokens)
+        args.llamacpp_draft_tokens, shlex.split(args.llamacpp_args))
     timed = TimedMethods(model, template, stop_ids, args, llama)
     prompts = [
         torch.tensor([encode_prompt(template, tokenizer, [(q["turns"][0], None)])], dtype=torch.long, device=device)

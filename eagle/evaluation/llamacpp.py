@@ -55,13 +55,15 @@ class LlamaServer:
     """A llama-server process on 127.0.0.1 serving ``model`` (and ``draft``, an EAGLE-3 GGUF, when given)."""
 
     def __init__(self, binary: str, model: str, draft: str | None = None, draft_tokens: int = 3,
-                 threads: int | None = None, context: int = 4096, timeout_s: float = 300.0):
+                 threads: int | None = None, context: int = 4096, timeout_s: float = 300.0,
+                 extra_args: list[str] | None = None):
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         command = [binary, "-m", model, "--host", "127.0.0.1", "--port", str(self.port), "-c", str(context),
                    "-np", "1", "--no-warmup", "-t", str(threads or max(1, os.cpu_count() or 1))]
         if draft is not None:
             command += ["-md", draft, "--spec-type", "draft-eagle3", "--spec-draft-n-max", str(draft_tokens)]
+        command += list(extra_args or [])
         self.log = tempfile.NamedTemporaryFile(prefix="llama-server-", suffix=".log", delete=False)
         self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT)
         self._wait_ready(timeout_s)
@@ -127,28 +129,32 @@ class LlamaCppRunner:
     """The llama.cpp methods of one benchmark run: starts the servers it needs, runs calls, closes them."""
 
     def __init__(self, methods: list[str], base_gguf: str, ea_model_path: str, threads: int | None = None,
-                 draft_tokens: int = 3, context: int = 4096):
+                 draft_tokens: int = 3, context: int = 4096, extra_args: list[str] | None = None):
         binary = find_llama_server()
         if binary is None:
             raise FileNotFoundError(f"llama-server was not found: {BUILD_HINT}.")
         if not str(base_gguf).endswith(".gguf"):
             raise ValueError(f"The llama.cpp methods run the target's GGUF; --base-model-path is {base_gguf}.")
         self.draft_tokens = draft_tokens
+        self.threads, self.extra_args = threads, list(extra_args or [])
         self.servers: dict[str, LlamaServer] = {}
         self._tmp = tempfile.TemporaryDirectory(prefix="eagle-llamacpp-")
         try:
             if "llamacpp" in methods:
-                self.servers["llamacpp"] = LlamaServer(binary, base_gguf, threads=threads, context=context)
+                self.servers["llamacpp"] = LlamaServer(binary, base_gguf, threads=threads, context=context,
+                                                       extra_args=extra_args)
             if "llamacpp_eagle3" in methods:
                 from eagle.export import write_llamacpp_gguf
 
                 draft = write_llamacpp_gguf(ea_model_path, base_gguf, os.path.join(self._tmp.name, "head.gguf"))
                 self.servers["llamacpp_eagle3"] = LlamaServer(binary, base_gguf, draft=draft, threads=threads,
-                                                              draft_tokens=draft_tokens, context=context)
+                                                              draft_tokens=draft_tokens, context=context,
+                                                              extra_args=extra_args)
         except BaseException:
             self.close()
             raise
         self.binary = binary
+        self.methods = tuple(self.servers)  # what ran, still known after close()
 
     def run(self, method: str, prompt_ids: list[int], max_new_tokens: int, temperature: float,
             seed: int) -> tuple[Generation, dict]:
@@ -171,7 +177,8 @@ def acceptance(timings: list[dict]) -> dict | None:
 
 
 def start_for_benchmark(methods: list[str], base_model_path: str, ea_model_path: str, threads: int | None,
-                        draft_tokens: int) -> tuple[LlamaCppRunner | None, list[str], list[str]]:
+                        draft_tokens: int, extra_args: list[str] | None = None
+                        ) -> tuple[LlamaCppRunner | None, list[str], list[str]]:
     """(runner or None, the methods that will run, notes). The llama.cpp methods are dropped with a note when
     llama-server is not built or the target is not a GGUF file; the other methods still run."""
     wanted = [m for m in methods if m in LLAMACPP_METHODS]
@@ -184,7 +191,8 @@ def start_for_benchmark(methods: list[str], base_model_path: str, ea_model_path:
         reason = "the target is not a GGUF file (llama.cpp runs GGUF targets)"
     if reason is None:
         try:
-            runner = LlamaCppRunner(wanted, base_model_path, ea_model_path, threads=threads, draft_tokens=draft_tokens)
+            runner = LlamaCppRunner(wanted, base_model_path, ea_model_path, threads=threads, draft_tokens=draft_tokens,
+                                    extra_args=extra_args)
             return runner, methods, []
         except (RuntimeError, ValueError, OSError) as err:
             reason = f"llama-server failed to start: {err}"
@@ -199,13 +207,14 @@ def summarise(per_question: list[dict], outputs: dict, runner: LlamaCppRunner | 
     our head equal its plain ones (None when no llama.cpp method was asked for)."""
     if runner is None and not notes:
         return None
-    section = {"notes": list(notes), "server": runner.binary if runner else None, "draft_tokens": draft_tokens,
+    section = {"notes": list(notes), "server": os.path.basename(runner.binary) if runner else None, "draft_tokens": draft_tokens,
+               "threads": runner.threads if runner else None, "extra_args": runner.extra_args if runner else [],
                "acceptance": None, "greedy_check": None}
     if runner is None:
         return section
-    if "llamacpp_eagle3" in runner.servers:
+    if "llamacpp_eagle3" in runner.methods:
         section["acceptance"] = acceptance([q["methods"]["llamacpp_eagle3"]["llamacpp_timings"] for q in per_question])
-    if set(runner.servers) == set(LLAMACPP_METHODS):
+    if set(runner.methods) == set(LLAMACPP_METHODS):
         different = [q["question_id"] for q in per_question
                      if outputs[q["question_id"]]["llamacpp_eagle3"] != outputs[q["question_id"]]["llamacpp"]]
         section["greedy_check"] = {"checked": len(per_question), "identical": len(per_question) - len(different),
@@ -220,7 +229,10 @@ def report_lines(section: dict | None, temperature: float) -> list[str]:
     lines = ["", "## llama.cpp", ""]
     lines += [f"- {note}" for note in section["notes"]]
     if section["server"]:
-        lines.append(f"- llama-server: `{os.path.basename(section['server'])}`, our head exported with "
+        extra = " ".join(section.get("extra_args") or [])
+        threads = section.get("threads")
+        lines.append(f"- llama-server: `{os.path.basename(section['server'])}`, {threads} thread{'s' * (threads != 1)}"
+                     + (f", extra arguments `{extra}`" if extra else "") + ", our head exported with "
                      f"`python -m eagle.export --format llama.cpp`, `--spec-type draft-eagle3 --spec-draft-n-max "
                      f"{section['draft_tokens']}`; timed around each HTTP request, prompt cache off.")
     acc = section["acceptance"]
