@@ -203,6 +203,11 @@ class EaModel(nn.Module):
         if self.batch_trees:
             logger.info("Batch trees: %s", describe_batch_trees(self.batch_trees))
 
+    def _eagle_drafter(self) -> EagleDrafter:
+        if not self.batch_trees:  # the one-tree signature (a drafter class replaced for a test takes only that)
+            return EagleDrafter(self.ea_layer, self.tree_settings)
+        return EagleDrafter(self.ea_layer, self.tree_settings, self.batch_trees)
+
     def tree_for_batch(self, batch_size: int) -> TreeSettings:
         """The tree a batch of ``batch_size`` rows drafts with."""
         return tree_for_batch(self.tree_settings, self.batch_trees, batch_size)
@@ -309,7 +314,7 @@ class EaModel(nn.Module):
         """The generation loop over a checked request: one :class:`~eagle.model.generation.BatchStep` per target
         forward pass."""
         if request.use_eagle:
-            target, drafter = self._eagle_target, EagleDrafter(self.ea_layer, self.tree_settings, self.batch_trees)
+            target, drafter = self._eagle_target, self._eagle_drafter()
         else:
             target, drafter = self._plain_target, NoDrafter()
         return speculative_decode_batch(target, drafter, self._cache_for(request), request.engine_ids,
@@ -465,8 +470,7 @@ class ContinuousBatch:
         self._capacity = max(self._capacity, request.input_ids.shape[1] + max(request.budgets) + tree)
         cache = self.model._reserve_cache(rows, self._capacity, fresh=self._running is None)
         if self._running is None:
-            target, drafter = ((self.model._eagle_target, EagleDrafter(self.model.ea_layer, self.model.tree_settings,
-                                                                          self.model.batch_trees))
+            target, drafter = ((self.model._eagle_target, self.model._eagle_drafter())
                                if use_eagle else (self.model._plain_target, NoDrafter()))
             self._running = RunningBatch(target, drafter, cache, request.sampler(), set(request.stop_token_ids))
         return self._running.add(request.engine_ids, list(request.pads), list(request.budgets))
