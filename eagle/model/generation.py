@@ -36,14 +36,6 @@ from .verify import Sampler, verify_greedy, verify_greedy_batch, verify_sampling
 # likeliest descendants; later, a row read beyond those and its likeliest descendants. On a CPU 8 rows cost about
 # 1.2 to 1.3 times one.
 LAZY_PROJECTION_ROWS = 8
-# A batch of B rows projects B times as many: past a few rows each costs about as much as a row of a plain step, so
-# a batch projects about LAZY_PROJECTION_ROWS in all, at least each root and its likeliest child.
-LAZY_BATCH_MIN_ROWS = 2
-
-
-def projection_rows(batch: int) -> int:
-    """Rows projected per tree at once (see LAZY_PROJECTION_ROWS) in a batch of ``batch`` trees."""
-    return max(LAZY_BATCH_MIN_ROWS, LAZY_PROJECTION_ROWS // batch)
 
 
 @dataclass
@@ -136,12 +128,11 @@ def verify_trees(target: Target, trees: TreeBatch, cache, rows: Rows, lazy_logit
     positions = trees.depths + committed[:, None]
     tree_mask = trees.ancestor_mask if trees.size > 1 else None
     lazy = lazy_logits and trees.size > 1
-    per_tree = projection_rows(len(trees.trees))
-    first_rows = [likeliest_subtree(tree, 0, per_tree) for tree in trees.trees] if lazy else None
+    first_rows = [likeliest_subtree(tree, 0, LAZY_PROJECTION_ROWS) for tree in trees.trees] if lazy else None
     out = target.forward(trees.tokens, cache, positions.cpu(), tree_mask=tree_mask, lazy_logits=lazy,
                          first_rows=first_rows, valid=valid, key_positions=key_positions)
     if isinstance(out.logits, LazyLogits):
-        out.logits.rows_with = lambda row, node: likeliest_subtree(trees.trees[row], node, per_tree)
+        out.logits.rows_with = lambda row, node: likeliest_subtree(trees.trees[row], node, LAZY_PROJECTION_ROWS)
         return [out.logits.row(b) for b in range(len(trees.trees))], out.logits.fetch, out.features
     return list(out.logits), None, out.features
 
