@@ -188,6 +188,7 @@ def main(argv: list[str] | None = None) -> dict:
     meta = {"date": time.strftime("%Y-%m-%d"), "machine": platform.machine(), "cpus": os.cpu_count(),
             "torch_threads": torch.get_num_threads(), "max_new_tokens": args.max_new_tokens,
             "questions": len(prompts), "tree": dict(vars(model.tree_settings)),
+            "batch_trees": {str(size): dict(vars(tree)) for size, tree in model.batch_trees.items()},
             "models": [os.path.basename(str(args.base_model_path)), os.path.basename(str(args.ea_model_path))]}
     with open(os.path.join(args.output_dir, "batch_results.json"), "w") as handle:
         json.dump({"meta": meta, "results": {str(k): v for k, v in results.items()}}, handle, indent=2)
