@@ -18,7 +18,7 @@ from tiny_models import make_head, make_target
 
 BATCH1 = {"total_token": 10, "depth": 3, "top_k": 3, "lookup_tokens": 6}
 BATCH_TREES = {"cpu": {"3": {"total_token": 4, "depth": 1, "top_k": 3, "lookup_tokens": 0},
-                       "5": {"total_token": 2, "depth": 1}}}
+                       "5": {"total_token": 2, "depth": 0}}}
 PROMPTS = [[1, 40, 41, 42, 40, 41], [1, 70, 71, 72, 73, 74, 75, 76, 77, 20], [1, 100], [1, 40, 41, 42],
            [1, 5, 6, 7, 5, 6]]
 
@@ -37,7 +37,7 @@ def pair(tmp_path_factory):
 def test_the_tree_for_a_batch_size_is_the_entry_of_the_largest_key_not_above_it():
     base = TreeSettings(**BATCH1)
     trees = parse_batch_trees(BATCH_TREES, base)["cpu"]
-    assert trees == {3: TreeSettings(4, 1, 3, 0), 5: TreeSettings(2, 1, 3, 6)}  # missing settings: the batch-1 tree's
+    assert trees == {3: TreeSettings(4, 1, 3, 0), 5: TreeSettings(2, 0, 3, 6)}  # missing settings: the batch-1 tree's
     assert [tree_for_batch(base, trees, b) for b in (1, 2, 3, 4, 5, 16)] == [base, base] + [trees[3]] * 2 + [trees[5]] * 2
     assert largest_tree_size(base, trees, 8) == base.max_tree_size  # rows leave: the batch-1 tree may come back
     assert largest_tree_size(TreeSettings(2, 1, 1, 0), {2: TreeSettings(9, 2, 4, 3)}, 4) == 12
@@ -48,7 +48,7 @@ def test_the_head_s_batch_trees_are_used_and_rechosen_as_rows_finish(pair, monke
     model = EaModel.from_pretrained(base_model_path=str(base), ea_model_path=str(head), dtype=torch.float32)
     assert model.tree_settings == TreeSettings(**BATCH1)
     assert model.tree_for_batch(2) == model.tree_settings and model.tree_for_batch(4) == TreeSettings(4, 1, 3, 0)
-    assert model.tree_for_batch(8) == TreeSettings(2, 1, 3, 6)
+    assert model.tree_for_batch(8) == TreeSettings(2, 0, 3, 6)
     drafted = []  # (rows, the tree in use, each tree's size, the drafter) per draft
     original = drafter_module.EagleDrafter.draft_batch
 
@@ -74,6 +74,18 @@ def test_the_head_s_batch_trees_are_used_and_rechosen_as_rows_finish(pair, monke
     history = drafter.history[0].tolist()
     assert history[:1] == PROMPTS[2][1:] and history[1:] == expected[2][: len(history) - 1]
     assert len(history) > 10
+
+
+def test_the_embedded_head_s_batch_trees_shrink_as_the_batch_grows():
+    from pathlib import Path
+
+    import eagle
+
+    config = json.loads((Path(eagle.__file__).parent / "default_head" / "config.json").read_text())
+    base = TreeSettings(**config["eagle_tree"]["cpu"])
+    trees = parse_batch_trees(config["eagle_batch_tree"], base)["cpu"]
+    sizes = [tree_for_batch(base, trees, b).max_tree_size for b in (1, 2, 4, 8, 16)]
+    assert sizes == sorted(sizes, reverse=True) and sizes[-1] < sizes[0]
 
 
 def test_an_explicit_tree_applies_to_every_batch_size(pair):
