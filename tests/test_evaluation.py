@@ -365,6 +365,9 @@ def test_benchmark_runs_the_draft_head_in_the_dtype_asked_for(tmp_path, tiny_pai
     check = results["greedy_check"]
     assert (check["reference"], check["checked"], check["identical"], check["mismatches"]) == ("plain", 2, 2, [])
     assert "| draft_dtype | `bfloat16` |" in (tmp_path / "bench" / "report.md").read_text()
+    # no tree flags: the report records the tree the model ran with (this head carries none: the reference's)
+    tree = {key: results["settings"][key] for key in ("total_token", "depth", "top_k", "lookup_tokens")}
+    assert tree == {"total_token": 60, "depth": 7, "top_k": 10, "lookup_tokens": 0}
 
 
 def test_benchmark_compares_with_hugging_face_on_unpacked_weights(tmp_path, tiny_pair, monkeypatch):
