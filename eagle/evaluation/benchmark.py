@@ -288,6 +288,7 @@ def display_path(path: str | None) -> str | None:
 
 def _settings(args, model, device, dtype, questions) -> dict:
     tree = model.tree_settings  # the tree in use: flags given, else the head's own for this device
+    head = getattr(model, "ea_layer", None)
     import transformers
 
     return {
