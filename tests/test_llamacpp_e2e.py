@@ -117,7 +117,7 @@ def test_benchmark_summary_reads_acceptance_and_answers_after_the_servers_close(
 
     prompts = [_chat(q["turns"][0]) for q in spread_over_categories(load_questions("mt_bench"), 8)[:2]]
     runner = llamacpp.LlamaCppRunner(list(llamacpp.LLAMACPP_METHODS), default_base_model_path(),
-                                     default_ea_model_path(), threads=1)
+                                     default_ea_model_path(), threads=1, extra_args=["--poll", "0"])
     per_question, outputs = [], {}
     try:
         for number, prompt in enumerate(prompts):
@@ -133,4 +133,13 @@ def test_benchmark_summary_reads_acceptance_and_answers_after_the_servers_close(
     assert section["threads"] == 1 and section["acceptance"]["drafted"] > 0
     assert section["greedy_check"] == {"checked": 2, "identical": 2, "different_questions": []}
     lines = "\n".join(llamacpp.report_lines(section, 0.0))
-    assert "Drafted tokens accepted" in lines and "1 thread," in lines
+    assert "Drafted tokens accepted" in lines and "1 thread, extra arguments `--poll 0`" in lines
+
+
+def test_benchmark_skips_llamacpp_with_a_note_when_its_arguments_are_refused(llama_server_binary):
+    from eagle.defaults import default_ea_model_path
+
+    runner, methods, notes = llamacpp.start_for_benchmark(
+        ["eagle", "llamacpp"], default_base_model_path(), default_ea_model_path(), 1, 3, ["--no-such-flag"])
+    assert runner is None and methods == ["eagle"]
+    assert "llama-server failed to start" in notes[0] and "--no-such-flag" in notes[0]
