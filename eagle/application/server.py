@@ -30,7 +30,8 @@ def create_app(model, served_model_name: str = "eagle", api_key: str | None = No
                max_queue: int = DEFAULT_MAX_QUEUE, max_batch_size: int = 8, eagle_max_batch_size: int = 0):
     """The FastAPI app serving ``model`` (an ``EaModel``). ``max_length``: prompt plus answer in tokens (capped by
     the model's position limit); ``use_eagle=False`` serves plain decoding (for comparison);
-    ``eagle_max_batch_size`` > 0: larger batches run plain decoding. The model worker
+    ``max_batch_size``: rows of the running batch that waiting requests join between steps;
+    ``eagle_max_batch_size`` > 0: when more requests run or wait, batches run plain decoding. The model worker
     starts when the app starts (uvicorn's lifespan) and stops with it."""
     from .streaming import _position_limit
 
@@ -124,11 +125,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="the model name clients pass (default: the base model's file or directory name, or "
                         "its Hub id)")
     parser.add_argument("--max-batch-size", type=int, default=8,
-                        help="waiting requests generated together in one batch, where the engine generates batches "
-                        "(default 8)")
+                        help="requests generated together: waiting requests join the running batch between two "
+                        "steps, up to this many rows (default 8)")
     parser.add_argument("--eagle-max-batch-size", type=int, default=0,
-                        help="batches of more requests than this run plain decoding (the same greedy answers; "
-                        "batched plain decoding can outrun EAGLE on a CPU); 0 = EAGLE at every batch size (default 0)")
+                        help="when more requests than this run or wait, batches run plain decoding (the same "
+                        "greedy answers; batched plain decoding can outrun EAGLE on a CPU); 0 = EAGLE at every "
+                        "batch size (default 0)")
     parser.add_argument("--max-queue", type=int, default=DEFAULT_MAX_QUEUE,
                         help=f"requests that may wait for the model; more get 429 (default {DEFAULT_MAX_QUEUE})")
     parser.add_argument("--max-length", type=int, default=2048,
