@@ -23,14 +23,19 @@ logger = logging.getLogger(__name__)
 
 API_KEY_ENV = "EAGLE_API_KEY"
 DEFAULT_MAX_QUEUE = 64
+# Measured on 2026-12-01 (embedded pair, 2-core CPU, continuous batching; BENCHMARKS.md): EAGLE served 1.75x plain
+# decoding's tokens/s at 1 client and 1.28x at 2, but 0.84x at 4 and 0.48x at 8, where batched plain decoding wins.
+DEFAULT_EAGLE_MAX_BATCH_SIZE = 2
 
 
 def create_app(model, served_model_name: str = "eagle", api_key: str | None = None, model_type: str | None = None,
                use_eagle: bool = True, max_length: int = 2048, default_max_tokens: int = 512,
-               max_queue: int = DEFAULT_MAX_QUEUE, max_batch_size: int = 8, eagle_max_batch_size: int = 0):
+               max_queue: int = DEFAULT_MAX_QUEUE, max_batch_size: int = 8,
+               eagle_max_batch_size: int = DEFAULT_EAGLE_MAX_BATCH_SIZE):
     """The FastAPI app serving ``model`` (an ``EaModel``). ``max_length``: prompt plus answer in tokens (capped by
     the model's position limit); ``use_eagle=False`` serves plain decoding (for comparison);
-    ``eagle_max_batch_size`` > 0: larger batches run plain decoding. The model worker
+    ``max_batch_size``: rows of the running batch that waiting requests join between steps;
+    ``eagle_max_batch_size`` > 0: when more requests run or wait, batches run plain decoding. The model worker
     starts when the app starts (uvicorn's lifespan) and stops with it."""
     from .streaming import _position_limit
 
@@ -124,11 +129,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="the model name clients pass (default: the base model's file or directory name, or "
                         "its Hub id)")
     parser.add_argument("--max-batch-size", type=int, default=8,
-                        help="waiting requests generated together in one batch, where the engine generates batches "
-                        "(default 8)")
-    parser.add_argument("--eagle-max-batch-size", type=int, default=0,
-                        help="batches of more requests than this run plain decoding (the same greedy answers; "
-                        "batched plain decoding can outrun EAGLE on a CPU); 0 = EAGLE at every batch size (default 0)")
+                        help="requests generated together: waiting requests join the running batch between two "
+                        "steps, up to this many rows (default 8)")
+    parser.add_argument("--eagle-max-batch-size", type=int, default=DEFAULT_EAGLE_MAX_BATCH_SIZE,
+                        help="when more requests than this run or wait, batches run plain decoding (the same "
+                        "greedy answers; batched plain decoding outruns EAGLE's batches on a small CPU); 0 = EAGLE "
+                        f"at every batch size (default {DEFAULT_EAGLE_MAX_BATCH_SIZE}, measured on a 2-core CPU)")
     parser.add_argument("--max-queue", type=int, default=DEFAULT_MAX_QUEUE,
                         help=f"requests that may wait for the model; more get 429 (default {DEFAULT_MAX_QUEUE})")
     parser.add_argument("--max-length", type=int, default=2048,

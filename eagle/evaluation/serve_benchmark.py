@@ -29,7 +29,7 @@ MODES = ("eagle", "plain")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    from ..application.server import add_model_arguments
+    from ..application.server import DEFAULT_EAGLE_MAX_BATCH_SIZE, add_model_arguments
 
     parser = argparse.ArgumentParser(
         prog="python -m eagle.evaluation.serve_benchmark",
@@ -47,9 +47,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-tokens", type=int, default=64, help="max_tokens of every request (default 64)")
     parser.add_argument("--num-prompts", type=int, default=16,
                         help="MT-bench first turns used, spread over categories, sent round robin (default 16)")
-    parser.add_argument("--eagle-max-batch-size", type=int, default=0,
-                        help="the EAGLE server runs batches of more requests with plain decoding (0 = never; as "
-                        "the server's flag)")
+    parser.add_argument("--eagle-max-batch-size", type=int, default=DEFAULT_EAGLE_MAX_BATCH_SIZE,
+                        help="the EAGLE server runs plain decoding when more requests than this run or wait (0 = "
+                        f"never; default {DEFAULT_EAGLE_MAX_BATCH_SIZE}, the server's)")
     parser.add_argument("--output-dir", default="serve_benchmark",
                         help="where the JSON, Markdown table and plot go (default ./serve_benchmark)")
     args = parser.parse_args(argv)
