@@ -24,8 +24,10 @@ def markdown_files() -> list[Path]:
 
 
 def slug(heading: str) -> str:
-    """GitHub's anchor for a heading: lower case, punctuation dropped, spaces to hyphens."""
-    text = re.sub(r"[`*_]", "", heading.strip().lower())
+    """GitHub's anchor for a heading: lower case, punctuation dropped, spaces to hyphens (underscores inside a code
+    span are text and stay; elsewhere they are emphasis markup)."""
+    parts = re.split(r"(`[^`]*`)", heading.strip().lower())
+    text = "".join(part.strip("`") if part.startswith("`") else re.sub(r"[*_]", "", part) for part in parts)
     return re.sub(r"[^\w\- ]", "", text).replace(" ", "-")
 
 
