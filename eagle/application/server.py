@@ -23,9 +23,10 @@ logger = logging.getLogger(__name__)
 
 API_KEY_ENV = "EAGLE_API_KEY"
 DEFAULT_MAX_QUEUE = 64
-# Measured on 2026-12-01 (embedded pair, 2-core CPU, continuous batching; BENCHMARKS.md): EAGLE served 1.75x plain
-# decoding's tokens/s at 1 client and 1.28x at 2, but 0.84x at 4 and 0.48x at 8, where batched plain decoding wins.
-DEFAULT_EAGLE_MAX_BATCH_SIZE = 2
+# Measured on 2026-12-01 (embedded pair, 2-core CPU, continuous batching; BENCHMARKS.md): with the head's batch
+# trees EAGLE served 1.12x, 1.16x, 1.02x and 1.09x plain decoding's tokens/s at 1, 4, 8 and 16 clients, so the
+# server runs EAGLE at every batch size by default (without batch trees it lost from 4 rows on: 0.84x, 0.48x).
+DEFAULT_EAGLE_MAX_BATCH_SIZE = 0
 
 
 def create_app(model, served_model_name: str = "eagle", api_key: str | None = None, model_type: str | None = None,
@@ -134,7 +135,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--eagle-max-batch-size", type=int, default=DEFAULT_EAGLE_MAX_BATCH_SIZE,
                         help="when more requests than this run or wait, batches run plain decoding (the same "
                         "greedy answers; batched plain decoding outruns EAGLE's batches on a small CPU); 0 = EAGLE "
-                        f"at every batch size (default {DEFAULT_EAGLE_MAX_BATCH_SIZE}, measured on a 2-core CPU)")
+                        f"at every batch size (default {DEFAULT_EAGLE_MAX_BATCH_SIZE}, as measured on a 2-core CPU)")
     parser.add_argument("--max-queue", type=int, default=DEFAULT_MAX_QUEUE,
                         help=f"requests that may wait for the model; more get 429 (default {DEFAULT_MAX_QUEUE})")
     parser.add_argument("--max-length", type=int, default=2048,
