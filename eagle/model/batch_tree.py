@@ -24,10 +24,10 @@ per-batch trees again.
 
 from __future__ import annotations
 
-from dataclasses import asdict, replace
+from dataclasses import asdict
 
 from .drafter import TreeSettings, tree_for_batch
-from .head_tree import TREE_KEYS, device_kind
+from .head_tree import TREE_KEYS, check_tree_entry, device_kind
 
 BATCH_TREE_FIELD = "eagle_batch_tree"
 __all__ = ["BATCH_TREE_FIELD", "parse_batch_trees", "head_batch_trees", "check_batch_trees", "tree_for_batch",
@@ -50,14 +50,10 @@ def parse_batch_trees(value, base: TreeSettings, source: str = "the head's confi
             raise ValueError(f"{BATCH_TREE_FIELD}[{kind!r}] in {source} is {by_size!r}; {expected}.")
         trees[kind] = {}
         for size, tree in by_size.items():
-            if not str(size).isdigit() or int(size) < 2 or not isinstance(tree, dict) or set(tree) - set(TREE_KEYS):
-                raise ValueError(f"{BATCH_TREE_FIELD}[{kind!r}][{size!r}] in {source} is {tree!r}; {expected}.")
-            if not all(isinstance(v, int) and not isinstance(v, bool) for v in tree.values()):
-                raise ValueError(f"{BATCH_TREE_FIELD}[{kind!r}][{size!r}] in {source} must hold integers, got {tree!r}.")
-            try:
-                trees[kind][int(size)] = replace(base, **tree)
-            except ValueError as err:
-                raise ValueError(f"{BATCH_TREE_FIELD}[{kind!r}][{size!r}] in {source}: {err}") from None
+            label = f"{BATCH_TREE_FIELD}[{kind!r}][{size!r}]"
+            if not str(size).isdigit() or int(size) < 2:
+                raise ValueError(f"{label} in {source} is {tree!r}; {expected}.")
+            trees[kind][int(size)] = check_tree_entry(tree, label, source, expected, base)
     return trees
 
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from dataclasses import asdict
+from dataclasses import replace
 
 import torch
 
@@ -50,16 +50,23 @@ def parse_head_trees(value, source: str = "the head's config.json") -> dict[str,
         raise ValueError(f"{TREE_FIELD} in {source} must be an object by device kind; {expected}.")
     trees = {}
     for kind, tree in value.items():
-        if not isinstance(tree, dict) or set(tree) - set(TREE_KEYS):
-            raise ValueError(f"{TREE_FIELD}[{kind!r}] in {source} is {tree!r}; {expected}.")
-        if not all(isinstance(v, int) and not isinstance(v, bool) for v in tree.values()):
-            raise ValueError(f"{TREE_FIELD}[{kind!r}] in {source} must hold integers, got {tree!r}.")
-        try:
-            TreeSettings(**{**asdict(REFERENCE_TREE), **tree})
-        except ValueError as err:
-            raise ValueError(f"{TREE_FIELD}[{kind!r}] in {source}: {err}") from None
+        check_tree_entry(tree, f"{TREE_FIELD}[{kind!r}]", source, expected)
         trees[kind] = dict(tree)
     return trees
+
+
+def check_tree_entry(tree, label: str, source: str, expected: str, base: TreeSettings = REFERENCE_TREE
+                     ) -> TreeSettings:
+    """One tree of a head's config.json (``{setting: int}``, some settings may be left out), named ``label`` in
+    errors: checked, and returned as ``base`` with its settings replaced."""
+    if not isinstance(tree, dict) or set(tree) - set(TREE_KEYS):
+        raise ValueError(f"{label} in {source} is {tree!r}; {expected}.")
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in tree.values()):
+        raise ValueError(f"{label} in {source} must hold integers, got {tree!r}.")
+    try:
+        return replace(base, **tree)
+    except ValueError as err:
+        raise ValueError(f"{label} in {source}: {err}") from None
 
 
 def head_tree_for(config, device) -> dict[str, int]:
