@@ -14,22 +14,18 @@ from __future__ import annotations
 import argparse
 import logging
 
-from eagle.defaults import load_default_model
-from eagle.evaluation.batch_benchmark import left_pad, parse_batch_sizes, run_method
+from eagle.cli import HelpFormatter, add_model_arguments, load_model_from_args, resolve_model_args
+from eagle.evaluation.batch_benchmark import first_turn_prompts, left_pad, parse_batch_sizes, run_method
 from eagle.evaluation.methods import engine_stop_ids
-from eagle.evaluation.questions import load_questions, spread_over_categories
 from eagle.evaluation.simulate import parse_trees
-from eagle.model.ea_model import EaModel
-from eagle.templates import encode_prompt, get_template
 
 logger = logging.getLogger("sweep_batch_trees")
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--base-model-path", default=None, help="Target model (default: the embedded one).")
-    parser.add_argument("--ea-model-path", default=None, help="Draft head (default: the embedded one).")
+                                     formatter_class=HelpFormatter)
+    add_model_arguments(parser, tree=False, quantization=False)
     parser.add_argument("--batch-sizes", default="4,8", help="Comma-separated batch sizes.")
     parser.add_argument("--trees", default="2/0/1/0,3/1/2/0,4/1/3/0,6/1/4/0,8/2/4/0,8/2/4/16",
                         help="Comma-separated total_token/depth/top_k/lookup trees.")
@@ -61,16 +57,13 @@ def sweep(model, prompts, size: int, trees: dict, args, stop_ids, pad_id) -> dic
 def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     args = build_parser().parse_args(argv)
-    if args.base_model_path or args.ea_model_path:
-        model = EaModel.from_pretrained(base_model_path=args.base_model_path, ea_model_path=args.ea_model_path)
-    else:
-        model = load_default_model()
+    resolve_model_args(args)
+    model = load_model_from_args(args)
     trees = dict(zip(args.trees.split(","), parse_trees(args.trees)))
     tokenizer = model.tokenizer
     stop_ids = engine_stop_ids(tokenizer, model.base_model, model)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop_ids[0]
-    questions = spread_over_categories(load_questions("mt_bench"), args.num_questions)
-    prompts = [encode_prompt(get_template("auto"), tokenizer, [(q["turns"][0], None)]) for q in questions]
+    prompts = first_turn_prompts(tokenizer, args.num_questions)
     ids, mask = left_pad(prompts[:2], pad_id)
     run_method("hf_batched", model, ids, mask, 8, stop_ids)  # warm-up
     print("| batch | " + " | ".join(["HF batched generate", *trees]) + " |")

@@ -171,6 +171,13 @@ def plot(results: dict, path: str) -> None:
     plt.close(figure)
 
 
+def first_turn_prompts(tokenizer, count: int) -> list[list[int]]:
+    """The ids of ``count`` MT-bench first turns, taken round-robin over categories, in the model's template."""
+    template = get_template("auto")
+    questions = spread_over_categories(load_questions("mt_bench"), count)
+    return [encode_prompt(template, tokenizer, [(q["turns"][0], None)]) for q in questions]
+
+
 def main(argv: list[str] | None = None) -> dict:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     args = build_parser().parse_args(argv)
@@ -180,9 +187,7 @@ def main(argv: list[str] | None = None) -> dict:
     tokenizer = model.tokenizer
     stop_ids = engine_stop_ids(tokenizer, model.base_model, model)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop_ids[0]
-    questions = spread_over_categories(load_questions("mt_bench"), args.num_questions or max(sizes))
-    template = get_template("auto")
-    prompts = [encode_prompt(template, tokenizer, [(q["turns"][0], None)]) for q in questions]
+    prompts = first_turn_prompts(tokenizer, args.num_questions or max(sizes))
     results = measure(model, prompts, sizes, args, stop_ids, pad_id)
     os.makedirs(args.output_dir, exist_ok=True)
     meta = {"date": time.strftime("%Y-%m-%d"), "machine": platform.machine(), "cpus": os.cpu_count(),
