@@ -1,8 +1,9 @@
 """Where the time of one EAGLE step goes: each part of the generation loop timed with ``time.perf_counter`` over
-greedy batch-1 answers to MT-bench first turns, printed as milliseconds per step (a step = one target forward).
+greedy answers to MT-bench first turns (one at a time, or ``--batch-size`` together), printed as milliseconds per step (a step = one target forward).
 
     python scripts/profile_step.py --num-questions 4 --max-new-tokens 128
     python scripts/profile_step.py --tree 8/1/4/16 --plain
+    python scripts/profile_step.py --num-questions 16 --batch-size 8 --plain
 
 The parts (nested: a line's time includes the lines indented below it):
 
@@ -39,7 +40,7 @@ PARTS = [
     (draft_head.DraftHead, "forward", "head pass", 1),
     (draft_head.Eagle3DraftHead, "compute_logits", "draft logits", 1),
     (drafter, "select_trees", "select", 1),
-    (drafter.EagleDrafter, "_graft_lookup", "lookup", 1),
+    (drafter.EagleDrafter, "_lookup_chain", "lookup", 1),
     (generation, "verify_trees", "verify", 0),
     (target.Target, "forward", "target forward", 1),
     (target.Target, "attention_mask", "attention mask", 2),
@@ -90,15 +91,16 @@ def install(timers: Timers) -> None:
     generation.stack_trees = counted
 
 
-def run(model, prompts, max_new_tokens: int, use_eagle: bool) -> tuple[int, int, float]:
-    """(steps, tokens, seconds) over ``prompts``."""
+def run(model, prompts, max_new_tokens: int, use_eagle: bool, batch_size: int = 1) -> tuple[int, int, float]:
+    """(steps, tokens, seconds) over ``prompts`` (1-D id tensors), ``batch_size`` prompts per batch."""
     steps = tokens = 0
     seconds = 0.0
-    for ids in prompts:
+    for first in range(0, len(prompts), batch_size):
         start = time.perf_counter()
-        for step in model.generate_steps(ids, max_new_tokens=max_new_tokens, use_eagle=use_eagle):
+        for step in model.generate_batch_steps(prompts[first:first + batch_size], max_new_tokens=max_new_tokens,
+                                               use_eagle=use_eagle):
             steps += 1
-            tokens += step.tokens.shape[0]
+            tokens += sum(int(row.shape[0]) for row in step.tokens)
         seconds += time.perf_counter() - start
     return steps, tokens, seconds
 
@@ -125,6 +127,8 @@ def main(argv=None) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=128, help="New tokens per answer at most.")
     parser.add_argument("--tree", default=None,
                         help="total_token/depth/top_k/lookup_tokens (default: the head's own tree for the device).")
+    parser.add_argument("--batch-size", type=int, default=1,
+                        help="Prompts generated together (each batch's tree: the head's batch trees, or --tree).")
     parser.add_argument("--plain", action="store_true", help="Also time plain decoding on the same prompts.")
     args = parser.parse_args(argv)
     timers = Timers()
@@ -132,17 +136,18 @@ def main(argv=None) -> None:
     model = EaModel.from_pretrained()
     if args.tree:
         model.set_tree(*(int(part) for part in args.tree.split("/")))
-    s = model.tree_settings
-    print(f"tree {s.total_token}/{s.depth}/{s.top_k}/{s.lookup_tokens}, {torch.get_num_threads()} torch threads")
+    s = model.tree_for_batch(args.batch_size)
+    print(f"tree {s.total_token}/{s.depth}/{s.top_k}/{s.lookup_tokens} at batch {args.batch_size}, "
+          f"{torch.get_num_threads()} torch threads")
     template = get_template("auto")
     questions = spread_over_categories(load_questions("mt_bench", None), args.num_questions)
-    prompts = [torch.tensor([encode_prompt(template, model.tokenizer, [(q["turns"][0], None)])]) for q in questions]
-    run(model, prompts[:1], 16, True)  # warm-up
+    prompts = [torch.tensor(encode_prompt(template, model.tokenizer, [(q["turns"][0], None)])) for q in questions]
+    run(model, prompts[:args.batch_size], 16, True, args.batch_size)  # warm-up
     timers.clear()
-    report(timers, *run(model, prompts, args.max_new_tokens, True))
+    report(timers, *run(model, prompts, args.max_new_tokens, True, args.batch_size))
     if args.plain:
         timers.clear()
-        steps, tokens, seconds = run(model, prompts, args.max_new_tokens, False)
+        steps, tokens, seconds = run(model, prompts, args.max_new_tokens, False, args.batch_size)
         print(f"plain decoding: {steps} steps, {1e3 * seconds / steps:.2f} ms per step, {tokens / seconds:.2f} "
               "tokens/s")
 

@@ -88,3 +88,16 @@ def test_main_runs_on_the_default_pair(capsys):
     assert main(["--max-new-tokens", "24", "--prompt", "Name two colours."]) == 0
     out = capsys.readouterr().out
     assert "Speed-up:" in out and "Greedy answers identical: yes" in out
+
+
+def test_profile_step_script_times_every_part_of_a_step():
+    """scripts/profile_step.py wraps the engine's functions by name: a renamed function must fail here, not when
+    someone needs the profile."""
+    script = Path(__file__).resolve().parents[1] / "scripts" / "profile_step.py"
+    out = subprocess.run([sys.executable, str(script), "--num-questions", "2", "--max-new-tokens", "12",
+                          "--batch-size", "2", "--plain"],
+                         capture_output=True, text=True, check=True, timeout=600).stdout
+    assert "at batch 2" in out
+    for part in ("| draft |", "| verify |", "target forward", "| evaluate |", "| commit |", "| rest |"):
+        assert part in out, part
+    assert "plain decoding:" in out
