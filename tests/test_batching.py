@@ -8,7 +8,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from eagle.model import generation
+from eagle.model.cpu_linear import PackedLinear, packing_available
+from eagle.model.drafter import EagleDrafter
 from eagle.model.ea_model import EaModel
+from eagle.model.tree import stack_trees, tree_from_parents
 from test_sampling import LENGTH, hf_warpers, position_p_values
 from tiny_models import FAMILIES, make_head, make_target, train_head_quickly
 
@@ -137,6 +141,77 @@ def test_a_batch_of_one_is_unchanged(family_dirs):
     assert model.eagenerate([prompt[0]], max_new_tokens=MAX_NEW).tolist() == out.tolist()
     assert model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=MAX_NEW).tolist() \
         == out.tolist()
+
+
+def _ragged_trees(roots, sizes, seeds):
+    """One random tree per root, of the given node counts (parents: any earlier node)."""
+    trees = []
+    for root, size, seed in zip(roots, sizes, seeds):
+        generator = torch.Generator().manual_seed(seed)
+        parents = torch.tensor([-1] + [int(torch.randint(0, i, (1,), generator=generator)) for i in range(1, size)])
+        tokens = torch.cat([root.reshape(1), torch.randint(6, 128, (size - 1,), generator=generator)])
+        trees.append(tree_from_parents(tokens, parents, torch.zeros(size)))
+    return trees
+
+
+def _prefill_and_verify(target, prompts, sizes):
+    """Prefill the left-padded prompts and verify one tree per row of ``sizes`` nodes: (first tokens, prompt
+    features of each row's real slots, per row (node logits (n, V), node features (n, F)))."""
+    ids, mask = left_padded(prompts)
+    pads = (1 - mask).sum(1).tolist()
+    cache = target.new_cache(64)
+    cache.reset(len(prompts))
+    roots, features = generation.prefill(target, ids, cache, None, True, pads)
+    rows = generation.Rows(list(range(len(prompts))), pads, [ids.shape[1]] * len(prompts))
+    trees = stack_trees(_ragged_trees(roots, sizes, seeds=[len(p) for p in prompts]))
+    logits, _, tree_features = generation.verify_trees(target, trees, cache, rows)
+    nodes = [(torch.stack([logits[b][i] for i in range(n)]), tree_features[b, :n]) for b, n in enumerate(sizes)]
+    return roots, [features[b, pad:] for b, pad in enumerate(pads)], nodes
+
+
+@pytest.mark.skipif(not packing_available(), reason="this torch build cannot pack weights")
+@pytest.mark.parametrize("family", FAMILIES)
+def test_padding_rows_are_skipped_and_real_rows_equal_each_row_alone(family, family_dirs, monkeypatch):
+    """With packed linear layers, a batch's left-padded prefill and ragged trees compute the linear layers for the
+    real rows alone (prompt tokens, tree nodes), and each row's logits and features are what the row gives alone."""
+    base, heads, _ = family_dirs[family]
+    model = EaModel.from_pretrained(base_model_path=str(base), ea_model_path=str(heads["eagle3-full"]),
+                                    dtype=torch.float32, pack_cpu_weights=True)
+    target, prompts, sizes = model._eagle_target, PROMPTS[:3], [7, 2, 4]
+    rows_seen = []
+    compute = PackedLinear._linear
+    monkeypatch.setattr(PackedLinear, "_linear",
+                        lambda self, x: rows_seen.append(x[..., 0].numel()) or compute(self, x))
+    roots, features, nodes = _prefill_and_verify(target, prompts, sizes)
+    # prompts: 4 + 10 + 2 real slots of 3 x 10; trees: 7 + 2 + 4 real nodes of 3 x 7
+    assert {16, 13} <= set(rows_seen) and not {30, 21} & set(rows_seen)
+    for b, (prompt, size) in enumerate(zip(prompts, sizes)):
+        alone_root, alone_features, [(alone_logits, alone_nodes)] = _prefill_and_verify(target, [prompt], [size])
+        assert int(alone_root[0]) == int(roots[b])
+        torch.testing.assert_close(features[b], alone_features[0], rtol=1e-4, atol=5e-4)  # float32 rounding
+        torch.testing.assert_close(nodes[b][0], alone_logits, rtol=1e-4, atol=5e-4)
+        torch.testing.assert_close(nodes[b][1], alone_nodes, rtol=1e-4, atol=5e-4)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma", "phi3"])
+@pytest.mark.parametrize("pack", [True, False])
+def test_ragged_trees_with_lookup_chains_are_lossless(family, pack, family_dirs, monkeypatch):
+    """Rows whose trees differ in size (a lookup chain grafted on some rows, no padding filled with candidates)
+    verify in one padded forward, and every row is still its prompt's greedy decoding, packed or not."""
+    monkeypatch.setattr(EagleDrafter, "_fill_padding", lambda self, trees, *rest: trees, raising=False)
+    sizes = []
+    stack = generation.stack_trees
+    monkeypatch.setattr(generation, "stack_trees", lambda trees: sizes.append({t.size for t in trees}) or stack(trees))
+    base, heads, reference = family_dirs[family]
+    prompts = PROMPTS + [[1, 50, 51, 52, 53, 50, 51, 52, 53, 50, 51]]  # a repeating prompt: lookup finds chains
+    expected = hf_alone(reference, prompts)
+    model = EaModel.from_pretrained(base_model_path=str(base), ea_model_path=str(heads["eagle3-full"]),
+                                    dtype=torch.float32, pack_cpu_weights=pack, total_token=6, depth=2, top_k=3,
+                                    lookup_tokens=8)
+    ids, mask = left_padded(prompts)
+    out, counts, _ = model.eagenerate(ids, attention_mask=mask, max_new_tokens=MAX_NEW, log=True)
+    assert rows_of(out, ids.shape[1], counts) == expected
+    assert any(len(step) > 1 for step in sizes)  # some steps verified trees of different sizes
 
 
 @pytest.fixture(scope="module")

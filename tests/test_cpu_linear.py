@@ -171,3 +171,42 @@ def test_long_calls_are_exact_under_every_row_limit(monkeypatch, limit):
                             raising=False)
         torch.testing.assert_close(net(x), expected, rtol=1e-5, atol=1e-5)
     assert bool(used) == (cpu_linear.packed_max_rows() is None or cpu_linear.packed_max_rows() >= 300)
+
+
+@pytest.mark.parametrize("flat", [False, True])
+def test_under_real_rows_only_a_packed_layer_computes_the_real_rows_alone(flat, monkeypatch):
+    net = _net()
+    pack_linear_layers(net)
+    real = torch.tensor([[True, True, True, False, False], [True, False, False, False, False]])
+    x = torch.randn(2, 5, 24)
+    if flat:
+        x = x.reshape(10, 24)
+    seen = []
+    compute = PackedLinear._linear
+    monkeypatch.setattr(PackedLinear, "_linear", lambda self, rows: seen.append(rows[..., 0].numel()) or compute(self, rows))
+    with torch.no_grad():
+        expected = net(x)
+        seen.clear()
+        with cpu_linear.real_rows_only(real):
+            got = net(x)
+            other = net[0](torch.randn(4, 24))  # not one row per token of the call: computed as it is
+    assert seen == [4, 4, 4]  # 4 real rows in each layer, the 4 rows of the other call
+    assert other.shape == (4, 40)
+    mask = real.reshape(-1)
+    got, expected = got.reshape(10, 8), expected.reshape(10, 8)
+    torch.testing.assert_close(got[mask], expected[mask], rtol=1e-5, atol=1e-5)
+    assert torch.count_nonzero(got[~mask]) == 0
+    with cpu_linear.real_rows_only(torch.ones(2, 5, dtype=torch.bool)), torch.no_grad():
+        seen.clear()
+        net(x)  # nothing is padding: every row, in one call per layer
+    assert seen == [10, 10]
+
+
+def test_real_rows_only_leaves_plain_linear_layers_alone():
+    net = _net()
+    x = torch.randn(2, 5, 24)
+    with torch.no_grad():
+        expected = net(x)
+        with cpu_linear.real_rows_only(torch.tensor([[True] * 5, [True] + [False] * 4])):
+            got = net(x)
+    assert torch.equal(got, expected)

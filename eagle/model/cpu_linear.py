@@ -19,9 +19,12 @@ cost is memory: the packed copy doubles the linear layers' footprint.
 
 from __future__ import annotations
 
+import contextvars
 import copy
 import functools
 import logging
+from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -41,6 +44,45 @@ AVX2_PACKED_MAX_ROWS = 64
 PACK_FLAG_VALUES = {"auto": "auto", "on": True, "off": False}
 # ``pack="auto"`` packs models whose linear weights take at most this much memory (the packed copy doubles it).
 AUTO_PACK_LIMIT_BYTES = 2 * 1024**3
+
+
+@dataclass(frozen=True)
+class RealRows:
+    """Which token rows of a model call are real: ``shape`` (B, T) the call's token rows, ``index`` (R,) the flat
+    indices (``b * T + t``) of the real ones, ascending."""
+
+    shape: tuple[int, int]
+    index: torch.Tensor
+
+    def matches(self, input: torch.Tensor) -> bool:  # noqa: A002
+        """Whether ``input`` holds one row per token of the call, in order: (B, T, in) or (B * T, in)."""
+        batch, length = self.shape
+        return tuple(input.shape[:-1]) in ((batch, length), (batch * length,))
+
+
+# The real rows of the model call under way (set by :func:`real_rows_only`); a context variable, so that each thread
+# (a server's requests) sees its own.
+_REAL_ROWS: contextvars.ContextVar[RealRows | None] = contextvars.ContextVar("eagle_real_rows", default=None)
+
+
+@contextmanager
+def real_rows_only(real: torch.Tensor | None):
+    """While a model call runs over (B, T) token rows of which only some are real (``real`` (B, T) bool: a batch's
+    draft trees padded to the largest, left-padded prompts), every :class:`PackedLinear` given one input row per
+    token, in order ((B, T, in) or (B * T, in)), computes the real rows alone and returns zeros for the others.
+
+    On a CPU the linear layers cost in proportion to their rows, so this makes a padded forward cost what its real
+    rows cost. It is exact for the real rows of a model in which no real token reads a padding token (the attention
+    masks hide padding keys from real queries; everything else works row by row), and padding rows stay finite (zero
+    vectors through the norms). Does nothing when ``real`` is None or all True."""
+    if real is None or bool(real.all()):
+        yield
+        return
+    token = _REAL_ROWS.set(RealRows(tuple(real.shape), real.reshape(-1).nonzero()[:, 0]))
+    try:
+        yield
+    finally:
+        _REAL_ROWS.reset(token)
 
 
 def add_pack_cpu_weights_argument(parser) -> None:
@@ -103,6 +145,17 @@ class PackedLinear(nn.Linear):
         self._packed_from = (weight.data_ptr(), self.weight._version)
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:  # noqa: A002 - nn.Linear's own argument name
+        rows = _REAL_ROWS.get()
+        if rows is None or not rows.matches(input):
+            return self._linear(input)
+        # the real rows alone (see real_rows_only); the padding rows' outputs are zeros
+        flat = input.reshape(-1, self.in_features)
+        real = self._linear(flat.index_select(0, rows.index.to(flat.device)))
+        out = real.new_zeros(flat.shape[0], self.out_features)
+        out.index_copy_(0, rows.index.to(out.device), real)
+        return out.reshape(*input.shape[:-1], self.out_features)
+
+    def _linear(self, input: torch.Tensor) -> torch.Tensor:  # noqa: A002
         if not self._packed_call(input):
             return F.linear(input, self.weight, self.bias)
         if self._packed_from != (self.weight.data_ptr(), self.weight._version):

@@ -122,8 +122,10 @@ def verify_trees(target: Target, trees: TreeBatch, cache, rows: Rows, lazy_logit
     :func:`~eagle.model.tree.likeliest_subtree`)."""
     slots, device = cache.length, target.device
     valid, key_positions = rows.masks(slots, device)
-    if valid is not None:
-        valid = torch.cat([valid, torch.ones(len(rows.index), trees.size, dtype=torch.bool, device=device)], dim=1)
+    if valid is None and trees.padded:
+        valid = torch.ones(len(rows.index), slots, dtype=torch.bool, device=device)
+    if valid is not None:  # the committed slots, then the nodes: padding nodes are no row's tokens
+        valid = torch.cat([valid, trees.valid.to(device)], dim=1)
     committed = torch.tensor([n - s for s, n in zip(rows.start, rows.length)], device=trees.depths.device)
     positions = trees.depths + committed[:, None]
     tree_mask = trees.ancestor_mask if trees.size > 1 else None

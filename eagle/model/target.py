@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from .cpu_linear import real_rows_only
 from .kv_cache import TreeKVCache
 
 SUPPORTED_ATTENTION = ("sdpa", "eager")
@@ -273,7 +274,8 @@ class Target:
             logits_to_keep = 1 if last_logits_only else 0
         mask = self.attention_mask(past, position_ids, tree_mask, valid, key_positions)
         position_ids = position_ids.to(self.device)
-        with tree_attention(self.config):
+        real = None if valid is None else valid[:, past:].to(self.device)  # (B, T): which new tokens are real
+        with tree_attention(self.config), real_rows_only(real):
             outputs = self.model(
                 input_ids=input_ids.to(self.device),
                 attention_mask=mask,

@@ -121,26 +121,35 @@ def select_trees(roots: torch.Tensor, cand_tokens: torch.Tensor, cand_scores: to
 class TreeBatch:
     """B trees padded to the same node count for one verification forward pass.
 
-    tokens, depths: (B, N); ancestor_mask: (B, N, N). A padding node (beyond a row's own tree) carries the row's
-    root token at depth 0 and sees only itself, and no real node sees it: its KV entry is written and dropped."""
+    tokens, depths: (B, N); ancestor_mask: (B, N, N); valid: (B, N) bool, which nodes are real (row b's first
+    ``trees[b].size``). A padding node (beyond a row's own tree) carries the row's root token at depth 0 and sees
+    only itself, and no real node sees it: its KV entry is written and dropped, and the target's linear layers skip
+    it (see :func:`~eagle.model.cpu_linear.real_rows_only`)."""
 
     trees: list[DraftTree]
     tokens: torch.Tensor
     depths: torch.Tensor
     ancestor_mask: torch.Tensor
+    valid: torch.Tensor
 
     @property
     def size(self) -> int:
         return self.tokens.shape[1]
 
+    @property
+    def padded(self) -> bool:
+        """Whether some row's tree is smaller than the batch's largest."""
+        return any(tree.size < self.size for tree in self.trees)
+
 
 def stack_trees(trees: list[DraftTree]) -> TreeBatch:
     """Pad ``trees`` to the largest one's node count (see :class:`TreeBatch`)."""
     size = max(tree.size for tree in trees)
+    device = trees[0].tokens.device
+    valid = torch.arange(size, device=device)[None] < torch.tensor([t.size for t in trees], device=device)[:, None]
     if all(tree.size == size for tree in trees):
         return TreeBatch(trees, torch.stack([t.tokens for t in trees]), torch.stack([t.depths for t in trees]),
-                         torch.stack([t.ancestor_mask for t in trees]))
-    device = trees[0].tokens.device
+                         torch.stack([t.ancestor_mask for t in trees]), valid)
     tokens = torch.stack([t.tokens[:1].expand(size) for t in trees]).clone()
     depths = torch.zeros(len(trees), size, dtype=trees[0].depths.dtype, device=device)
     ancestors = torch.eye(size, dtype=torch.bool, device=device).repeat(len(trees), 1, 1)
@@ -148,4 +157,4 @@ def stack_trees(trees: list[DraftTree]) -> TreeBatch:
         tokens[row, : tree.size] = tree.tokens
         depths[row, : tree.size] = tree.depths
         ancestors[row, : tree.size, : tree.size] = tree.ancestor_mask
-    return TreeBatch(trees, tokens, depths, ancestors)
+    return TreeBatch(trees, tokens, depths, ancestors, valid)
