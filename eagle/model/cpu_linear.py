@@ -152,7 +152,7 @@ class PackedLinear(nn.Linear):
         flat = input.reshape(-1, self.in_features)
         real = self._linear(flat.index_select(0, rows.index.to(flat.device)))
         out = real.new_zeros(flat.shape[0], self.out_features)
-        out.index_copy_(0, rows.index.to(out.device), real)
+        out.index_put_((rows.index.to(out.device),), real)  # several times faster than index_copy_ on a CPU
         return out.reshape(*input.shape[:-1], self.out_features)
 
     def _linear(self, input: torch.Tensor) -> torch.Tensor:  # noqa: A002

@@ -1,0 +1,116 @@
+"""What padding rows cost in one target forward of a batch: a verification forward over trees of different sizes
+(padded to the largest) and a prefill of left-padded prompts, each timed with the padding rows skipped by the
+packed linear layers (``cpu_linear.real_rows_only``, the engine's way) and computed like real rows, interleaved in
+one process on the embedded default pair (or ``--base-model`` / ``--ea-model``).
+
+    python scripts/time_padding_rows.py --tree-sizes 24,4,4,4,4,4,4,4 --prompt-lengths 30,60,90,120,150,180,210,240
+
+Prints, for each, the median milliseconds over ``--repeats`` runs with the padding skipped and computed; for the
+verification also a batch whose trees all have the smallest size (no padding), for reference.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import statistics
+import time
+
+import torch
+
+from eagle.model import generation, target as target_module
+from eagle.model.ea_model import EaModel
+from eagle.model.tree import DraftTree, stack_trees, tree_from_parents
+
+
+def chain_tree(root: torch.Tensor, size: int) -> DraftTree:
+    """A chain of ``size`` nodes after ``root`` (node i's parent is i - 1): any shape costs the same rows."""
+    tokens = torch.cat([root.reshape(1), torch.randint(100, 1000, (size - 1,))])
+    return tree_from_parents(tokens, torch.arange(-1, size - 1), torch.zeros(size))
+
+
+@contextlib.contextmanager
+def padding_computed():
+    """Padding rows computed like real ones: the engine without ``real_rows_only``."""
+    skip = target_module.real_rows_only
+    target_module.real_rows_only = contextlib.nullcontext
+    try:
+        yield
+    finally:
+        target_module.real_rows_only = skip
+
+
+def time_verify(target, sizes: list[int], prefix: int) -> dict[str, float]:
+    """Seconds of one verification forward (lazy logits, as the engine runs it) after ``prefix`` committed tokens
+    per row, for: padding skipped, padding computed."""
+    batch = len(sizes)
+    cache = target.new_cache(prefix + max(sizes) + 1)
+    cache.reset(batch)
+    ids = torch.randint(100, 1000, (batch, prefix))
+    generation.prefill(target, ids, cache, None, False)
+    rows = generation.Rows(list(range(batch)), [0] * batch, [prefix] * batch)
+    trees = stack_trees([chain_tree(ids[b, -1], n) for b, n in enumerate(sizes)])
+    seconds = {}
+    for label, context in (("skipped", contextlib.nullcontext()), ("computed", padding_computed())):
+        with context:
+            start = time.perf_counter()
+            generation.verify_trees(target, trees, cache, rows, lazy_logits=True)
+            seconds[label] = time.perf_counter() - start
+        cache.crop(prefix)
+    return seconds
+
+
+def time_prefill(target, lengths: list[int]) -> dict[str, float]:
+    """Seconds of one prefill of prompts of ``lengths`` tokens, left-padded to the longest."""
+    width = max(lengths)
+    ids = torch.randint(100, 1000, (len(lengths), width))
+    pads = [width - n for n in lengths]
+    seconds = {}
+    for label, context in (("skipped", contextlib.nullcontext()), ("computed", padding_computed())):
+        cache = target.new_cache(width + 1)
+        cache.reset(len(lengths))
+        with context:
+            start = time.perf_counter()
+            generation.prefill(target, ids, cache, None, True, pads)
+            seconds[label] = time.perf_counter() - start
+    return seconds
+
+
+def median_ms(runs: list[dict[str, float]]) -> dict[str, float]:
+    return {label: 1e3 * statistics.median(run[label] for run in runs) for label in runs[0]}
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--tree-sizes", default="24,4,4,4,4,4,4,4",
+                        help="Comma-separated node counts of the batch's trees (root included), one per row.")
+    parser.add_argument("--prefix", type=int, default=200, help="Committed tokens per row before the trees.")
+    parser.add_argument("--prompt-lengths", default="30,60,90,120,150,180,210,240",
+                        help="Comma-separated prompt lengths of the prefill's rows (empty: no prefill timing).")
+    parser.add_argument("--repeats", type=int, default=7, help="Runs of each, interleaved; the median is printed.")
+    parser.add_argument("--base-model", default=None, help="Base model (default: the embedded pair's).")
+    parser.add_argument("--ea-model", default=None, help="EAGLE head (default: the embedded pair's).")
+    args = parser.parse_args(argv)
+    model = EaModel.from_pretrained(base_model_path=args.base_model, ea_model_path=args.ea_model)
+    target = model._eagle_target
+    sizes = [int(n) for n in args.tree_sizes.split(",")]
+    torch.manual_seed(0)
+    print(f"{torch.get_num_threads()} torch threads, median of {args.repeats}, ms")
+    time_verify(target, sizes, args.prefix)  # warm-up
+    runs = [time_verify(target, sizes, args.prefix) for _ in range(args.repeats)]
+    uniform = [time_verify(target, [min(sizes)] * len(sizes), args.prefix)["computed"] for _ in range(args.repeats)]
+    verify = median_ms(runs)
+    print(f"verify, trees {sizes} ({sum(sizes)} real rows of {len(sizes) * max(sizes)}): padding skipped "
+          f"{verify['skipped']:.1f}, computed {verify['computed']:.1f}; every tree of {min(sizes)} nodes "
+          f"{1e3 * statistics.median(uniform):.1f}")
+    if args.prompt_lengths:
+        lengths = [int(n) for n in args.prompt_lengths.split(",")]
+        time_prefill(target, lengths)  # warm-up
+        prefill = median_ms([time_prefill(target, lengths) for _ in range(args.repeats)])
+        print(f"prefill, prompts {lengths} ({sum(lengths)} real rows of {len(lengths) * max(lengths)}): padding "
+              f"skipped {prefill['skipped']:.1f}, computed {prefill['computed']:.1f}")
+
+
+if __name__ == "__main__":
+    main()
