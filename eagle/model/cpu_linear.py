@@ -40,6 +40,9 @@ PACKED_MAX_ROWS: int | None = None
 # The limit on a CPU without AVX-512: there, past about 64 rows the packed kernel gained nothing and on one thread
 # lost at 512 rows. With AVX-512 it wins at every row count measured, up to 3,200 (timings: docs/PERFORMANCE.md).
 AVX2_PACKED_MAX_ROWS = 64
+# real_rows_only skips padding rows when at least this share of a call's rows are padding: gathering the real rows
+# and scattering their outputs costs about a tenth of what computing a row costs (timings: docs/PERFORMANCE.md).
+MIN_PADDING_SHARE = 0.1
 # The command-line choice (``--pack-cpu-weights``) -> ``EaModel.from_pretrained(pack_cpu_weights=...)``.
 PACK_FLAG_VALUES = {"auto": "auto", "on": True, "off": False}
 # ``pack="auto"`` packs models whose linear weights take at most this much memory (the packed copy doubles it).
@@ -74,8 +77,10 @@ def real_rows_only(real: torch.Tensor | None):
     On a CPU the linear layers cost in proportion to their rows, so this makes a padded forward cost what its real
     rows cost. It is exact for the real rows of a model in which no real token reads a padding token (the attention
     masks hide padding keys from real queries; everything else works row by row), and padding rows stay finite (zero
-    vectors through the norms). Does nothing when ``real`` is None or all True."""
-    if real is None or bool(real.all()):
+    vectors through the norms). Does nothing when ``real`` is None or fewer than :data:`MIN_PADDING_SHARE` of its
+    rows are padding (the gathering and scattering would cost more than the rows save)."""
+    padding = 0 if real is None else real.numel() - int(real.sum())
+    if padding == 0 or padding < MIN_PADDING_SHARE * real.numel():
         yield
         return
     token = _REAL_ROWS.set(RealRows(tuple(real.shape), real.reshape(-1).nonzero()[:, 0]))
