@@ -4,9 +4,13 @@ packed linear layers (``cpu_linear.real_rows_only``, the engine's way) and compu
 one process on the embedded default pair (or ``--base-model`` / ``--ea-model``).
 
     python scripts/time_padding_rows.py --tree-sizes 24,4,4,4,4,4,4,4 --prompt-lengths 30,60,90,120,150,180,210,240
+    python scripts/time_padding_rows.py --generate-batches 4,8 --num-questions 16 --max-new-tokens 128
 
 Prints, for each, the median milliseconds over ``--repeats`` runs with the padding skipped and computed; for the
 verification also a batch whose trees all have the smallest size (no padding), for reference.
+``--generate-batches``: greedy batched EAGLE over MT-bench first turns (the model's batch trees), each batch size
+run with the padding skipped and computed in turn, ``--repeats`` times: total seconds, and milliseconds per step
+of its prefills and verifications.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import argparse
 import contextlib
 import statistics
 import time
+from collections import defaultdict
 
 import torch
 
@@ -76,6 +81,64 @@ def time_prefill(target, lengths: list[int]) -> dict[str, float]:
     return seconds
 
 
+@contextlib.contextmanager
+def timed(owner, names: list[str], seconds: dict[str, float]):
+    """Add the time spent in ``owner``'s functions ``names`` to ``seconds`` while inside."""
+    originals = {name: getattr(owner, name) for name in names}
+
+    def wrap(name, function):
+        def run(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                seconds[name] += time.perf_counter() - start
+        return run
+
+    for name, function in originals.items():
+        setattr(owner, name, wrap(name, function))
+    try:
+        yield
+    finally:
+        for name, function in originals.items():
+            setattr(owner, name, function)
+
+
+def time_generation(model, prompts: list[list[int]], batch: int, max_new_tokens: int) -> dict[str, float]:
+    """Greedy batched EAGLE over ``prompts`` in batches of ``batch``: seconds in all, in prefills and in
+    verifications, and the number of steps (target forwards)."""
+    seconds: dict[str, float] = defaultdict(float)
+    steps = 0
+    start = time.perf_counter()
+    with timed(generation, ["prefill", "verify_trees"], seconds):
+        for first in range(0, len(prompts), batch):
+            rows = [torch.tensor(p) for p in prompts[first:first + batch]]
+            steps += sum(1 for _ in model.generate_batch_steps(rows, max_new_tokens=max_new_tokens))
+    seconds["total"] = time.perf_counter() - start
+    seconds["steps"] = steps
+    return seconds
+
+
+def compare_generation(model, args) -> None:
+    from eagle.evaluation.batch_benchmark import first_turn_prompts
+
+    prompts = first_turn_prompts(model.tokenizer, args.num_questions)
+    for batch in (int(n) for n in args.generate_batches.split(",")):
+        time_generation(model, prompts[:batch], batch, 16)  # warm-up
+        runs: dict[str, list[dict[str, float]]] = {"skipped": [], "computed": []}
+        for _ in range(args.repeats):
+            for label, context in (("skipped", contextlib.nullcontext), ("computed", padding_computed)):
+                with context():
+                    runs[label].append(time_generation(model, prompts, batch, args.max_new_tokens))
+        for label, results in runs.items():
+            steps = results[0]["steps"]
+            total = statistics.median(r["total"] for r in results)
+            prefill, verify = (1e3 * statistics.median(r[name] for r in results) / steps
+                               for name in ("prefill", "verify_trees"))
+            print(f"batch {batch}, padding {label}: {total:.1f} s for {len(prompts)} answers, {steps} steps; "
+                  f"ms per step: prefill {prefill:.2f}, verify {verify:.2f}")
+
+
 def median_ms(runs: list[dict[str, float]]) -> dict[str, float]:
     return {label: 1e3 * statistics.median(run[label] for run in runs) for label in runs[0]}
 
@@ -89,26 +152,33 @@ def main(argv=None) -> None:
     parser.add_argument("--prompt-lengths", default="30,60,90,120,150,180,210,240",
                         help="Comma-separated prompt lengths of the prefill's rows (empty: no prefill timing).")
     parser.add_argument("--repeats", type=int, default=7, help="Runs of each, interleaved; the median is printed.")
+    parser.add_argument("--generate-batches", default="",
+                        help="Comma-separated batch sizes: time batched generation instead (see above).")
+    parser.add_argument("--num-questions", type=int, default=16, help="MT-bench first turns (--generate-batches).")
+    parser.add_argument("--max-new-tokens", type=int, default=128, help="New tokens per answer (--generate-batches).")
     parser.add_argument("--base-model", default=None, help="Base model (default: the embedded pair's).")
     parser.add_argument("--ea-model", default=None, help="EAGLE head (default: the embedded pair's).")
     args = parser.parse_args(argv)
     model = EaModel.from_pretrained(base_model_path=args.base_model, ea_model_path=args.ea_model)
     target = model._eagle_target
+    print(f"{torch.get_num_threads()} torch threads, median of {args.repeats}")
+    if args.generate_batches:
+        compare_generation(model, args)
+        return
     sizes = [int(n) for n in args.tree_sizes.split(",")]
     torch.manual_seed(0)
-    print(f"{torch.get_num_threads()} torch threads, median of {args.repeats}, ms")
     time_verify(target, sizes, args.prefix)  # warm-up
     runs = [time_verify(target, sizes, args.prefix) for _ in range(args.repeats)]
     uniform = [time_verify(target, [min(sizes)] * len(sizes), args.prefix)["computed"] for _ in range(args.repeats)]
     verify = median_ms(runs)
-    print(f"verify, trees {sizes} ({sum(sizes)} real rows of {len(sizes) * max(sizes)}): padding skipped "
+    print(f"ms: verify, trees {sizes} ({sum(sizes)} real rows of {len(sizes) * max(sizes)}): padding skipped "
           f"{verify['skipped']:.1f}, computed {verify['computed']:.1f}; every tree of {min(sizes)} nodes "
           f"{1e3 * statistics.median(uniform):.1f}")
     if args.prompt_lengths:
         lengths = [int(n) for n in args.prompt_lengths.split(",")]
         time_prefill(target, lengths)  # warm-up
         prefill = median_ms([time_prefill(target, lengths) for _ in range(args.repeats)])
-        print(f"prefill, prompts {lengths} ({sum(lengths)} real rows of {len(lengths) * max(lengths)}): padding "
+        print(f"ms: prefill, prompts {lengths} ({sum(lengths)} real rows of {len(lengths) * max(lengths)}): padding "
               f"skipped {prefill['skipped']:.1f}, computed {prefill['computed']:.1f}")
 
 

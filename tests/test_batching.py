@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from eagle.model import generation
+from eagle.model import cpu_linear, generation
 from eagle.model.cpu_linear import PackedLinear, packing_available
 from eagle.model.drafter import EagleDrafter
 from eagle.model.ea_model import EaModel
@@ -177,14 +177,14 @@ def test_padding_rows_are_skipped_and_real_rows_equal_each_row_alone(family, fam
     base, heads, _ = family_dirs[family]
     model = EaModel.from_pretrained(base_model_path=str(base), ea_model_path=str(heads["eagle3-full"]),
                                     dtype=torch.float32, pack_cpu_weights=True)
-    target, prompts, sizes = model._eagle_target, PROMPTS[:3], [7, 2, 4]
+    target, prompts, sizes = model._eagle_target, PROMPTS[:3], [9, 2, 4]
     rows_seen = []
     compute = PackedLinear._linear
     monkeypatch.setattr(PackedLinear, "_linear",
                         lambda self, x: rows_seen.append(x[..., 0].numel()) or compute(self, x))
     roots, features, nodes = _prefill_and_verify(target, prompts, sizes)
-    # prompts: 4 + 10 + 2 real slots of 3 x 10; trees: 7 + 2 + 4 real nodes of 3 x 7
-    assert {16, 13} <= set(rows_seen) and not {30, 21} & set(rows_seen)
+    # prompts: 4 + 10 + 2 real slots of 3 x 10; trees: 9 + 2 + 4 real nodes of 3 x 9
+    assert {16, 15} <= set(rows_seen) and not {30, 27} & set(rows_seen)
     for b, (prompt, size) in enumerate(zip(prompts, sizes)):
         alone_root, alone_features, [(alone_logits, alone_nodes)] = _prefill_and_verify(target, [prompt], [size])
         assert int(alone_root[0]) == int(roots[b])
@@ -199,6 +199,7 @@ def test_ragged_trees_with_lookup_chains_are_lossless(family, pack, family_dirs,
     """Rows whose trees differ in size (a lookup chain grafted on some rows, no padding filled with candidates)
     verify in one padded forward, and every row is still its prompt's greedy decoding, packed or not."""
     monkeypatch.setattr(EagleDrafter, "_fill_padding", lambda self, trees, *rest: trees, raising=False)
+    monkeypatch.setattr(cpu_linear, "MIN_PADDING_ROWS", 1)  # every padded forward skips its padding rows
     sizes = []
     stack = generation.stack_trees
     monkeypatch.setattr(generation, "stack_trees", lambda trees: sizes.append({t.size for t in trees}) or stack(trees))

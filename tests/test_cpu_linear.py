@@ -177,10 +177,11 @@ def test_long_calls_are_exact_under_every_row_limit(monkeypatch, limit):
 def test_under_real_rows_only_a_packed_layer_computes_the_real_rows_alone(flat, monkeypatch):
     net = _net()
     pack_linear_layers(net)
-    real = torch.tensor([[True, True, True, False, False], [True, False, False, False, False]])
-    x = torch.randn(2, 5, 24)
+    real = torch.zeros(2, 12, dtype=torch.bool)
+    real[0, :5] = real[1, :3] = True  # 16 padding rows
+    x = torch.randn(2, 12, 24)
     if flat:
-        x = x.reshape(10, 24)
+        x = x.reshape(24, 24)
     seen = []
     compute = PackedLinear._linear
     monkeypatch.setattr(PackedLinear, "_linear", lambda self, rows: seen.append(rows[..., 0].numel()) or compute(self, rows))
@@ -190,16 +191,40 @@ def test_under_real_rows_only_a_packed_layer_computes_the_real_rows_alone(flat, 
         with cpu_linear.real_rows_only(real):
             got = net(x)
             other = net[0](torch.randn(4, 24))  # not one row per token of the call: computed as it is
-    assert seen == [4, 4, 4]  # 4 real rows in each layer, the 4 rows of the other call
+    assert seen == [8, 8, 4]  # the 8 real rows in each layer, the 4 rows of the other call
     assert other.shape == (4, 40)
     mask = real.reshape(-1)
-    got, expected = got.reshape(10, 8), expected.reshape(10, 8)
+    got, expected = got.reshape(24, 8), expected.reshape(24, 8)
     torch.testing.assert_close(got[mask], expected[mask], rtol=1e-5, atol=1e-5)
     assert torch.count_nonzero(got[~mask]) == 0
-    with cpu_linear.real_rows_only(torch.ones(2, 5, dtype=torch.bool)), torch.no_grad():
-        seen.clear()
-        net(x)  # nothing is padding: every row, in one call per layer
-    assert seen == [10, 10]
+    few = torch.ones(2, 12, dtype=torch.bool)
+    few[1, -cpu_linear.MIN_PADDING_ROWS + 1:] = False
+    for real in (torch.ones(2, 12, dtype=torch.bool), few):  # no padding; too few padding rows to be worth skipping
+        with cpu_linear.real_rows_only(real), torch.no_grad():
+            seen.clear()
+            net(x)  # every row, in one call per layer
+        assert seen == [24, 24]
+
+
+def test_layers_reading_the_same_input_gather_its_real_rows_once(monkeypatch):
+    first, second = _net(), _net(bias=False)
+    pack_linear_layers(first)
+    pack_linear_layers(second)
+    real = torch.zeros(2, 12, dtype=torch.bool)
+    real[:, :2] = True
+    x = torch.randn(2, 12, 24)
+    gathered = []
+    index_select = torch.Tensor.index_select
+    monkeypatch.setattr(torch.Tensor, "index_select", lambda t, *a: gathered.append(t.shape) or index_select(t, *a))
+    with torch.no_grad(), cpu_linear.real_rows_only(real):
+        a, b = first[0](x), second[0](x)  # the same input: gathered once
+        x.mul_(2)  # changed in place: gathered again
+        c = first[0](x)
+    assert sum(shape[-1] == 24 for shape in gathered) == 2  # gathers of the input (the others: the outputs)
+    with torch.no_grad():
+        torch.testing.assert_close(a[real], first[0](x / 2)[real], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(b[real], second[0](x / 2)[real], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(c[real], first[0](x)[real], rtol=1e-5, atol=1e-5)
 
 
 def test_real_rows_only_leaves_plain_linear_layers_alone():

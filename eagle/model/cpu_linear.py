@@ -24,7 +24,6 @@ import copy
 import functools
 import logging
 from contextlib import contextmanager
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -40,27 +39,46 @@ PACKED_MAX_ROWS: int | None = None
 # The limit on a CPU without AVX-512: there, past about 64 rows the packed kernel gained nothing and on one thread
 # lost at 512 rows. With AVX-512 it wins at every row count measured, up to 3,200 (timings: docs/PERFORMANCE.md).
 AVX2_PACKED_MAX_ROWS = 64
-# real_rows_only skips padding rows when at least this share of a call's rows are padding: gathering the real rows
-# and scattering their outputs costs about a tenth of what computing a row costs (timings: docs/PERFORMANCE.md).
-MIN_PADDING_SHARE = 0.1
+# real_rows_only skips padding rows when a call has at least this many: gathering the real rows and scattering their
+# outputs costs each of a forward's linear layers a few fixed microseconds, about what 8 to 12 rows of SmolLM2-135M
+# cost in all (timings: docs/PERFORMANCE.md).
+MIN_PADDING_ROWS = 12
 # The command-line choice (``--pack-cpu-weights``) -> ``EaModel.from_pretrained(pack_cpu_weights=...)``.
 PACK_FLAG_VALUES = {"auto": "auto", "on": True, "off": False}
 # ``pack="auto"`` packs models whose linear weights take at most this much memory (the packed copy doubles it).
 AUTO_PACK_LIMIT_BYTES = 2 * 1024**3
 
 
-@dataclass(frozen=True)
 class RealRows:
     """Which token rows of a model call are real: ``shape`` (B, T) the call's token rows, ``index`` (R,) the flat
-    indices (``b * T + t``) of the real ones, ascending."""
+    indices (``b * T + t``) of the real ones, ascending. Remembers the last input it gathered: the layers that read
+    the same input (query, key and value projections; gate and up projections) gather it once."""
 
-    shape: tuple[int, int]
-    index: torch.Tensor
+    def __init__(self, shape: tuple[int, int], index: torch.Tensor):
+        self.shape, self.index = shape, index
+        # for each of the B * T rows, its place among the real rows, or R (a zero row appended) for a padding row
+        self.source = torch.full((shape[0] * shape[1],), index.shape[0], dtype=torch.long, device=index.device)
+        self.source[index] = torch.arange(index.shape[0], device=index.device)
+        self._last: tuple[torch.Tensor, int, torch.Tensor] | None = None  # (input, its version, its real rows)
 
     def matches(self, input: torch.Tensor) -> bool:  # noqa: A002
         """Whether ``input`` holds one row per token of the call, in order: (B, T, in) or (B * T, in)."""
         batch, length = self.shape
         return tuple(input.shape[:-1]) in ((batch, length), (batch * length,))
+
+    def gather(self, input: torch.Tensor) -> torch.Tensor:  # noqa: A002
+        """The real rows of ``input`` (R, in)."""
+        last = self._last
+        if last is not None and last[0] is input and last[1] == input._version:
+            return last[2]
+        rows = input.reshape(-1, input.shape[-1]).index_select(0, self.index.to(input.device))
+        self._last = (input, input._version, rows)
+        return rows
+
+    def scatter(self, rows: torch.Tensor) -> torch.Tensor:
+        """(R, out) outputs of the real rows -> (B * T, out), zeros for the padding rows."""
+        # a CPU does this several times faster than index_put_ or index_copy_ into zeros
+        return torch.cat([rows, rows.new_zeros(1, rows.shape[-1])]).index_select(0, self.source.to(rows.device))
 
 
 # The real rows of the model call under way (set by :func:`real_rows_only`); a context variable, so that each thread
@@ -77,10 +95,9 @@ def real_rows_only(real: torch.Tensor | None):
     On a CPU the linear layers cost in proportion to their rows, so this makes a padded forward cost what its real
     rows cost. It is exact for the real rows of a model in which no real token reads a padding token (the attention
     masks hide padding keys from real queries; everything else works row by row), and padding rows stay finite (zero
-    vectors through the norms). Does nothing when ``real`` is None or fewer than :data:`MIN_PADDING_SHARE` of its
-    rows are padding (the gathering and scattering would cost more than the rows save)."""
-    padding = 0 if real is None else real.numel() - int(real.sum())
-    if padding == 0 or padding < MIN_PADDING_SHARE * real.numel():
+    vectors through the norms). Does nothing when ``real`` is None or has fewer than :data:`MIN_PADDING_ROWS`
+    padding rows (gathering and scattering would cost more than the rows save)."""
+    if real is None or real.numel() - int(real.sum()) < MIN_PADDING_ROWS:
         yield
         return
     token = _REAL_ROWS.set(RealRows(tuple(real.shape), real.reshape(-1).nonzero()[:, 0]))
@@ -154,11 +171,7 @@ class PackedLinear(nn.Linear):
         if rows is None or not rows.matches(input):
             return self._linear(input)
         # the real rows alone (see real_rows_only); the padding rows' outputs are zeros
-        flat = input.reshape(-1, self.in_features)
-        real = self._linear(flat.index_select(0, rows.index.to(flat.device)))
-        out = real.new_zeros(flat.shape[0], self.out_features)
-        out.index_put_((rows.index.to(out.device),), real)  # several times faster than index_copy_ on a CPU
-        return out.reshape(*input.shape[:-1], self.out_features)
+        return rows.scatter(self._linear(rows.gather(input))).reshape(*input.shape[:-1], self.out_features)
 
     def _linear(self, input: torch.Tensor) -> torch.Tensor:  # noqa: A002
         if not self._packed_call(input):
