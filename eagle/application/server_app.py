@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import hmac
 import logging
+import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -45,16 +46,49 @@ class ServerSettings:
     default_max_tokens: int = 512
 
 
-class _Channel:
-    """Updates from the worker thread to one request's coroutine."""
+class _Mailbox:
+    """Updates from the worker thread to the request coroutines of one event loop. The updates the worker posts
+    while the loop is busy reach it together, in one wake-up: a step of a batch of B rows wakes the loop once, not
+    B times (each wake-up costs the worker the interpreter lock)."""
 
-    def __init__(self):
-        self.loop = asyncio.get_running_loop()
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self._lock = threading.Lock()
+        self._pending: list[tuple[asyncio.Queue, Update]] = []
+
+    def post(self, queue: asyncio.Queue, update: Update) -> None:
+        with self._lock:
+            self._pending.append((queue, update))
+            wake = len(self._pending) == 1  # otherwise a wake-up is already on its way
+        if wake:
+            with contextlib.suppress(RuntimeError):  # the event loop is gone: nobody is listening any more
+                self.loop.call_soon_threadsafe(self._drain)
+
+    def _drain(self) -> None:
+        with self._lock:
+            pending, self._pending = self._pending, []
+        for queue, update in pending:
+            queue.put_nowait(update)
+
+
+class _Channel:
+    """Updates from the worker thread to one request's coroutine (through its loop's :class:`_Mailbox`)."""
+
+    def __init__(self, mailbox: _Mailbox):
+        self.mailbox = mailbox
         self.queue: asyncio.Queue[Update] = asyncio.Queue()
 
     def deliver(self, update: Update) -> None:
-        with contextlib.suppress(RuntimeError):  # the event loop is gone: nobody is listening any more
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, update)
+        self.mailbox.post(self.queue, update)
+
+
+def _mailbox(state) -> _Mailbox:
+    """The app's mailbox on the running event loop (made at the first request on that loop)."""
+    loop = asyncio.get_running_loop()
+    mailbox = getattr(state, "mailbox", None)
+    if mailbox is None or mailbox.loop is not loop:
+        mailbox = state.mailbox = _Mailbox(loop)
+    return mailbox
 
 
 def build_app(model, scheduler: Scheduler, settings: ServerSettings) -> FastAPI:
@@ -183,7 +217,7 @@ def _params(body: schema.SamplingRequest, budget: int | None, prompt_length: int
 async def _answer(request: Request, body: schema.SamplingRequest, prompt_ids: list[int], budget: int | None,
                   chat: bool, model, scheduler: Scheduler, settings: ServerSettings):
     params = _params(body, budget, len(prompt_ids), scheduler.max_length, settings)
-    channel = _Channel()
+    channel = _Channel(_mailbox(request.app.state))
     job = GenerationRequest(prompt_ids=prompt_ids, params=params, deliver=channel.deliver,
                             text=TextStream(model.tokenizer, params.stop))
     scheduler.submit(job)  # 429 when the queue is full, before any answer starts

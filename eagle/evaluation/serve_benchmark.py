@@ -1,24 +1,28 @@
 """``python -m eagle.evaluation.serve_benchmark``: the HTTP server under load, EAGLE against plain decoding.
 
 Loads the model once, then for each number of concurrent clients serves it on 127.0.0.1 (in this process,
-uvicorn in a thread) with EAGLE and then with plain decoding, and lets that many client threads send streamed
-greedy chat requests (MT-bench first turns, round robin) until each has sent ``--requests-per-client`` (more when
-there are fewer clients than ``--min-requests``). Per run:
-requests/s, generated tokens/s over the wall time, p50/p99 latency and time to first token, EAGLE's accepted
-tokens per step. Writes ``serve_benchmark.json``, ``serve_benchmark.md`` (the table) and ``serve_benchmark.png``
-to ``--output-dir``, and prints the table. Greedy answers of the two modes are compared prompt by prompt.
+uvicorn in a thread) with EAGLE and with plain decoding, ``--repeats`` times each (the two modes' order
+alternating), and lets that many clients send streamed greedy chat requests (MT-bench first turns, round robin)
+until each has sent ``--requests-per-client`` (more when there are fewer clients than ``--min-requests``). The
+clients are asyncio tasks of one separate process (:class:`ClientProcess`), so their HTTP and JSON work does not
+hold the server's interpreter lock, as with real clients elsewhere. Per run: requests/s, generated tokens/s over
+the wall time, p50/p99 latency and time to first token, EAGLE's accepted tokens per step; per number of clients,
+the median EAGLE / plain ratio. Writes ``serve_benchmark.json``, ``serve_benchmark.md`` (the tables) and
+``serve_benchmark.png`` to ``--output-dir``, and prints the tables. Greedy answers of the two modes are compared
+prompt by prompt.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import concurrent.futures
 import itertools
 import json
 import logging
+import multiprocessing
 import os
 import platform
-import threading
 import time
 
 import numpy as np
@@ -50,11 +54,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--eagle-max-batch-size", type=int, default=DEFAULT_EAGLE_MAX_BATCH_SIZE,
                         help="the EAGLE server runs plain decoding when more requests than this run or wait (0 = "
                         f"never; default {DEFAULT_EAGLE_MAX_BATCH_SIZE}, the server's)")
+    parser.add_argument("--max-batch-size", type=int, default=8,
+                        help="the servers' --max-batch-size: rows of the running batch (default 8, the server's)")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="runs of each (clients, mode) pair, the two modes' order alternating; the table gives "
+                        "each run and the median ratio (default 1; more on a loaded machine)")
     parser.add_argument("--output-dir", default="serve_benchmark",
                         help="where the JSON, Markdown table and plot go (default ./serve_benchmark)")
     args = parser.parse_args(argv)
-    if min(args.clients) < 1 or args.requests_per_client < 1 or args.max_tokens < 1 or args.num_prompts < 1:
-        parser.error("--clients, --requests-per-client, --max-tokens and --num-prompts must be at least 1")
+    if min(args.clients) < 1 or min(args.requests_per_client, args.max_tokens, args.num_prompts, args.repeats,
+                                    args.max_batch_size) < 1:
+        parser.error("--clients, --requests-per-client, --max-tokens, --num-prompts, --repeats and --max-batch-size "
+                     "must be at least 1")
     return args
 
 
@@ -64,15 +75,15 @@ def load_prompts(count: int) -> list[str]:
     return [q["turns"][0] for q in spread_over_categories(load_questions("mt_bench"), count)]
 
 
-def one_request(http, url: str, model: str, prompt: str, max_tokens: int) -> dict:
+async def one_request(http, url: str, model: str, prompt: str, max_tokens: int) -> dict:
     """Send one streamed greedy chat request; its latency, time to first token, tokens, text and EAGLE stats."""
     body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
             "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
     start = time.perf_counter()
     ttft, parts, usage, eagle = None, [], {}, {}
-    with http.stream("POST", url + "/v1/chat/completions", json=body) as response:
+    async with http.stream("POST", url + "/v1/chat/completions", json=body) as response:
         response.raise_for_status()
-        for line in response.iter_lines():
+        async for line in response.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             chunk = json.loads(line[len("data: "):])
@@ -89,28 +100,45 @@ def one_request(http, url: str, model: str, prompt: str, max_tokens: int) -> dic
             "accepted": eagle.get("accepted_tokens", 0)}
 
 
-def run_load(url: str, model: str, prompts: list[str], clients: int, requests_per_client: int,
-             max_tokens: int) -> tuple[list[dict], float]:
-    """``clients`` threads, each sending ``requests_per_client`` requests one after the other. Returns the
-    per-request records and the wall time."""
+async def _load(url: str, model: str, prompts: list[str], clients: int, requests_per_client: int,
+                max_tokens: int) -> tuple[list[dict], float]:
     import httpx
 
     next_prompt = itertools.cycle(prompts).__next__
-    lock = threading.Lock()
+    limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
+    async with httpx.AsyncClient(timeout=None, limits=limits) as http:
 
-    def client(_):
-        records = []
-        with httpx.Client(timeout=None) as http:
-            for _ in range(requests_per_client):
-                with lock:
-                    prompt = next_prompt()
-                records.append(one_request(http, url, model, prompt, max_tokens))
-        return records
+        async def client():
+            return [await one_request(http, url, model, next_prompt(), max_tokens)
+                    for _ in range(requests_per_client)]
 
-    start = time.perf_counter()
-    with concurrent.futures.ThreadPoolExecutor(clients) as pool:
-        records = [r for batch in pool.map(client, range(clients)) for r in batch]
-    return records, time.perf_counter() - start
+        start = time.perf_counter()
+        per_client = await asyncio.gather(*(client() for _ in range(clients)))
+        wall = time.perf_counter() - start
+    return [r for records in per_client for r in records], wall
+
+
+def client_load(url: str, model: str, prompts: list[str], clients: int, requests_per_client: int,
+                max_tokens: int) -> tuple[list[dict], float]:
+    """``clients`` concurrent clients (asyncio tasks of this process), each sending ``requests_per_client``
+    requests one after the other (prompts round robin). Returns the per-request records and the wall time."""
+    return asyncio.run(_load(url, model, prompts, clients, requests_per_client, max_tokens))
+
+
+class ClientProcess:
+    """Runs :func:`client_load` in a process of its own (a context manager), so that the clients' HTTP and JSON
+    work shares neither the server's interpreter lock nor its event loop, as with clients on other machines; they
+    still share this machine's cores."""
+
+    def __enter__(self) -> ClientProcess:
+        self.pool = concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.pool.shutdown()
+
+    def run(self, *args) -> tuple[list[dict], float]:
+        return self.pool.submit(client_load, *args).result()
 
 
 def summarise(records: list[dict], wall: float, clients: int, mode: str) -> dict:
@@ -130,37 +158,60 @@ def summarise(records: list[dict], wall: float, clients: int, mode: str) -> dict
 
 
 def measure(model, args: argparse.Namespace, prompts: list[str]) -> tuple[list[dict], dict]:
-    """Every (clients, mode) run, EAGLE and plain side by side per level; and the greedy answers per mode."""
-    from ..application.server import BackgroundServer, create_app
-
+    """Every (clients, mode) run, EAGLE and plain side by side per level (``--repeats`` times, the order of the two
+    modes alternating); and the greedy answers per mode. The clients run in a process of their own."""
     rows, answers = [], {mode: {} for mode in MODES}
-    for clients in args.clients:
-        for mode in MODES:
-            app = create_app(model, served_model_name="bench", use_eagle=mode == "eagle", model_type=args.model_type,
-                             max_queue=max(64, clients), default_max_tokens=args.max_tokens,
-                             eagle_max_batch_size=args.eagle_max_batch_size)
-            with BackgroundServer(app) as server:
-                run_load(server.url, "bench", prompts[:1], 1, 1, 8)  # warm-up
-                per_client = max(args.requests_per_client, -(-args.min_requests // clients))
-                records, wall = run_load(server.url, "bench", prompts, clients, per_client, args.max_tokens)
-            rows.append(summarise(records, wall, clients, mode))
-            answers[mode].update({r["prompt"]: r["text"] for r in records})
-            logger.info("%2d clients, %-5s: %.2f tokens/s, p50 latency %.2f s", clients, mode,
-                        rows[-1]["tokens_per_s"], rows[-1]["latency_p50_s"])
+    with ClientProcess() as clients_process:
+        for clients in args.clients:
+            for repeat in range(args.repeats):
+                for mode in MODES if repeat % 2 == 0 else MODES[::-1]:
+                    records, wall = _serve_run(model, args, prompts, clients, mode, clients_process)
+                    rows.append(dict(summarise(records, wall, clients, mode), repeat=repeat))
+                    answers[mode].update({r["prompt"]: r["text"] for r in records})
+                    logger.info("%2d clients, %-5s: %.2f tokens/s, p50 latency %.2f s", clients, mode,
+                                rows[-1]["tokens_per_s"], rows[-1]["latency_p50_s"])
     return rows, answers
 
 
-def markdown_table(rows: list[dict]) -> str:
-    by_level = {(r["clients"], r["mode"]): r for r in rows}
-    lines = ["| clients | mode | requests | requests/s | tokens/s | EAGLE / plain tokens/s | p50 latency (s) | "
-             "p99 latency (s) | p50 TTFT (s) | p99 TTFT (s) | accepted / step |",
-             "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+def _serve_run(model, args, prompts: list[str], clients: int, mode: str, clients_process: ClientProcess):
+    """One server (EAGLE or plain decoding) under ``clients`` clients: (records, wall seconds)."""
+    from ..application.server import BackgroundServer, create_app
+
+    app = create_app(model, served_model_name="bench", use_eagle=mode == "eagle", model_type=args.model_type,
+                     max_queue=max(64, clients), default_max_tokens=args.max_tokens,
+                     eagle_max_batch_size=args.eagle_max_batch_size, max_batch_size=args.max_batch_size)
+    with BackgroundServer(app) as server:
+        clients_process.run(server.url, "bench", prompts[:1], 1, 1, 8)  # warm-up
+        per_client = max(args.requests_per_client, -(-args.min_requests // clients))
+        return clients_process.run(server.url, "bench", prompts, clients, per_client, args.max_tokens)
+
+
+def ratios(rows: list[dict]) -> dict[int, list[float]]:
+    """EAGLE / plain tokens/s of each repeat, per number of clients."""
+    plain = {(r["clients"], r.get("repeat", 0)): r["tokens_per_s"] for r in rows if r["mode"] == "plain"}
+    found: dict[int, list[float]] = {}
     for r in rows:
-        plain = by_level.get((r["clients"], "plain"))
-        ratio = f"{r['tokens_per_s'] / plain['tokens_per_s']:.2f}x" if r["mode"] == "eagle" and plain else ""
-        lines.append(f"| {r['clients']} | {r['mode']} | {r['requests']} | {r['requests_per_s']:.3f} | "
-                     f"{r['tokens_per_s']:.2f} | {ratio} | {r['latency_p50_s']:.2f} | {r['latency_p99_s']:.2f} | "
-                     f"{r['ttft_p50_s']:.2f} | {r['ttft_p99_s']:.2f} | {r['accepted_per_step']:.2f} |")
+        key = (r["clients"], r.get("repeat", 0))
+        if r["mode"] == "eagle" and plain.get(key):
+            found.setdefault(r["clients"], []).append(r["tokens_per_s"] / plain[key])
+    return found
+
+
+def markdown_table(rows: list[dict]) -> str:
+    plain = {(r["clients"], r.get("repeat", 0)): r for r in rows if r["mode"] == "plain"}
+    lines = ["| clients | repeat | mode | requests | requests/s | tokens/s | EAGLE / plain tokens/s | p50 latency (s) | "
+             "p99 latency (s) | p50 TTFT (s) | p99 TTFT (s) | accepted / step |",
+             "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        other = plain.get((r["clients"], r.get("repeat", 0)))
+        ratio = f"{r['tokens_per_s'] / other['tokens_per_s']:.2f}x" if r["mode"] == "eagle" and other else ""
+        lines.append(f"| {r['clients']} | {r.get('repeat', 0) + 1} | {r['mode']} | {r['requests']} | "
+                     f"{r['requests_per_s']:.3f} | {r['tokens_per_s']:.2f} | {ratio} | {r['latency_p50_s']:.2f} | "
+                     f"{r['latency_p99_s']:.2f} | {r['ttft_p50_s']:.2f} | {r['ttft_p99_s']:.2f} | "
+                     f"{r['accepted_per_step']:.2f} |")
+    lines += ["", "| clients | median EAGLE / plain tokens/s | each repeat |", "|---:|---:|---|"]
+    for clients, found in ratios(rows).items():
+        lines.append(f"| {clients} | {float(np.median(found)):.2f}x | {', '.join(f'{x:.2f}x' for x in found)} |")
     return "\n".join(lines) + "\n"
 
 
@@ -172,11 +223,15 @@ def write_plot(rows: list[dict], path: str) -> None:
 
     fig, (throughput, latency) = plt.subplots(1, 2, figsize=(10, 4))
     for mode, color in zip(MODES, ("C0", "C1")):
-        mine = [r for r in rows if r["mode"] == mode]
-        clients = [r["clients"] for r in mine]
-        throughput.plot(clients, [r["tokens_per_s"] for r in mine], marker="o", color=color, label=mode)
-        latency.plot(clients, [r["latency_p50_s"] for r in mine], marker="o", color=color, label=f"{mode} p50")
-        latency.plot(clients, [r["ttft_p50_s"] for r in mine], marker="x", linestyle="--", color=color,
+        clients = sorted({r["clients"] for r in rows if r["mode"] == mode})
+
+        def median(key, mode=mode):  # over the repeats of each level
+            return [float(np.median([r[key] for r in rows if r["mode"] == mode and r["clients"] == c]))
+                    for c in clients]
+
+        throughput.plot(clients, median("tokens_per_s"), marker="o", color=color, label=mode)
+        latency.plot(clients, median("latency_p50_s"), marker="o", color=color, label=f"{mode} p50")
+        latency.plot(clients, median("ttft_p50_s"), marker="x", linestyle="--", color=color,
                      label=f"{mode} TTFT p50")
     throughput.set(xlabel="concurrent clients", ylabel="generated tokens/s", title="Server throughput")
     latency.set(xlabel="concurrent clients", ylabel="seconds", title="Latency")
