@@ -281,10 +281,14 @@ def test_waiting_requests_join_the_running_batch_and_get_their_answers_alone(tin
         wait_until(lambda: metric(server, "eagle_running_requests") == 1, "the first request to run")
         futures += [pool.submit(ask, server, message, 16) for message in PROMPTS[1:]]
         wait_until(lambda: metric(server, "eagle_queue_depth") == 7, "seven requests to wait")
+        held = 0.3
+        time.sleep(held)  # the worker is held inside the first request's prefill step
         model.gate.set()
         answers = [future.result(timeout=WAIT_S).choices[0].message.content for future in futures]
+        prefill, decode = metric(server, "eagle_prefill_seconds_total"), metric(server, "eagle_decode_seconds_total")
     assert answers == expected
     assert model.batches == [[1, 7]]  # the seven that waited joined the first request's batch at its next step
+    assert prefill >= held and decode > 0  # the held step is a prefill in /metrics; the later ones decode
 
 
 def test_batches_above_the_eagle_limit_decode_plainly_with_the_same_answers(tiny_model):
@@ -481,10 +485,11 @@ def test_serve_benchmark_measures_both_modes_with_identical_greedy_answers(tiny_
     base_dir, head_dir = tiny_pair
     results = serve_benchmark.main(["--base-model-path", str(base_dir), "--ea-model-path", str(head_dir),
                                     "--clients", "1", "2", "--requests-per-client", "1", "--min-requests", "2",
-                                    "--max-tokens", "6", "--num-prompts", "2", "--output-dir", str(tmp_path)])
+                                    "--max-tokens", "6", "--num-prompts", "2", "--engine-alone", "--output-dir", str(tmp_path)])
     runs = {(row["clients"], row["mode"]): row for row in results["rows"]}
     assert set(runs) == {(1, "eagle"), (1, "plain"), (2, "eagle"), (2, "plain")}
     assert all(row["requests"] == 2 and row["tokens"] > 0 and row["tokens_per_s"] > 0 for row in runs.values())
+    assert all(0 < row["prefill_share"] < 1 and row["engine_alone_tokens_per_s"] > 0 for row in runs.values())
     assert results["greedy_identical"] == "2 of 2"
     for name in ("serve_benchmark.json", "serve_benchmark.md", "serve_benchmark.png"):
         assert (tmp_path / name).stat().st_size > 0

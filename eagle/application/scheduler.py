@@ -104,6 +104,8 @@ class Metrics:
         self.requests = collections.Counter()  # by outcome: ok, error, cancelled, rejected
         self.prompt_tokens = self.generated_tokens = self.steps = self.verify_steps = self.accepted = 0
         self.busy_seconds = 0.0
+        # engine steps of a running batch: prefills of joining rows (every running row waits meanwhile), decoding
+        self.prefill_seconds = self.decode_seconds = 0.0
         self.batch_size = 0
 
     def count(self, outcome: str) -> None:
@@ -118,6 +120,13 @@ class Metrics:
                 self.verify_steps += 1
                 self.accepted += accepted
 
+    def record_time(self, seconds: float, prefill: bool) -> None:
+        with self.lock:
+            if prefill:
+                self.prefill_seconds += seconds
+            else:
+                self.decode_seconds += seconds
+
     def render(self, queue_depth: int, running: int, mode: str) -> str:
         with self.lock:
             rate = self.generated_tokens / self.busy_seconds if self.busy_seconds else 0.0
@@ -131,6 +140,10 @@ class Metrics:
                 ("steps_total", "counter", self.steps,
                  "Generation steps per request (prefills included; a batched step counts once per request)."),
                 ("busy_seconds_total", "counter", round(self.busy_seconds, 6), "Seconds the model was generating."),
+                ("prefill_seconds_total", "counter", round(self.prefill_seconds, 6),
+                 "Seconds of prompt prefills (joining requests; the running batch waits meanwhile)."),
+                ("decode_seconds_total", "counter", round(self.decode_seconds, 6),
+                 "Seconds of decoding steps (draft and verification, or one plain step) of running batches."),
                 ("tokens_per_second", "gauge", round(rate, 4), "Generated tokens per busy second."),
                 ("mean_accepted_tokens_per_step", "gauge", round(mean_accepted, 4),
                  f"Accepted draft tokens per verification step ({mode} decoding)."),
@@ -287,7 +300,7 @@ class Scheduler:
         for request in batch:
             self._join(running, rows, request, use_eagle)
         try:
-            for update in running:
+            for update in self._timed(running, rows):
                 for row, part in update.items():
                     request = rows.get(row)
                     if request is None:
@@ -302,6 +315,19 @@ class Scheduler:
             running.close()
         for request in rows.values():  # the engine ended without flagging them (it should not happen)
             self._end(request)
+
+    def _timed(self, running, rows: dict) -> Iterator[dict]:
+        """The running batch's steps, each timed into the metrics as a prefill (the step of joining rows: their
+        first tokens) or a decoding step."""
+        steps = iter(running)
+        while True:
+            start = time.perf_counter()
+            update = next(steps, None)
+            if update is None:
+                return
+            joined = all(rows[row].steps == 0 for row in update if row in rows)
+            self.metrics.record_time(time.perf_counter() - start, prefill=joined)
+            yield update
 
     def _join(self, running, rows: dict, request: GenerationRequest, use_eagle: bool) -> None:
         """Add ``request`` to the engine's running batch (it joins at the next step)."""

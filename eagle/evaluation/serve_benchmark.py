@@ -1,13 +1,15 @@
 """``python -m eagle.evaluation.serve_benchmark``: the HTTP server under load, EAGLE against plain decoding.
 
-Loads the model once, then for each number of concurrent clients serves it on 127.0.0.1 (in this process,
-uvicorn in a thread) with EAGLE and with plain decoding, ``--repeats`` times each (the two modes' order
-alternating), and lets that many clients send streamed greedy chat requests (MT-bench first turns, round robin)
-until each has sent ``--requests-per-client`` (more when there are fewer clients than ``--min-requests``). The
-clients are asyncio tasks of one separate process (:class:`ClientProcess`), so their HTTP and JSON work does not
-hold the server's interpreter lock, as with real clients elsewhere. Per run: requests/s, generated tokens/s over
-the wall time, p50/p99 latency and time to first token, EAGLE's accepted tokens per step; per number of clients,
-the median EAGLE / plain ratio. Writes ``serve_benchmark.json``, ``serve_benchmark.md`` (the tables) and
+Loads the model once, then for each number of concurrent clients serves it on 127.0.0.1 (in this process, uvicorn in
+a thread) with EAGLE and with plain decoding, ``--repeats`` times each (the two modes' order alternating), and lets
+that many clients send streamed greedy chat requests (MT-bench first turns, round robin) until each has sent
+``--requests-per-client`` (more when there are fewer clients than ``--min-requests``). The clients are asyncio tasks
+of one separate process (:class:`ClientProcess`), so their HTTP and JSON work does not hold the server's interpreter
+lock, as with real clients elsewhere. Per run: requests/s, generated tokens/s over the wall time, p50/p99 latency
+and time to first token, EAGLE's accepted tokens per step; per number of clients, the median EAGLE / plain ratio;
+and the share of the engine's time spent prefilling the prompts of joining requests (from the server's
+``/metrics``), during which every running row waits. ``--engine-alone`` also runs each load on the engine directly,
+to show what the serving path costs. Writes ``serve_benchmark.json``, ``serve_benchmark.md`` (the tables) and
 ``serve_benchmark.png`` to ``--output-dir``, and prints the tables. Greedy answers of the two modes are compared
 prompt by prompt.
 """
@@ -59,6 +61,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=1,
                         help="runs of each (clients, mode) pair, the two modes' order alternating; the table gives "
                         "each run and the median ratio (default 1; more on a loaded machine)")
+    parser.add_argument("--engine-alone", action="store_true",
+                        help="after each server run, run the same load on the engine directly (no HTTP, no "
+                        "scheduler thread) and report the server's tokens/s against it")
     parser.add_argument("--output-dir", default="serve_benchmark",
                         help="where the JSON, Markdown table and plot go (default ./serve_benchmark)")
     args = parser.parse_args(argv)
@@ -165,8 +170,12 @@ def measure(model, args: argparse.Namespace, prompts: list[str]) -> tuple[list[d
         for clients in args.clients:
             for repeat in range(args.repeats):
                 for mode in MODES if repeat % 2 == 0 else MODES[::-1]:
-                    records, wall = _serve_run(model, args, prompts, clients, mode, clients_process)
-                    rows.append(dict(summarise(records, wall, clients, mode), repeat=repeat))
+                    records, wall, prefill_share = _serve_run(model, args, prompts, clients, mode, clients_process)
+                    rows.append(dict(summarise(records, wall, clients, mode), repeat=repeat,
+                                     prefill_share=round(prefill_share, 3)))
+                    if args.engine_alone:
+                        tokens, seconds = engine_alone(model, args, prompts, clients, mode)
+                        rows[-1]["engine_alone_tokens_per_s"] = round(tokens / seconds, 3)
                     answers[mode].update({r["prompt"]: r["text"] for r in records})
                     logger.info("%2d clients, %-5s: %.2f tokens/s, p50 latency %.2f s", clients, mode,
                                 rows[-1]["tokens_per_s"], rows[-1]["latency_p50_s"])
@@ -174,7 +183,8 @@ def measure(model, args: argparse.Namespace, prompts: list[str]) -> tuple[list[d
 
 
 def _serve_run(model, args, prompts: list[str], clients: int, mode: str, clients_process: ClientProcess):
-    """One server (EAGLE or plain decoding) under ``clients`` clients: (records, wall seconds)."""
+    """One server (EAGLE or plain decoding) under ``clients`` clients: (records, wall seconds, the share of the
+    engine's time spent prefilling joining prompts, every running row waiting meanwhile)."""
     from ..application.server import BackgroundServer, create_app
 
     app = create_app(model, served_model_name="bench", use_eagle=mode == "eagle", model_type=args.model_type,
@@ -182,8 +192,51 @@ def _serve_run(model, args, prompts: list[str], clients: int, mode: str, clients
                      eagle_max_batch_size=args.eagle_max_batch_size, max_batch_size=args.max_batch_size)
     with BackgroundServer(app) as server:
         clients_process.run(server.url, "bench", prompts[:1], 1, 1, 8)  # warm-up
+        before = engine_seconds(server.url)
         per_client = max(args.requests_per_client, -(-args.min_requests // clients))
-        return clients_process.run(server.url, "bench", prompts, clients, per_client, args.max_tokens)
+        records, wall = clients_process.run(server.url, "bench", prompts, clients, per_client, args.max_tokens)
+        after = engine_seconds(server.url)
+    prefill, decode = (b - a for a, b in zip(before, after))
+    return records, wall, prefill / (prefill + decode) if prefill + decode > 0 else 0.0
+
+
+def engine_seconds(url: str) -> tuple[float, float]:
+    """The server's prefill and decoding seconds so far (its ``/metrics``)."""
+    import httpx
+
+    values = {}
+    for line in httpx.get(url + "/metrics", timeout=60).text.splitlines():
+        name, _, value = line.partition(" ")
+        values[name] = value
+    return float(values["eagle_prefill_seconds_total"]), float(values["eagle_decode_seconds_total"])
+
+
+def engine_alone(model, args, prompts: list[str], clients: int, mode: str) -> tuple[int, float]:
+    """The same load without the server: ``clients`` closed-loop clients on the engine's running batch
+    (``EaModel.continuous_batch``) directly, a finished request's client adding its next prompt at the next step
+    boundary, at most ``--max-batch-size`` rows (the others wait). Returns (generated tokens, wall seconds)."""
+    import torch
+
+    from ..application.openai_schema import ChatMessage
+    from ..application.server_app import chat_prompt_ids
+
+    ids = [torch.tensor(chat_prompt_ids(model.tokenizer, [ChatMessage(role="user", content=p)], args.model_type))
+           for p in prompts]
+    order = itertools.cycle(ids)
+    per_client = max(args.requests_per_client, -(-args.min_requests // clients))
+    waiting = per_client * clients  # requests not yet added
+    running = model.continuous_batch(use_eagle=mode == "eagle")
+    tokens, start = 0, time.perf_counter()
+    for _ in range(min(waiting, args.max_batch_size)):
+        running.add(next(order), max_new_tokens=args.max_tokens)
+        waiting -= 1
+    for update in running:
+        for part in update.values():
+            tokens += part.tokens.numel()
+            if part.finished and waiting:
+                running.add(next(order), max_new_tokens=args.max_tokens)
+                waiting -= 1
+    return tokens, time.perf_counter() - start
 
 
 def ratios(rows: list[dict]) -> dict[int, list[float]]:
@@ -199,20 +252,26 @@ def ratios(rows: list[dict]) -> dict[int, list[float]]:
 
 def markdown_table(rows: list[dict]) -> str:
     plain = {(r["clients"], r.get("repeat", 0)): r for r in rows if r["mode"] == "plain"}
-    lines = ["| clients | repeat | mode | requests | requests/s | tokens/s | EAGLE / plain tokens/s | p50 latency (s) | "
-             "p99 latency (s) | p50 TTFT (s) | p99 TTFT (s) | accepted / step |",
-             "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| clients | repeat | mode | requests | requests/s | tokens/s | EAGLE / plain tokens/s | "
+             "p50 latency (s) | p99 latency (s) | p50 TTFT (s) | p99 TTFT (s) | accepted / step | prefill share | "
+             "server / engine alone |",
+             "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         other = plain.get((r["clients"], r.get("repeat", 0)))
         ratio = f"{r['tokens_per_s'] / other['tokens_per_s']:.2f}x" if r["mode"] == "eagle" and other else ""
         lines.append(f"| {r['clients']} | {r.get('repeat', 0) + 1} | {r['mode']} | {r['requests']} | "
                      f"{r['requests_per_s']:.3f} | {r['tokens_per_s']:.2f} | {ratio} | {r['latency_p50_s']:.2f} | "
                      f"{r['latency_p99_s']:.2f} | {r['ttft_p50_s']:.2f} | {r['ttft_p99_s']:.2f} | "
-                     f"{r['accepted_per_step']:.2f} |")
+                     f"{r['accepted_per_step']:.2f} | {r.get('prefill_share', 0.0):.0%} | {_versus_engine(r)} |")
     lines += ["", "| clients | median EAGLE / plain tokens/s | each repeat |", "|---:|---:|---|"]
     for clients, found in ratios(rows).items():
         lines.append(f"| {clients} | {float(np.median(found)):.2f}x | {', '.join(f'{x:.2f}x' for x in found)} |")
     return "\n".join(lines) + "\n"
+
+
+def _versus_engine(row: dict) -> str:
+    alone = row.get("engine_alone_tokens_per_s")
+    return f"{row['tokens_per_s'] / alone:.2f}x" if alone else ""
 
 
 def write_plot(rows: list[dict], path: str) -> None:
