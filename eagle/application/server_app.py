@@ -48,8 +48,8 @@ class ServerSettings:
 
 class _Mailbox:
     """Updates from the worker thread to the request coroutines of one event loop. The updates the worker posts
-    while the loop is busy reach it together, in one wake-up: a step of a batch of B rows wakes the loop once, not
-    B times (each wake-up costs the worker the interpreter lock)."""
+    while the loop is busy reach it together, in one wake-up: a step of a batch of B rows wakes the loop thread
+    (which competes with the worker for the interpreter lock) once, not B times."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop):
         self.loop = loop
