@@ -16,6 +16,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -143,3 +144,40 @@ def test_benchmark_skips_llamacpp_with_a_note_when_its_arguments_are_refused(lla
         ["eagle", "llamacpp"], default_base_model_path(), default_ea_model_path(), 1, 3, ["--no-such-flag"])
     assert runner is None and methods == ["eagle"]
     assert "llama-server failed to start" in notes[0] and "--no-such-flag" in notes[0]
+
+
+def test_benchmark_sets_differing_answers_against_one_thread_plain_decoding(llama_server_binary):
+    # With several threads llama.cpp's plain decoding can part from its speculative decoding (its one-token attention
+    # is split over threads past 256 cached tokens). The benchmark reruns such questions with one thread: an answer
+    # with our head equal to that is llama.cpp's own difference; one that is not stays a difference.
+    prompts = {number: _chat(q["turns"][0])
+               for number, q in enumerate(spread_over_categories(load_questions("mt_bench"), 8)[:2])}
+    server = llamacpp.LlamaServer(llama_server_binary, default_base_model_path(), threads=1)
+    try:
+        answers = {n: server.complete(p, 24, n_probs=llamacpp.ONE_THREAD_PROBS) for n, p in prompts.items()}
+    finally:
+        server.close()
+    exact = {n: [int(t) for t in a["tokens"]] for n, a in answers.items()}
+    top = [int(e["id"]) for e in answers[0]["completion_probabilities"][5]["top_logprobs"]]
+    assert top[0] == exact[0][5]
+    flipped = exact[0][:5] + [top[1]] + exact[0][6:]  # a multi-thread plain answer parting at a close second
+    broken = exact[1][:5] + [(exact[1][5] + 1) % 49152] + exact[1][6:]  # an answer with our head gone wrong
+    outputs = {0: {"llamacpp": flipped, "llamacpp_eagle3": exact[0]}, 1: {"llamacpp": exact[1], "llamacpp_eagle3": broken}}
+    runner = SimpleNamespace(binary=llama_server_binary, base_gguf=default_base_model_path(), threads=2, context=4096,
+                             extra_args=[], methods=llamacpp.LLAMACPP_METHODS)
+    found = llamacpp.recheck_with_one_thread(runner, outputs, prompts, 24)
+    rows = {row["question_id"]: row for row in found["questions"]}
+    assert rows[0]["equals_one_thread_plain"] and rows[0]["first_difference"] == 5
+    expected_gap = abs(answers[0]["completion_probabilities"][5]["top_logprobs"][0]["logprob"]
+                               - answers[0]["completion_probabilities"][5]["top_logprobs"][1]["logprob"])
+    assert rows[0]["logit_gap"] == pytest.approx(expected_gap, abs=1e-4)
+    assert not rows[1]["equals_one_thread_plain"] and rows[1]["first_difference"] == 5
+    section = {"notes": [], "server": "llama-server", "threads": 2, "extra_args": [], "draft_tokens": 3,
+               "acceptance": None, "greedy_check": {"checked": 2, "identical": 0, "different_questions": [0, 1],
+                                                    "one_thread": found}}
+    lines = "\n".join(llamacpp.report_lines(section, 0.0))
+    assert "(2 threads both) on 0 of 2" in lines and "1 of 2 equal llama.cpp's plain decoding with 1 thread (not: [1])" in lines
+    # one thread, or no difference: nothing to recheck
+    assert llamacpp.recheck_with_one_thread(SimpleNamespace(**{**vars(runner), "threads": 1}), outputs, prompts, 24) is None
+    assert llamacpp.recheck_with_one_thread(runner, {0: {"llamacpp": exact[0], "llamacpp_eagle3": exact[0]}}, prompts,
+                                            24) is None

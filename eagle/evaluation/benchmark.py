@@ -364,11 +364,16 @@ def run(args: argparse.Namespace) -> dict:
     finally:
         if llama is not None:
             llama.close()
+    one_thread = None
+    if llama is not None and args.temperature <= 1e-5:  # llama.cpp's own multi-thread differences told apart
+        one_thread = llamacpp.recheck_with_one_thread(
+            llama, outputs, {q["question_id"]: p[0].tolist() for q, p in zip(questions, prompts)}, args.max_new_tokens)
     results = {
         "settings": _settings(args, model, device, dtype, questions),
         **summarise(per_question, methods),
         "greedy_check": None,
-        "llamacpp": llamacpp.summarise(per_question, outputs, llama, llama_notes, args.llamacpp_draft_tokens),
+        "llamacpp": llamacpp.summarise(per_question, outputs, llama, llama_notes, args.llamacpp_draft_tokens,
+                                       one_thread),
         "per_question": per_question,
     }
     if args.temperature <= 1e-5:  # llama.cpp's answers come from its own (quantised) arithmetic: checked apart

@@ -268,7 +268,11 @@ def summary_lines(results: dict) -> list[str]:
     if llama.get("acceptance"):
         lines.append(f"llama.cpp + our head: {llama['acceptance']['accepted_fraction']:.3f} of drafted tokens accepted")
     if llama.get("greedy_check"):
-        lines.append(f"llama.cpp greedy check: {llama['greedy_check']['identical']}/{llama['greedy_check']['checked']} "
-                     "answers with our head identical to its plain decoding")
+        check, threads = llama["greedy_check"], llama.get("threads")
+        rows = (check.get("one_thread") or {}).get("questions", [])
+        lines.append(f"llama.cpp greedy check: {check['identical']}/{check['checked']} answers with our head identical "
+                     f"to its plain decoding ({threads} thread{'s' * (threads != 1)})"
+                     + (f"; of the other {len(rows)}, {sum(r['equals_one_thread_plain'] for r in rows)} identical to "
+                        "its plain decoding with 1 thread" if rows else ""))
     lines.append("wrote " + ", ".join(results["files"].values()))
     return lines

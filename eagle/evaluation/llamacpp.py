@@ -87,10 +87,15 @@ class LlamaServer:
         with open(self.log.name, errors="replace") as f:
             return "".join(f.readlines()[-lines:])
 
-    def complete(self, prompt: list[int] | str, max_new_tokens: int, temperature: float = 0.0, seed: int = 0) -> dict:
-        """One ``/completion`` request on token ids (or text); returns the server's JSON answer."""
+    def complete(self, prompt: list[int] | str, max_new_tokens: int, temperature: float = 0.0, seed: int = 0,
+                 n_probs: int = 0) -> dict:
+        """One ``/completion`` request on token ids (or text); returns the server's JSON answer. ``n_probs`` > 0 adds
+        the target's ``n_probs`` likeliest tokens and their log-probabilities at every new token
+        (``completion_probabilities``)."""
         body = {"prompt": prompt, "n_predict": max_new_tokens, "temperature": temperature, "seed": seed,
                 "cache_prompt": False, "return_tokens": True, "stream": False}
+        if n_probs:
+            body["n_probs"] = n_probs
         if temperature <= 1e-5:
             body.update(top_k=1)
         else:  # the same distribution as the other methods: no top-k, top-p or min-p truncation
@@ -135,7 +140,7 @@ class LlamaCppRunner:
             raise FileNotFoundError(f"llama-server was not found: {BUILD_HINT}.")
         if not str(base_gguf).endswith(".gguf"):
             raise ValueError(f"The llama.cpp methods run the target's GGUF; --base-model-path is {base_gguf}.")
-        self.draft_tokens = draft_tokens
+        self.draft_tokens, self.base_gguf, self.context = draft_tokens, str(base_gguf), context
         self.threads, self.extra_args = threads, list(extra_args or [])
         self.servers: dict[str, LlamaServer] = {}
         self._tmp = tempfile.TemporaryDirectory(prefix="eagle-llamacpp-")
@@ -201,10 +206,57 @@ def start_for_benchmark(methods: list[str], base_model_path: str, ea_model_path:
     return None, [m for m in methods if m not in LLAMACPP_METHODS], [note]
 
 
+ONE_THREAD_PROBS = 10  # likeliest tokens whose log-probabilities the one-thread rerun asks for
+
+
+def different_questions(outputs: dict) -> list:
+    """Question ids whose answer with our head differs from llama.cpp's plain answer."""
+    return [qid for qid, answers in outputs.items() if answers["llamacpp_eagle3"] != answers["llamacpp"]]
+
+
+def recheck_with_one_thread(runner: LlamaCppRunner, outputs: dict, prompts: dict, max_new_tokens: int) -> dict | None:
+    """Greedy answers with our head that differ from llama.cpp's plain ones with several threads, set against its
+    plain decoding with one thread (untimed, after the timed calls; a server of its own).
+
+    llama.cpp's one-token decoding, once more than 256 tokens are cached, computes attention in one part of the
+    cached keys per thread and merges the parts (its CPU flash attention's split-KV path); a verification of a draft,
+    several tokens at once, does not split. With one thread there is one part and its plain and speculative answers
+    agree; with several its plain decoding computes differently and can part from the speculative one where the
+    target's two best tokens nearly tie. Returns None with one thread or no difference; else per question: the first
+    differing new token, whether the answer with our head equals the one-thread plain answer, and the two tokens'
+    log-probability gap there in the one-thread run (None when either is not among its ``ONE_THREAD_PROBS``
+    likeliest)."""
+    from .agreement import first_difference
+
+    differing = different_questions(outputs)
+    if not differing or (runner.threads or 1) == 1 or "llamacpp" not in runner.methods:
+        return None
+    server = LlamaServer(runner.binary, runner.base_gguf, threads=1, context=runner.context,
+                         extra_args=runner.extra_args)
+    try:
+        answers = {qid: server.complete(prompts[qid], max_new_tokens, n_probs=ONE_THREAD_PROBS) for qid in differing}
+    finally:
+        server.close()
+    rows = []
+    for qid in differing:
+        ours, plain = outputs[qid]["llamacpp_eagle3"], outputs[qid]["llamacpp"]
+        reference = [int(t) for t in answers[qid].get("tokens", [])]
+        first = first_difference(plain, ours)
+        gap, probs = None, answers[qid].get("completion_probabilities", [])
+        if first < min(len(plain), len(ours), len(probs)) and reference[:first] == plain[:first]:
+            top = {int(e["id"]): float(e["logprob"]) for e in probs[first].get("top_logprobs", [])}
+            if plain[first] in top and ours[first] in top:
+                gap = abs(top[plain[first]] - top[ours[first]])
+        rows.append({"question_id": qid, "first_difference": first, "equals_one_thread_plain": ours == reference,
+                     "logit_gap": gap})
+    return {"threads": 1, "questions": rows}
+
+
 def summarise(per_question: list[dict], outputs: dict, runner: LlamaCppRunner | None, notes: list[str],
-              draft_tokens: int) -> dict | None:
+              draft_tokens: int, one_thread: dict | None = None) -> dict | None:
     """llama.cpp's part of the results: its binary, draft length, acceptance, and whether its greedy answers with
-    our head equal its plain ones (None when no llama.cpp method was asked for)."""
+    our head equal its plain ones with the same threads (and, for those that differ with several threads,
+    ``one_thread``: :func:`recheck_with_one_thread`'s answer). None when no llama.cpp method was asked for."""
     if runner is None and not notes:
         return None
     section = {"notes": list(notes), "server": os.path.basename(runner.binary) if runner else None, "draft_tokens": draft_tokens,
@@ -215,10 +267,9 @@ def summarise(per_question: list[dict], outputs: dict, runner: LlamaCppRunner | 
     if "llamacpp_eagle3" in runner.methods:
         section["acceptance"] = acceptance([q["methods"]["llamacpp_eagle3"]["llamacpp_timings"] for q in per_question])
     if set(runner.methods) == set(LLAMACPP_METHODS):
-        different = [q["question_id"] for q in per_question
-                     if outputs[q["question_id"]]["llamacpp_eagle3"] != outputs[q["question_id"]]["llamacpp"]]
+        different = different_questions({q["question_id"]: outputs[q["question_id"]] for q in per_question})
         section["greedy_check"] = {"checked": len(per_question), "identical": len(per_question) - len(different),
-                                   "different_questions": different}
+                                   "different_questions": different, "one_thread": one_thread}
     return section
 
 
@@ -241,7 +292,27 @@ def report_lines(section: dict | None, temperature: float) -> list[str]:
                      f"({acc['accepted_fraction']:.3f}).")
     check = section["greedy_check"]
     if check and temperature <= 1e-5:
-        lines.append(f"- Greedy answers with our head equal llama.cpp's plain ones on {check['identical']} of "
-                     f"{check['checked']} questions" + (f" (differ: {check['different_questions']})."
-                                                        if check["different_questions"] else "."))
+        threads = section.get("threads")
+        lines.append(f"- Greedy answers with our head equal llama.cpp's plain ones ({threads} thread"
+                     f"{'s' * (threads != 1)} both) on {check['identical']} of {check['checked']} questions"
+                     + (f" (differ: {check['different_questions']})." if check["different_questions"] else "."))
+        lines += _one_thread_lines(check.get("one_thread"))
+    return lines
+
+
+def _one_thread_lines(one_thread: dict | None) -> list[str]:
+    if not one_thread:
+        return []
+    rows = one_thread["questions"]
+    same = [r["question_id"] for r in rows if r["equals_one_thread_plain"]]
+    where = "; ".join(f"question {r['question_id']}: new token {r['first_difference']}, log-probability gap "
+                      + ("-" if r["logit_gap"] is None else f"{r['logit_gap']:.3f}") for r in rows)
+    lines = [f"- Of those, {len(same)} of {len(rows)} equal llama.cpp's plain decoding with 1 thread"
+             + (f" (not: {[r['question_id'] for r in rows if not r['equals_one_thread_plain']]})" if len(same) < len(rows)
+                else "") + f". First differing token and the two tokens' gap in the 1-thread run: {where}."]
+    lines.append("- llama.cpp's one-token decoding computes attention in one part of the cached keys per thread once "
+                 "more than 256 tokens are cached, and merges the parts; its verification of a draft (several tokens "
+                 "at once) does not split. With several threads its plain decoding therefore computes differently "
+                 "from its speculative decoding and can part from it where the two best tokens nearly tie: an answer "
+                 "with our head equal to the 1-thread plain one is what llama.cpp's own decoding gives.")
     return lines
