@@ -1,7 +1,10 @@
 """End to end in llama.cpp: the embedded default head, exported with ``python -m eagle.export --format llama.cpp``,
 runs as llama-server's EAGLE-3 draft next to the embedded SmolLM2 GGUF, on 8 MT-bench first turns (one per
-category). Greedy answers equal llama.cpp's plain decoding, and at least 0.25 of the drafted tokens are accepted at
-3 draft tokens with llama.cpp's default draft settings (0.298 measured; the issue's target was 0.30). And on the
+category). Greedy answers equal llama.cpp's plain decoding token for token with one thread (with several, llama.cpp's
+own plain decoding splits its one-token attention over the threads past 256 cached tokens and can part from its
+speculative decoding at a near-tie; the benchmark's rerun against one thread, tested here, tells those apart), and
+at least 0.25 of the drafted tokens are accepted at 3 draft tokens with llama.cpp's default draft settings (0.298
+measured on these questions, 0.329 on the benchmark's 16 x 256 tokens; the issue's target was 0.30). And on the
 same float32 weights (the target's GGUF dequantized by scripts/gguf_to_float.py) the head accepts in llama.cpp what
 it accepts in this project's engine with the same 3-token chain: a conversion mistake (target layers, RoPE order,
 norms, d2t) shows as a gap there.
@@ -51,7 +54,8 @@ def _chat(question: str) -> str:  # SmolLM2-Instruct's chat format, the prompt t
 
 
 def test_exported_default_head_runs_in_llama_server(tmp_path, llama_server_binary):
-    # One thread: llama.cpp's threads wait for each other by spinning, which collapses on a shared, busy machine.
+    # One thread: llama.cpp's threads wait for each other by spinning, which collapses on a shared, busy machine; and
+    # with one thread its plain and speculative decoding compute attention alike (see the module docstring).
     questions = [q["turns"][0] for q in spread_over_categories(load_questions("mt_bench"), 8)]  # one per category
     draft = tmp_path / "head.gguf"
     assert export_main(["--format", "llama.cpp", "--output", str(draft)]) == 0
