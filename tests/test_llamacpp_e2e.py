@@ -136,7 +136,7 @@ def test_benchmark_summary_reads_acceptance_and_answers_after_the_servers_close(
         runner.close()  # the benchmark closes the servers before it summarises
     section = llamacpp.summarise(per_question, outputs, runner, [], 3)
     assert section["threads"] == 1 and section["acceptance"]["drafted"] > 0
-    assert section["greedy_check"] == {"checked": 2, "identical": 2, "different_questions": []}
+    assert section["greedy_check"] == {"checked": 2, "identical": 2, "different_questions": [], "one_thread": None}
     lines = "\n".join(llamacpp.report_lines(section, 0.0))
     assert "Drafted tokens accepted" in lines and "1 thread, extra arguments `--poll 0`" in lines
 
@@ -180,8 +180,11 @@ def test_benchmark_sets_differing_answers_against_one_thread_plain_decoding(llam
                "acceptance": None, "greedy_check": {"checked": 2, "identical": 0, "different_questions": [0, 1],
                                                     "one_thread": found}}
     lines = "\n".join(llamacpp.report_lines(section, 0.0))
-    assert "(2 threads both) on 0 of 2" in lines and "1 of 2 equal llama.cpp's plain decoding with 1 thread (not: [1])" in lines
-    # one thread, or no difference: nothing to recheck
+    assert "(both on 2 threads) on 0 of 2" in lines and "1 of 2 equal llama.cpp's plain decoding with 1 thread (not: [1])" in lines
+    # one thread, one llama.cpp method, or no difference: nothing to recheck
     assert llamacpp.recheck_with_one_thread(SimpleNamespace(**{**vars(runner), "threads": 1}), outputs, prompts, 24) is None
+    plain_only = {n: {"llamacpp": answers["llamacpp"]} for n, answers in outputs.items()}
+    assert llamacpp.recheck_with_one_thread(SimpleNamespace(**{**vars(runner), "methods": ("llamacpp",)}), plain_only,
+                                            prompts, 24) is None
     assert llamacpp.recheck_with_one_thread(runner, {0: {"llamacpp": exact[0], "llamacpp_eagle3": exact[0]}}, prompts,
                                             24) is None

@@ -366,8 +366,12 @@ def run(args: argparse.Namespace) -> dict:
             llama.close()
     one_thread = None
     if llama is not None and args.temperature <= 1e-5:  # llama.cpp's own multi-thread differences told apart
-        one_thread = llamacpp.recheck_with_one_thread(
-            llama, outputs, {q["question_id"]: p[0].tolist() for q, p in zip(questions, prompts)}, args.max_new_tokens)
+        try:
+            one_thread = llamacpp.recheck_with_one_thread(
+                llama, outputs, {q["question_id"]: p[0].tolist() for q, p in zip(questions, prompts)},
+                args.max_new_tokens)
+        except (RuntimeError, OSError) as err:
+            logger.warning("The 1-thread llama.cpp rerun of the differing answers failed: %s", err)
     results = {
         "settings": _settings(args, model, device, dtype, questions),
         **summarise(per_question, methods),

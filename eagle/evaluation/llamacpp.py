@@ -228,8 +228,10 @@ def recheck_with_one_thread(runner: LlamaCppRunner, outputs: dict, prompts: dict
     likeliest)."""
     from .agreement import first_difference
 
+    if set(runner.methods) != set(LLAMACPP_METHODS) or (runner.threads or 1) == 1:
+        return None
     differing = different_questions(outputs)
-    if not differing or (runner.threads or 1) == 1 or "llamacpp" not in runner.methods:
+    if not differing:
         return None
     server = LlamaServer(runner.binary, runner.base_gguf, threads=1, context=runner.context,
                          extra_args=runner.extra_args)
@@ -293,8 +295,9 @@ def report_lines(section: dict | None, temperature: float) -> list[str]:
     check = section["greedy_check"]
     if check and temperature <= 1e-5:
         threads = section.get("threads")
-        lines.append(f"- Greedy answers with our head equal llama.cpp's plain ones ({threads} thread"
-                     f"{'s' * (threads != 1)} both) on {check['identical']} of {check['checked']} questions"
+        same_threads = f" (both on {threads} thread{'s' * (threads != 1)})" if threads else ""
+        lines.append(f"- Greedy answers with our head equal llama.cpp's plain ones{same_threads} on {check['identical']} "
+                     f"of {check['checked']} questions"
                      + (f" (differ: {check['different_questions']})." if check["different_questions"] else "."))
         lines += _one_thread_lines(check.get("one_thread"))
     return lines
