@@ -200,6 +200,9 @@ def test_ragged_trees_with_lookup_chains_are_lossless(family, pack, family_dirs,
     verify in one padded forward, and every row is still its prompt's greedy decoding, packed or not."""
     monkeypatch.setattr(EagleDrafter, "_fill_padding", lambda self, trees, *rest: trees, raising=False)
     monkeypatch.setattr(cpu_linear, "MIN_PADDING_ROWS", 1)  # every padded forward skips its padding rows
+    skipping = []
+    real_rows = cpu_linear.RealRows
+    monkeypatch.setattr(cpu_linear, "RealRows", lambda shape, index: skipping.append(shape) or real_rows(shape, index))
     sizes = []
     stack = generation.stack_trees
     monkeypatch.setattr(generation, "stack_trees", lambda trees: sizes.append({t.size for t in trees}) or stack(trees))
@@ -213,6 +216,7 @@ def test_ragged_trees_with_lookup_chains_are_lossless(family, pack, family_dirs,
     out, counts, _ = model.eagenerate(ids, attention_mask=mask, max_new_tokens=MAX_NEW, log=True)
     assert rows_of(out, ids.shape[1], counts) == expected
     assert any(len(step) > 1 for step in sizes)  # some steps verified trees of different sizes
+    assert any(shape[1] > 1 for shape in skipping)  # ... with their padding nodes skipped (when packed)
 
 
 @pytest.fixture(scope="module")

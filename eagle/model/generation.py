@@ -10,7 +10,8 @@ token). All rows share the cache's slot axis: every forward pass writes every ro
 committed tokens sit at slots ``start[b] .. length[b] - 1`` (:class:`Rows`). Its RoPE positions count from its
 first real token, so each row computes what its prompt alone would (the pad slots and a row's leftovers past its
 own length are masked out, never attended). Trees are padded to the largest row's node count
-(:class:`~eagle.model.tree.TreeBatch`); after verification each row moves its own accepted path (ragged lengths) to
+(:class:`~eagle.model.tree.TreeBatch`; its ``valid`` marks the real nodes, and packed CPU linear layers compute
+those alone, as they do a prefill's real prompt tokens); after verification each row moves its own accepted path (ragged lengths) to
 its own committed length. Stops and budgets are per row; a finished row leaves the batch (its cache and drafter
 rows are dropped, see :func:`drop_finished`), so it costs nothing afterwards.
 

@@ -257,7 +257,9 @@ class Target:
     ) -> TargetOutput:
         """input_ids: (B, T) new tokens, written to the cache after its ``cache.length`` slots; position_ids:
         (B, T) or (T,) their RoPE positions (tree depth + prefix length for a tree); ``tree_mask``, ``valid`` and
-        ``key_positions`` as in :meth:`attention_mask`.
+        ``key_positions`` as in :meth:`attention_mask`. A new token that ``valid`` marks False is padding (a tree
+        node beyond its row's tree, a left-padded prompt slot): no real token sees it, and packed linear layers skip
+        its row (:func:`~eagle.model.cpu_linear.real_rows_only`), so its logits and features are meaningless.
 
         ``lazy_logits``: the caller reads only some rows (tree verification); when this target allows it, the
         logits come back as :class:`LazyLogits`, with the positions ``first_rows`` (one list per batch row, or one
@@ -275,6 +277,8 @@ class Target:
         mask = self.attention_mask(past, position_ids, tree_mask, valid, key_positions)
         position_ids = position_ids.to(self.device)
         real = None if valid is None else valid[:, past:].to(self.device)  # (B, T): which new tokens are real
+        if lazy and len(first_rows) == 1:
+            real = None  # the LM head reads chosen positions, in any order: it must not take them for every token
         with tree_attention(self.config), real_rows_only(real):
             outputs = self.model(
                 input_ids=input_ids.to(self.device),
