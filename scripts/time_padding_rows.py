@@ -6,7 +6,7 @@ one process on the embedded default pair (or ``--base-model`` / ``--ea-model``).
     python scripts/time_padding_rows.py --tree-sizes 24,4,4,4,4,4,4,4 --prompt-lengths 30,60,90,120,150,180,210,240
     python scripts/time_padding_rows.py --generate-batches 4,8 --num-questions 16 --max-new-tokens 128
 
-Prints, for each, the median milliseconds over ``--repeats`` runs with the padding skipped and computed; for the
+Prints, for each, the median milliseconds (CPU time by default, see ``--clock``) over ``--repeats`` runs with the padding skipped and computed; for the
 verification also a batch whose trees all have the smallest size (no padding), for reference.
 ``--generate-batches``: greedy batched EAGLE over MT-bench first turns (the model's batch trees), each batch size
 run with the padding skipped and computed in turn, ``--repeats`` times: total seconds, and milliseconds per step
@@ -34,6 +34,16 @@ def chain_tree(root: torch.Tensor, size: int) -> DraftTree:
     return tree_from_parents(tokens, torch.arange(-1, size - 1), torch.zeros(size))
 
 
+# What is timed: "cpu" (default) the process's CPU time, which other jobs on a loaded machine barely change (with one
+# torch thread, the work done); "wall" the elapsed time (for an idle machine). Set by --clock.
+CLOCKS = {"cpu": time.process_time, "wall": time.perf_counter}
+_clock = [CLOCKS["cpu"]]
+
+
+def clock() -> float:
+    return _clock[0]()
+
+
 @contextlib.contextmanager
 def padding_computed():
     """Padding rows computed like real ones: the engine without ``real_rows_only``."""
@@ -58,9 +68,9 @@ def time_verify(target, sizes: list[int], prefix: int) -> dict[str, float]:
     seconds = {}
     for label, context in (("skipped", contextlib.nullcontext()), ("computed", padding_computed())):
         with context:
-            start = time.perf_counter()
+            start = clock()
             generation.verify_trees(target, trees, cache, rows, lazy_logits=True)
-            seconds[label] = time.perf_counter() - start
+            seconds[label] = clock() - start
         cache.crop(prefix)
     return seconds
 
@@ -75,9 +85,9 @@ def time_prefill(target, lengths: list[int]) -> dict[str, float]:
         cache = target.new_cache(width + 1)
         cache.reset(len(lengths))
         with context:
-            start = time.perf_counter()
+            start = clock()
             generation.prefill(target, ids, cache, None, True, pads)
-            seconds[label] = time.perf_counter() - start
+            seconds[label] = clock() - start
     return seconds
 
 
@@ -88,11 +98,11 @@ def timed(owner, names: list[str], seconds: dict[str, float]):
 
     def wrap(name, function):
         def run(*args, **kwargs):
-            start = time.perf_counter()
+            start = clock()
             try:
                 return function(*args, **kwargs)
             finally:
-                seconds[name] += time.perf_counter() - start
+                seconds[name] += clock() - start
         return run
 
     for name, function in originals.items():
@@ -109,12 +119,12 @@ def time_generation(model, prompts: list[list[int]], batch: int, max_new_tokens:
     verifications, and the number of steps (target forwards)."""
     seconds: dict[str, float] = defaultdict(float)
     steps = 0
-    start = time.perf_counter()
+    start = clock()
     with timed(generation, ["prefill", "verify_trees"], seconds):
         for first in range(0, len(prompts), batch):
             rows = [torch.tensor(p) for p in prompts[first:first + batch]]
             steps += sum(1 for _ in model.generate_batch_steps(rows, max_new_tokens=max_new_tokens))
-    seconds["total"] = time.perf_counter() - start
+    seconds["total"] = clock() - start
     seconds["steps"] = steps
     return seconds
 
@@ -156,12 +166,16 @@ def main(argv=None) -> None:
                         help="Comma-separated batch sizes: time batched generation instead (see above).")
     parser.add_argument("--num-questions", type=int, default=16, help="MT-bench first turns (--generate-batches).")
     parser.add_argument("--max-new-tokens", type=int, default=128, help="New tokens per answer (--generate-batches).")
+    parser.add_argument("--clock", choices=list(CLOCKS), default="cpu",
+                        help="cpu: the process's CPU time (robust to other jobs' load; run with one torch thread); "
+                        "wall: elapsed time (an idle machine).")
     parser.add_argument("--base-model", default=None, help="Base model (default: the embedded pair's).")
     parser.add_argument("--ea-model", default=None, help="EAGLE head (default: the embedded pair's).")
     args = parser.parse_args(argv)
+    _clock[0] = CLOCKS[args.clock]
     model = EaModel.from_pretrained(base_model_path=args.base_model, ea_model_path=args.ea_model)
     target = model._eagle_target
-    print(f"{torch.get_num_threads()} torch threads, median of {args.repeats}")
+    print(f"{torch.get_num_threads()} torch threads, {args.clock} time, median of {args.repeats}")
     if args.generate_batches:
         compare_generation(model, args)
         return
