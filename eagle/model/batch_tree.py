@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from dataclasses import asdict
 
+from .batch_budget import row_tree_limit
 from .drafter import TreeSettings, tree_for_batch
 from .head_tree import TREE_KEYS, check_tree_entry, device_kind
 
@@ -74,9 +75,12 @@ def check_batch_trees(trees) -> dict[int, TreeSettings]:
 
 
 def largest_tree_size(settings: TreeSettings, batch_trees: dict[int, TreeSettings] | None, batch_size: int) -> int:
-    """The most nodes a step of a batch that starts with ``batch_size`` rows can verify (rows leave, so every
-    smaller batch's tree counts)."""
-    return max(tree_for_batch(settings, batch_trees, size).max_tree_size for size in range(1, batch_size + 1))
+    """The most nodes one row's tree can hold in a step of a batch that starts with ``batch_size`` rows (rows
+    leave, so every smaller batch's tree counts; rows share a node budget, see
+    :func:`~eagle.model.batch_budget.row_tree_limit`)."""
+    return max(row_tree_limit(tree.total_token, tree.depth, tree.top_k, tree.lookup_tokens, size)
+               for size in range(1, batch_size + 1)
+               for tree in [tree_for_batch(settings, batch_trees, size)])
 
 
 def describe_batch_trees(batch_trees: dict[int, TreeSettings]) -> str:

@@ -21,8 +21,9 @@ from dataclasses import dataclass
 import torch
 
 from .draft_layers import KVPair
+from .batch_budget import LookupRate, select_batch_trees
 from .lookup import find_continuation, graft_chain
-from .tree import DraftTree, root_only_tree, select_tree, select_trees
+from .tree import DraftTree, root_only_tree, select_trees
 
 
 @dataclass(frozen=True)
@@ -110,12 +111,17 @@ class EagleDrafter:
         self.valid: torch.Tensor | None = None  # (B, slots) bool; None while every slot is valid
         self.counts: torch.Tensor | None = None  # (B,) committed pairs per row
         self.history: list[torch.Tensor | None] = [None] * batch_size
+        self.chains: list[torch.Tensor | None] = [None] * batch_size  # each row's last lookup chain
+        self.grafted: list[int] = [0] * batch_size  # how many of its tokens the row's last tree verified
+        self.lookup_rate = LookupRate()
 
     def select_rows(self, index: torch.Tensor) -> None:
         self.committed_kv = [(k[index.to(k.device)], v[index.to(v.device)]) for k, v in self.committed_kv or []] or None
         self.valid = None if self.valid is None else self.valid[index.to(self.valid.device)]
         self.counts = None if self.counts is None else self.counts[index.to(self.counts.device)]
         self.history = [self.history[i] for i in index.tolist()]
+        self.chains = [self.chains[i] for i in index.tolist()]
+        self.grafted = [self.grafted[i] for i in index.tolist()]
         self._compact()
 
     def add_rows(self, features: torch.Tensor, next_tokens: torch.Tensor, valid: torch.Tensor | None = None) -> None:
@@ -147,6 +153,8 @@ class EagleDrafter:
             self.counts = torch.cat([c.to(device) if c is not None else torch.zeros(n, dtype=torch.long, device=device)
                                      for c, n in zip((self.counts, other.counts), rows)])
         self.history = self.history + other.history
+        self.chains = self.chains + other.chains
+        self.grafted = self.grafted + other.grafted
         self._compact()
 
     def _compact(self) -> None:
@@ -176,9 +184,9 @@ class EagleDrafter:
                     valid: torch.Tensor | None = None) -> list[DraftTree]:
         """features: (B, m, F) target features of the m newly committed positions; next_tokens: (B, m) the token
         after each; valid: (B, m) bool, which of them are a row's (a contiguous run; None = all). The root of row
-        b is its last valid next token. Returns B trees of at most ``total_token`` nodes each plus a grafted lookup
-        chain, of the tree for B rows (``batch_trees``); in a batch, a tree smaller than the largest is filled up
-        to its size with more of the head's candidates (:meth:`_fill_padding`)."""
+        b is its last valid next token. Returns B trees of the tree for B rows (``batch_trees``): one row gets at
+        most ``total_token`` nodes plus a grafted lookup chain; B > 1 rows share one budget of
+        ``B x (total_token - 1)`` draft nodes, chains included (:mod:`eagle.model.batch_budget`)."""
         self.settings = tree_for_batch(self.batch1_settings, self.batch_trees, next_tokens.shape[0])
         head, k = self.head, self.settings.top_k
         hidden, last = self._commit(features, next_tokens, valid)
@@ -189,28 +197,17 @@ class EagleDrafter:
         logp = torch.log_softmax(head.compute_logits(hidden[rows, last][:, None])[:, 0].float(), dim=-1)  # (B, Vd)
         scores, draft_ids = logp.topk(k, dim=-1)
         candidates = self._expand(hidden[rows, last][:, None], head.draft_to_target(draft_ids), scores)
-        trees = select_trees(roots, *candidates, self.settings.total_token - 1)
         chains = [None] * batch
         if any(tree.lookup_tokens for tree in (self.batch1_settings, *self.batch_trees.values())):
             chains = [self._lookup_chain(b, next_tokens[b] if valid is None else next_tokens[b][valid[b]])
                       for b in range(batch)]
-            trees = [graft_chain(tree, chain) if chain is not None else tree for tree, chain in zip(trees, chains)]
-        return self._fill_padding(trees, roots, candidates, chains) if batch > 1 else trees
-
-    def _fill_padding(self, trees: list[DraftTree], roots, candidates, chains) -> list[DraftTree]:
-        """Every row's tree is padded to the batch's largest for verification (a row whose lookup found nothing
-        next to one that grafted a long chain): fill a smaller tree's padding with its next best candidates
-        instead, verified at no extra cost. Each row keeps its chain; its tree grows to at most the largest."""
-        size = max(tree.size for tree in trees)
-        filled = []
-        for b, tree in enumerate(trees):
-            if tree.size < size:
-                nodes = self.settings.total_token - 1 + size - tree.size
-                tree = select_tree(roots[b], candidates[0][b], candidates[1][b], candidates[2][b], nodes)
-                if chains[b] is not None:
-                    tree = graft_chain(tree, chains[b])
-            filled.append(tree)
-        return filled
+        if batch == 1:
+            trees = select_trees(roots, *candidates, self.settings.total_token - 1)
+            self.grafted = [0 if chain is None else chain.numel() for chain in chains]
+            return [graft_chain(tree, chain) if chain is not None else tree for tree, chain in zip(trees, chains)]
+        trees, self.grafted = select_batch_trees(roots, *candidates, batch * (self.settings.total_token - 1), chains,
+                                                 self.lookup_rate.log_rate)
+        return trees
 
     def _commit(self, features, next_tokens, valid):
         """Run the head over the new pairs into its committed cache. Returns its states (B, m, H) and the index of
@@ -288,14 +285,19 @@ class EagleDrafter:
 
     def _lookup_chain(self, row: int, new_tokens: torch.Tensor) -> torch.Tensor | None:
         """Extend the row's history (kept whenever some batch size's tree looks up, so that a batch whose rows
-        leave can switch to one) and return its lookup continuation, or None when there is none or the tree in use
-        does not look up."""
+        leave can switch to one), score its last chain against what the row committed since
+        (:class:`~eagle.model.batch_budget.LookupRate`), and return its lookup continuation, or None when there is
+        none or the tree in use does not look up."""
         history = self.history[row]
         self.history[row] = history = new_tokens if history is None else torch.cat([history, new_tokens])
+        if self.chains[row] is not None:
+            self.lookup_rate.observe(self.chains[row], self.grafted[row], new_tokens)
+        self.chains[row] = None
         if not self.settings.lookup_tokens:
             return None
         chain = find_continuation(history, self.settings.lookup_tokens)
-        return chain if chain.numel() else None
+        self.chains[row] = chain if chain.numel() else None
+        return self.chains[row]
 
 
 def _stack_rows(first, second, rows: tuple[int, int], slots: int) -> torch.Tensor:

@@ -97,7 +97,14 @@ def select_tree(
     """
     num_nodes = min(num_nodes, cand_tokens.shape[0])
     order = torch.sort(cand_scores, descending=True, stable=True).indices[:num_nodes]
-    kept = order.sort().values  # ascending candidate index: parents before children
+    return tree_of_candidates(root, cand_tokens, cand_scores, cand_parents, order.sort().values)
+
+
+def tree_of_candidates(root: torch.Tensor, cand_tokens: torch.Tensor, cand_scores: torch.Tensor,
+                       cand_parents: torch.Tensor, kept: torch.Tensor) -> DraftTree:
+    """The tree of the candidates ``kept`` (ascending candidate indices, every one's parent kept too) below
+    ``root``; candidates as in :func:`select_tree`."""
+    num_nodes = kept.shape[0]
     # node id of candidate c = position in `kept` + 1 (0 is the root)
     node_of = torch.full((cand_tokens.shape[0] + 1,), -1, dtype=torch.long, device=kept.device)
     node_of[kept] = torch.arange(1, num_nodes + 1, device=kept.device)
