@@ -74,33 +74,32 @@ def test_a_row_alone_with_the_whole_budget_is_the_single_sequence_tree():
 def test_lookup_chains_compete_for_the_budget_by_their_acceptance_rate():
     roots, tokens, scores, parents = rows_candidates([[0.3] * 3, [0.3] * 3])
     chains = [torch.tensor([7, 8, 9, 10]), None]
-    trusted, _ = select_batch_trees(roots, tokens, scores, parents, 4, chains, math.log(0.95))
-    doubted, grafted = select_batch_trees(roots, tokens, scores, parents, 4, chains, math.log(0.05))
+    trusted, _ = select_batch_trees(roots, tokens, scores, parents, 4, chains, [math.log(0.95)] * 2)
+    doubted, grafted = select_batch_trees(roots, tokens, scores, parents, 4, chains, [math.log(0.05)] * 2)
     assert grafted == [0, 0] and token_paths(doubted[0]).isdisjoint({(0, 7)})
     assert (0, 7, 8, 9, 10) in token_paths(trusted[0]) and trusted[1].size == 1  # the whole chain, nothing else
     # in between: the chain's start competes with the head's best nodes, a chain is kept from its start
-    mixed, grafted = select_batch_trees(roots, tokens, scores, parents, 4, chains, math.log(0.6))
+    mixed, grafted = select_batch_trees(roots, tokens, scores, parents, 4, chains, [math.log(0.6)] * 2)
     assert grafted[0] == 2 and (0, 7, 8) in token_paths(mixed[0]) and (0, 7, 8, 9) not in token_paths(mixed[0])
     assert sum(tree.size - 1 for tree in mixed) == 4
     # a chain that follows a kept head node is not counted twice
     follow = [tokens[0, :1].clone(), None]
-    trees, grafted = select_batch_trees(roots, tokens, scores, parents, 4, follow, math.log(0.9))
+    trees, grafted = select_batch_trees(roots, tokens, scores, parents, 4, follow, [math.log(0.9)] * 2)
     assert grafted[0] == 1 and sum(tree.size - 1 for tree in trees) == 3
     assert trees[0].tokens[trees[0].parents == 0].tolist().count(int(follow[0])) == 1
 
 
-def test_the_lookup_rate_follows_what_rows_commit():
-    rate = LookupRate(0.5, 10)
+def test_the_lookup_rate_follows_what_rows_commit_by_match_length():
+    rate = LookupRate({1: 0.5, 3: 0.5}, 10)
     chain = torch.tensor([1, 2, 3, 4])
-    rate.observe(chain, verified=4, committed=torch.tensor([1, 2, 3, 4, 5]))  # 4 accepted out of 4 tried
-    assert rate.rate > 0.6
-    low = LookupRate(0.5, 10)
+    rate.observe(chain, 3, verified=4, committed=torch.tensor([1, 2, 3, 4, 5]))  # 4 accepted out of 4 tried
+    assert rate.rate(3) > 0.6 and rate.rate(1) == 0.5
     for _ in range(40):  # first token wrong, though not verified: the target's next token says so
-        low.observe(chain, verified=0, committed=torch.tensor([9]))
-    assert low.rate < 0.1
-    same = LookupRate(0.5, 10)
-    same.observe(chain, verified=0, committed=torch.tensor([1]))  # right, then nothing known: one success in one
-    assert same.successes == pytest.approx(0.5 * 10 * 0.98 + 1) and same.trials == pytest.approx(10 * 0.98 + 1)
+        rate.observe(chain, 1, verified=0, committed=torch.tensor([9]))
+    assert rate.rate(1) < 0.1 and rate.rate(3) > 0.6
+    rate.observe(chain, 2, verified=0, committed=torch.tensor([1]))  # right, then nothing known: one success in one
+    assert rate.counts[2] == pytest.approx([0.5 * 10 * 0.98 + 1, 10 * 0.98 + 1])
+    assert LookupRate().rate(1) < LookupRate().rate(2) < LookupRate().rate(3)  # longer matches, likelier chains
 
 
 def test_row_tree_limit():

@@ -1,11 +1,10 @@
-"""Draft trees for batches: the tree each row verifies shrinks as the batch grows.
+"""Draft trees for batches: the nodes a batch verifies per row shrink as the batch grows.
 
-One verification forward carries B rows x N tree tokens (every row's tree padded to the batch's largest, see
-:class:`~eagle.model.tree.TreeBatch`). On a GPU that costs little more than B tokens; on a CPU it turns
-compute-bound as B x N grows, so the tree that is fastest for one sequence wastes time in a batch: at batch 8 a
-row's 8-node tree plus a 16-token lookup branch is 8 x 24 rows per forward against plain decoding's 8. A head
-therefore carries, besides its batch-1 tree (:mod:`eagle.model.head_tree`), the trees measured fastest for
-batches, per kind of device, in its ``config.json``::
+One verification forward carries every row's tree. On a GPU that costs little more than B tokens; on a CPU it
+turns compute-bound as the rows' nodes add up, so the tree that is fastest for one sequence wastes time in a batch:
+at batch 8 a row's 8-node tree plus a 16-token lookup branch is up to 8 x 24 rows per forward against plain
+decoding's 8. A head therefore carries, besides its batch-1 tree (:mod:`eagle.model.head_tree`), the trees measured
+fastest for batches, per kind of device, in its ``config.json``::
 
     "eagle_batch_tree": {
         "cpu": {"4": {"total_token": 6, "depth": 1, "top_k": 4, "lookup_tokens": 4},
@@ -14,12 +13,16 @@ batches, per kind of device, in its ``config.json``::
 
 A key is the smallest batch size its tree applies to (up to the next key); batch sizes below every key use the
 batch-1 tree. Each value holds the four settings of :class:`~eagle.model.drafter.TreeSettings` (a missing one
-takes the batch-1 tree's). The loop re-chooses the tree each step from the rows still generating, so the last rows
-of a batch get the larger trees of small batches.
+takes the batch-1 tree's). For a batch of B > 1 rows they mean one node budget (:mod:`eagle.model.batch_budget`):
+the batch verifies B roots plus ``B x (total_token - 1)`` draft nodes, taken by score over all rows' candidates
+(``depth`` and ``top_k`` say how far the head grows them) and lookup chains (``lookup_tokens``: the longest chain
+a row may graft), so ``total_token`` is the mean tree size per row, not every row's. A single row (batch 1, or the
+last row of a batch) verifies ``total_token`` nodes plus its chain, as a sequence alone. The loop re-chooses the
+tree each step from the rows still generating, so the last rows of a batch get the larger trees of small batches.
 
 ``EaModel.from_pretrained`` reads them when no tree argument is given; an explicit tree (arguments, ``total_token=-1``
-tuning, ``set_tree``, assigning ``tree_settings``) applies to every batch size; ``EaModel.set_batch_trees`` sets
-per-batch trees again.
+tuning, ``set_tree``, assigning ``tree_settings``) applies to every batch size, with the same budget meaning;
+``EaModel.set_batch_trees`` sets per-batch trees again.
 """
 
 from __future__ import annotations

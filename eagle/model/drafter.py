@@ -22,7 +22,7 @@ import torch
 
 from .draft_layers import KVPair
 from .batch_budget import LookupRate, select_batch_trees
-from .lookup import find_continuation, graft_chain
+from .lookup import find_match, graft_chain
 from .tree import DraftTree, root_only_tree, select_trees
 
 
@@ -86,7 +86,8 @@ class NoDrafter:
 
 
 class EagleDrafter:
-    """EAGLE-2 dynamic tree drafting with an EAGLE head, for B rows at once (one tree per row, same settings).
+    """EAGLE-2 dynamic tree drafting with an EAGLE head, for B rows at once (one tree per row; B > 1 rows share one
+    node budget, :mod:`eagle.model.batch_budget`).
 
     ``batch_trees`` ({smallest batch size: settings}, see :mod:`eagle.model.batch_tree`): each draft uses the tree
     for the number of rows it drafts (``settings`` when none applies); ``settings`` then holds the tree in use.
@@ -95,7 +96,10 @@ class EagleDrafter:
     committed positions, so a rejected tree needs no rollback. Rows commit different numbers of pairs per step, so
     once a step brings padding, ``valid`` (B, slots) says which cache slots hold a row's pairs and ``counts`` (B,)
     how many it has (its next head position). With ``settings.lookup_tokens``, also each row's committed tokens
-    (the prompt without its first token, then everything emitted), where its lookup branch is searched.
+    (the prompt without its first token, then everything emitted), where its lookup branch is searched, its last
+    chain with the length of the context match it came from and how many of its tokens were verified
+    (``chains``, ``matches``, ``grafted``), and ``lookup_rate``, the running
+    estimate of how often a chain token is accepted, which scores chains against the head's nodes.
     """
 
     needs_features = True
@@ -112,6 +116,7 @@ class EagleDrafter:
         self.counts: torch.Tensor | None = None  # (B,) committed pairs per row
         self.history: list[torch.Tensor | None] = [None] * batch_size
         self.chains: list[torch.Tensor | None] = [None] * batch_size  # each row's last lookup chain
+        self.matches: list[int] = [0] * batch_size  # the length of the context match it came from
         self.grafted: list[int] = [0] * batch_size  # how many of its tokens the row's last tree verified
         self.lookup_rate = LookupRate()
 
@@ -121,6 +126,7 @@ class EagleDrafter:
         self.counts = None if self.counts is None else self.counts[index.to(self.counts.device)]
         self.history = [self.history[i] for i in index.tolist()]
         self.chains = [self.chains[i] for i in index.tolist()]
+        self.matches = [self.matches[i] for i in index.tolist()]
         self.grafted = [self.grafted[i] for i in index.tolist()]
         self._compact()
 
@@ -154,6 +160,7 @@ class EagleDrafter:
                                      for c, n in zip((self.counts, other.counts), rows)])
         self.history = self.history + other.history
         self.chains = self.chains + other.chains
+        self.matches = self.matches + other.matches
         self.grafted = self.grafted + other.grafted
         self._compact()
 
@@ -205,8 +212,9 @@ class EagleDrafter:
             trees = select_trees(roots, *candidates, self.settings.total_token - 1)
             self.grafted = [0 if chain is None else chain.numel() for chain in chains]
             return [graft_chain(tree, chain) if chain is not None else tree for tree, chain in zip(trees, chains)]
+        rates = [self.lookup_rate.log_rate(match) for match in self.matches]
         trees, self.grafted = select_batch_trees(roots, *candidates, batch * (self.settings.total_token - 1), chains,
-                                                 self.lookup_rate.log_rate)
+                                                 rates)
         return trees
 
     def _commit(self, features, next_tokens, valid):
@@ -291,12 +299,13 @@ class EagleDrafter:
         history = self.history[row]
         self.history[row] = history = new_tokens if history is None else torch.cat([history, new_tokens])
         if self.chains[row] is not None:
-            self.lookup_rate.observe(self.chains[row], self.grafted[row], new_tokens)
-        self.chains[row] = None
+            self.lookup_rate.observe(self.chains[row], self.matches[row], self.grafted[row], new_tokens)
+        self.chains[row], self.matches[row] = None, 0
         if not self.settings.lookup_tokens:
             return None
-        chain = find_continuation(history, self.settings.lookup_tokens)
-        self.chains[row] = chain if chain.numel() else None
+        chain, match = find_match(history, self.settings.lookup_tokens)
+        if chain.numel():
+            self.chains[row], self.matches[row] = chain, match
         return self.chains[row]
 
 

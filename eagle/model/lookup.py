@@ -34,6 +34,12 @@ def find_continuation(history: torch.Tensor, max_tokens: int, max_ngram: int = M
     to ``min_ngram``. A match of ``max_ngram`` tokens earns a chain of up to ``max_tokens`` tokens, and each token
     less halves that (16, 8, 4 for ``max_tokens=16``): a single matching token is weak evidence, and on text that
     does not repeat its long chains would be verified for nothing. Returns an empty tensor when nothing matches."""
+    return find_match(history, max_tokens, max_ngram, min_ngram)[0]
+
+
+def find_match(history: torch.Tensor, max_tokens: int, max_ngram: int = MAX_NGRAM,
+               min_ngram: int = MIN_NGRAM) -> tuple[torch.Tensor, int]:
+    """:func:`find_continuation` and the length ``n`` of the match it came from (0 when none)."""
     length = history.shape[0]
     for n in range(max_ngram, min_ngram - 1, -1):
         if length <= n:
@@ -42,8 +48,8 @@ def find_continuation(history: torch.Tensor, max_tokens: int, max_ngram: int = M
         starts = (windows == history[-n:]).all(dim=1).nonzero()
         if starts.numel():
             begin = int(starts[-1]) + n
-            return history[begin : begin + (max_tokens >> (max_ngram - n))]
-    return history[:0]
+            return history[begin : begin + (max_tokens >> (max_ngram - n))], n
+    return history[:0], 0
 
 
 def graft_chain(tree: DraftTree, chain: torch.Tensor) -> DraftTree:
