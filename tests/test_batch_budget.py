@@ -108,7 +108,7 @@ def test_row_tree_limit():
     assert row_tree_limit(8, 1, 2, 4, 8) == 1 + 2 + 4 + 4
 
 
-def test_batched_drafts_share_the_budget_and_a_single_row_is_unchanged(pair):  # noqa: F811
+def test_batched_drafts_share_the_budget_and_a_single_row_is_unchanged(pair, monkeypatch):  # noqa: F811
     base, head, _ = pair
     model = EaModel.from_pretrained(base_model_path=str(base), ea_model_path=str(head), dtype=torch.float32)
     settings = TreeSettings(4, 2, 3, 6)
@@ -127,6 +127,11 @@ def test_batched_drafts_share_the_budget_and_a_single_row_is_unchanged(pair):  #
     alone.reset(1)
     tree = alone.draft_batch(features[:1], tokens[:1])[0]
     assert tree.size > settings.total_token  # one row: total_token nodes plus its whole chain, as before
+    monkeypatch.setattr(drafter_module.EagleDrafter, "shared_budget", False)  # to compare: the same tree per row
+    uniform = drafter_module.EagleDrafter(model.ea_layer, settings)
+    uniform.reset(3)
+    trees = uniform.draft_batch(features, tokens)
+    assert trees[1].size == settings.total_token and trees[0].size == trees[2].size == tree.size
 
 
 def test_greedy_rows_with_a_shared_budget_equal_hf_greedy(pair):  # noqa: F811

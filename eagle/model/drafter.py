@@ -103,6 +103,7 @@ class EagleDrafter:
     """
 
     needs_features = True
+    shared_budget = True  # False: every row of a batch drafts total_token nodes and its chain (to compare with)
 
     def __init__(self, head, settings: TreeSettings, batch_trees: dict[int, TreeSettings] | None = None):
         self.head = head
@@ -208,7 +209,7 @@ class EagleDrafter:
         if any(tree.lookup_tokens for tree in (self.batch1_settings, *self.batch_trees.values())):
             chains = [self._lookup_chain(b, next_tokens[b] if valid is None else next_tokens[b][valid[b]])
                       for b in range(batch)]
-        if batch == 1:
+        if batch == 1 or not self.shared_budget:
             trees = select_trees(roots, *candidates, self.settings.total_token - 1)
             self.grafted = [0 if chain is None else chain.numel() for chain in chains]
             return [graft_chain(tree, chain) if chain is not None else tree for tree, chain in zip(trees, chains)]
