@@ -5,11 +5,10 @@ same left-padded batches, at each batch size, every configuration run ``--repeat
 
 Greedy; MT-bench first turns taken round-robin over categories, cut into batches of each size; every batch runs
 every configuration in turn (the order rotated from batch to batch), one tree at a time set as the model's only
-batch tree (``EaModel.set_batch_trees({2: tree})``), so every batch of two or more rows drafts with it (as a node
-budget, see eagle/model/batch_budget.py). Speeds are total new tokens over total seconds; the ratio in brackets is
+batch tree (``EaModel.set_batch_trees({2: tree})``), so every batch of two or more rows drafts with it. Speeds are total new tokens over total seconds; the ratio in brackets is
 the geometric mean, over batches and repeats, of a tree's speed over HF's on the same batch in the same turn (what
-to read on a loaded machine). A tree ending in ``u`` (``4/1/3/0u``) drafts every row the same tree instead of
-sharing the batch's node budget (``EagleDrafter.shared_budget = False``), to compare the two. What it prints is what
+to read on a loaded machine). A tree ending in ``b`` (``4/1/3/0b``) drafts the batch from one node budget shared by
+its rows (``EagleDrafter.shared_budget = True``, eagle/model/batch_budget.py) instead of the same tree per row. What it prints is what
 chose the trees the embedded head carries in ``eagle_batch_tree`` (see docs/PERFORMANCE.md).
 """
 
@@ -34,8 +33,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_arguments(parser, tree=False, quantization=False)
     parser.add_argument("--batch-sizes", default="4,8", help="Comma-separated batch sizes.")
     parser.add_argument("--trees", default="2/0/1/0,3/1/2/0,4/1/3/0,6/1/4/0,8/2/4/0,8/2/4/16",
-                        help="Comma-separated total_token/depth/top_k/lookup trees; a tree ending in u (4/1/3/0u) "
-                        "gives every row total_token nodes and its chain instead of one shared budget.")
+                        help="Comma-separated total_token/depth/top_k/lookup trees; a tree ending in b (4/1/3/0b) "
+                        "drafts the batch from one shared node budget (EagleDrafter.shared_budget) instead of the "
+                        "same tree per row.")
     parser.add_argument("--num-questions", type=int, default=16, help="MT-bench first turns.")
     parser.add_argument("--max-new-tokens", type=int, default=128, help="New tokens per answer at most.")
     parser.add_argument("--repeats", type=int, default=2, help="Runs of every configuration, in turn.")
@@ -56,7 +56,7 @@ def sweep(model, prompts, size: int, trees: dict, args, stop_ids, pad_id) -> dic
         for name in names[turn % len(names):] + names[: turn % len(names)]:
             method = "hf_batched" if name == "hf" else "eagle_batched"
             if name != "hf":
-                EagleDrafter.shared_budget = not name.endswith("u")
+                EagleDrafter.shared_budget = name.endswith("b")
                 model.set_batch_trees({2: trees[name]})
             rows, seconds[name] = run_method(method, model, ids, mask, args.max_new_tokens, stop_ids)
             totals[name][0] += sum(len(r) for r in rows)
@@ -65,7 +65,7 @@ def sweep(model, prompts, size: int, trees: dict, args, stop_ids, pad_id) -> dic
             log_ratios[name].append(math.log(seconds["hf"] / seconds[name]))
         logger.info("batch %d, turn %d: %s", size, turn,
                     ", ".join(f"{name} {seconds['hf'] / seconds[name]:.2f}x" for name in names[1:]))
-    EagleDrafter.shared_budget = True
+    EagleDrafter.shared_budget = False
     return {name: (tokens / spent, math.exp(sum(log_ratios[name]) / len(log_ratios[name])))
             for name, (tokens, spent) in totals.items()}
 
@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     resolve_model_args(args)
     model = load_model_from_args(args)
-    trees = dict(zip(args.trees.split(","), parse_trees(args.trees.replace("u", ""))))
+    trees = dict(zip(args.trees.split(","), parse_trees(args.trees.replace("b", ""))))
     tokenizer = model.tokenizer
     stop_ids = engine_stop_ids(tokenizer, model.base_model, model)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop_ids[0]

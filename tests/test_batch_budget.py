@@ -11,6 +11,7 @@ import torch
 
 from eagle.model import drafter as drafter_module
 from eagle.model.batch_budget import LookupRate, row_tree_limit, select_batch_trees
+from eagle.model.batch_tree import largest_tree_size
 from eagle.model.drafter import TreeSettings
 from eagle.model.ea_model import EaModel
 from eagle.model.tree import select_tree
@@ -102,13 +103,24 @@ def test_the_lookup_rate_follows_what_rows_commit_by_match_length():
     assert LookupRate().rate(1) < LookupRate().rate(2) < LookupRate().rate(3)  # longer matches, likelier chains
 
 
-def test_row_tree_limit():
+@pytest.fixture
+def shared(monkeypatch):
+    monkeypatch.setattr(drafter_module.EagleDrafter, "shared_budget", True)
+
+
+def test_a_row_may_take_more_than_its_share_and_the_cache_makes_room(shared):
     assert row_tree_limit(8, 2, 4, 16, 1) == 24
     assert row_tree_limit(3, 2, 4, 8, 4) == 1 + 8
     assert row_tree_limit(8, 1, 2, 4, 8) == 1 + 2 + 4 + 4
+    base, trees = TreeSettings(10, 3, 3, 6), {3: TreeSettings(4, 1, 3, 0)}
+    # rows leave: at batch 2 the batch-1 tree is a budget of 2 x 9 draft nodes, one row may take them all
+    assert largest_tree_size(base, trees, 8) == 1 + 2 * 9
+    assert largest_tree_size(base, {}, 1) == base.max_tree_size
+    # 4 rows x 8 draft nodes, at most the 4 + 2 x 16 candidates and the 3-token chain in one row
+    assert largest_tree_size(TreeSettings(2, 1, 1, 0), {2: TreeSettings(9, 2, 4, 3)}, 4) == 33
 
 
-def test_batched_drafts_share_the_budget_and_a_single_row_is_unchanged(pair, monkeypatch):  # noqa: F811
+def test_batched_drafts_share_the_budget_and_a_single_row_is_unchanged(pair, shared, monkeypatch):  # noqa: F811
     base, head, _ = pair
     model = EaModel.from_pretrained(base_model_path=str(base), ea_model_path=str(head), dtype=torch.float32)
     settings = TreeSettings(4, 2, 3, 6)
@@ -134,8 +146,17 @@ def test_batched_drafts_share_the_budget_and_a_single_row_is_unchanged(pair, mon
     assert trees[1].size == settings.total_token and trees[0].size == trees[2].size == tree.size
 
 
-def test_greedy_rows_with_a_shared_budget_equal_hf_greedy(pair):  # noqa: F811
+def test_greedy_rows_with_a_shared_budget_equal_hf_greedy(pair, shared, monkeypatch):  # noqa: F811
     base, head, reference = pair
+    sizes = []
+    original = drafter_module.EagleDrafter.draft_batch
+
+    def spy(self, features, next_tokens, valid=None):
+        trees = original(self, features, next_tokens, valid)
+        sizes.append([tree.size for tree in trees])
+        return trees
+
+    monkeypatch.setattr(drafter_module.EagleDrafter, "draft_batch", spy)
     prompts = [[1, 40, 41, 42, 40, 41], [1, 70, 71, 72, 73, 74, 75, 76, 77, 20], [1, 100], [1, 5, 6, 7, 5, 6]]
     expected = hf_alone(reference, prompts, max_new_tokens=24)
     model = EaModel.from_pretrained(base_model_path=str(base), ea_model_path=str(head), dtype=torch.float32)
@@ -143,3 +164,6 @@ def test_greedy_rows_with_a_shared_budget_equal_hf_greedy(pair):  # noqa: F811
     ids, mask = left_padded(prompts)
     steps = list(model.generate_batch_steps(ids, attention_mask=mask, max_new_tokens=24))
     assert [[t for s in steps for t in s.tokens[row].tolist()] for row in range(len(prompts))] == expected
+    shared_steps = [step for step in sizes if len(step) > 1]
+    assert all(sum(step) <= 3 * len(step) for step in shared_steps)  # 2 draft nodes per row on average at most
+    assert any(len(set(step)) > 1 for step in shared_steps)  # rows got different shares

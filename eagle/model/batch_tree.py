@@ -13,11 +13,12 @@ fastest for batches, per kind of device, in its ``config.json``::
 
 A key is the smallest batch size its tree applies to (up to the next key); batch sizes below every key use the
 batch-1 tree. Each value holds the four settings of :class:`~eagle.model.drafter.TreeSettings` (a missing one
-takes the batch-1 tree's). For a batch of B > 1 rows they mean one node budget (:mod:`eagle.model.batch_budget`):
-the batch verifies B roots plus ``B x (total_token - 1)`` draft nodes, taken by score over all rows' candidates
-(``depth`` and ``top_k`` say how far the head grows them) and lookup chains (``lookup_tokens``: the longest chain
-a row may graft), so ``total_token`` is the mean tree size per row, not every row's. A single row (batch 1, or the
-last row of a batch) verifies ``total_token`` nodes plus its chain, as a sequence alone. The loop re-chooses the
+takes the batch-1 tree's); every row of the batch drafts that tree. With ``EagleDrafter.shared_budget = True``
+they mean one node budget for a batch of B > 1 rows (:mod:`eagle.model.batch_budget`): the batch verifies B roots
+plus ``B x (total_token - 1)`` draft nodes, taken by score over all rows' candidates (``depth`` and ``top_k`` say
+how far the head grows them) and lookup chains (``lookup_tokens``: the longest chain a row may graft), so
+``total_token`` is the mean tree size per row; a single row (batch 1, or the last row of a batch) verifies
+``total_token`` nodes plus its chain, as a sequence alone. Configs written before the budget load unchanged. The loop re-chooses the
 tree each step from the rows still generating, so the last rows of a batch get the larger trees of small batches.
 
 ``EaModel.from_pretrained`` reads them when no tree argument is given; an explicit tree (arguments, ``total_token=-1``
@@ -30,7 +31,7 @@ from __future__ import annotations
 from dataclasses import asdict
 
 from .batch_budget import row_tree_limit
-from .drafter import TreeSettings, tree_for_batch
+from .drafter import EagleDrafter, TreeSettings, tree_for_batch
 from .head_tree import TREE_KEYS, check_tree_entry, device_kind
 
 BATCH_TREE_FIELD = "eagle_batch_tree"
@@ -79,8 +80,10 @@ def check_batch_trees(trees) -> dict[int, TreeSettings]:
 
 def largest_tree_size(settings: TreeSettings, batch_trees: dict[int, TreeSettings] | None, batch_size: int) -> int:
     """The most nodes one row's tree can hold in a step of a batch that starts with ``batch_size`` rows (rows
-    leave, so every smaller batch's tree counts; rows share a node budget, see
-    :func:`~eagle.model.batch_budget.row_tree_limit`)."""
+    leave, so every smaller batch's tree counts; with ``EagleDrafter.shared_budget`` a row may take more than its
+    share, see :func:`~eagle.model.batch_budget.row_tree_limit`)."""
+    if not EagleDrafter.shared_budget:
+        return max(tree_for_batch(settings, batch_trees, size).max_tree_size for size in range(1, batch_size + 1))
     return max(row_tree_limit(tree.total_token, tree.depth, tree.top_k, tree.lookup_tokens, size)
                for size in range(1, batch_size + 1)
                for tree in [tree_for_batch(settings, batch_trees, size)])

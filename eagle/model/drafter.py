@@ -86,8 +86,8 @@ class NoDrafter:
 
 
 class EagleDrafter:
-    """EAGLE-2 dynamic tree drafting with an EAGLE head, for B rows at once (one tree per row; B > 1 rows share one
-    node budget, :mod:`eagle.model.batch_budget`).
+    """EAGLE-2 dynamic tree drafting with an EAGLE head, for B rows at once (one tree per row; with ``shared_budget``
+    B > 1 rows share one node budget, :mod:`eagle.model.batch_budget`).
 
     ``batch_trees`` ({smallest batch size: settings}, see :mod:`eagle.model.batch_tree`): each draft uses the tree
     for the number of rows it drafts (``settings`` when none applies); ``settings`` then holds the tree in use.
@@ -103,7 +103,9 @@ class EagleDrafter:
     """
 
     needs_features = True
-    shared_budget = True  # False: every row of a batch drafts total_token nodes and its chain (to compare with)
+    # True: a batch's rows share one node budget (:mod:`eagle.model.batch_budget`); off by default, since ragged
+    # trees measured slower on a CPU than the same tree per row (BENCHMARKS.md, "One node budget per batch").
+    shared_budget = False
 
     def __init__(self, head, settings: TreeSettings, batch_trees: dict[int, TreeSettings] | None = None):
         self.head = head
@@ -192,9 +194,9 @@ class EagleDrafter:
                     valid: torch.Tensor | None = None) -> list[DraftTree]:
         """features: (B, m, F) target features of the m newly committed positions; next_tokens: (B, m) the token
         after each; valid: (B, m) bool, which of them are a row's (a contiguous run; None = all). The root of row
-        b is its last valid next token. Returns B trees of the tree for B rows (``batch_trees``): one row gets at
-        most ``total_token`` nodes plus a grafted lookup chain; B > 1 rows share one budget of
-        ``B x (total_token - 1)`` draft nodes, chains included (:mod:`eagle.model.batch_budget`)."""
+        b is its last valid next token. Returns B trees of the tree for B rows (``batch_trees``): each row gets
+        ``total_token`` nodes plus a grafted lookup chain, or with ``shared_budget`` B > 1 rows share one budget
+        of ``B x (total_token - 1)`` draft nodes, chains included (:mod:`eagle.model.batch_budget`)."""
         self.settings = tree_for_batch(self.batch1_settings, self.batch_trees, next_tokens.shape[0])
         head, k = self.head, self.settings.top_k
         hidden, last = self._commit(features, next_tokens, valid)
