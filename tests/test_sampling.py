@@ -144,7 +144,8 @@ def test_lookup_branch_keeps_the_distribution(sampling_setup, monkeypatch):
         with torch.no_grad():
             return reference.generate(ids, max_new_tokens=max_tokens, do_sample=False)[0, ids.shape[1]:]
 
-    monkeypatch.setattr(drafter_module, "find_continuation", greedy_chain)
+    monkeypatch.setattr(drafter_module, "find_match",
+                        lambda history, max_tokens: (greedy_chain(history, max_tokens), 3))
     monkeypatch.setattr(drafter_module, "graft_chain",
                         lambda tree, chain: grafted.append(chain.numel()) or real_graft(tree, chain))
     model.set_tree(10, 3, 4, 4)
