@@ -287,7 +287,6 @@ def display_path(path: str | None) -> str | None:
 
 
 def _settings(args, model, device, dtype, questions) -> dict:
-    head = getattr(model, "ea_layer", None)
     tree = model.tree_settings  # the tree in use: flags given, else the head's own for this device
     head = getattr(model, "ea_layer", None)
     import transformers
