@@ -352,18 +352,55 @@ def test_each_row_of_a_sampled_batch_follows_the_target_distribution(sampling_pa
     assert again[0] == again[1]
 
 
+@pytest.mark.skipif(not packing_available(), reason="this torch build cannot pack weights")
 def test_batch_benchmark_reports_every_method_and_lossless_rows(family_dirs, tmp_path):
-    """`python -m eagle.evaluation.benchmark --batch-size ...`: the three methods per batch size, the rows of the
-    batched EAGLE output equal to batch-1 EAGLE's, a report and a plot."""
+    """`python -m eagle.evaluation.benchmark --batch-size ...`: every method per batch size (HF batched generate
+    on the packed weights and on the weights as transformers loads them), the rows of the batched EAGLE output equal
+    to batch-1 EAGLE's, a report with both HF ratios and a plot."""
     from eagle.evaluation.benchmark import main
 
     base, heads, _ = family_dirs["llama"]
     results = main(["--batch-size", "1,2", "--base-model-path", str(base), "--ea-model-path", str(heads["eagle3-full"]),
                     "--total-token", "8", "--depth", "2", "--top-k", "3", "--num-questions", "2",
-                    "--max-new-tokens", "4", "--warmup", "0", "--output-dir", str(tmp_path)])
+                    "--max-new-tokens", "4", "--warmup", "0", "--output-dir", str(tmp_path),
+                    "--pack-cpu-weights", "on"])
     assert sorted(results) == [1, 2]
     for item in results.values():
         assert item["rows"] == 2 and item["rows_equal"] == 2
         assert all(item[m]["tokens"] > 0 and item[m]["tokens_per_s"] > 0 for m in ("eagle_batched", "hf_batched",
+                                                                                  "hf_batched_unpacked",
                                                                                   "eagle_sequential"))
+    report = (tmp_path / "batch_report.md").read_text()
+    assert "EAGLE / HF unpacked" in report and report.count("\n| 2 |") == 1
     assert {p.name for p in tmp_path.iterdir()} >= {"batch_results.json", "batch_report.md", "batch_throughput.png"}
+
+
+@pytest.mark.skipif(not packing_available(), reason="this torch build cannot pack weights")
+def test_batch_benchmark_unpacked_hf_runs_unpacked_and_repacks(family_dirs):
+    """`hf_batched_unpacked` times HF generate on the layers as transformers loads them and leaves the engine's
+    packed layers as they were; without packed layers it is not offered (hf_batched already is that)."""
+    from eagle.evaluation import batch_benchmark
+    from eagle.model.cpu_linear import packed_layer_count
+
+    base, heads, _ = family_dirs["llama"]
+    model = EaModel.from_pretrained(base_model_path=str(base), ea_model_path=str(heads["eagle3-full"]),
+                                    dtype=torch.float32, pack_cpu_weights=True)
+    packed = packed_layer_count(model.base_model)
+    assert packed > 0 and "hf_batched_unpacked" in batch_benchmark.methods_for(model)
+    seen = []
+    original = model.base_model.generate
+
+    def spy(*args, **kwargs):
+        seen.append(packed_layer_count(model.base_model))
+        return original(*args, **kwargs)
+
+    model.base_model.generate = spy
+    ids, mask = batch_benchmark.left_pad([[5, 6, 7], [8, 9]], 0)
+    rows, seconds = batch_benchmark.run_method("hf_batched_unpacked", model, ids, mask, 3, [1])
+    assert seen == [0] and len(rows) == 2 and seconds > 0
+    assert packed_layer_count(model.base_model) == packed
+    with pytest.raises(ValueError, match="Unknown method"):
+        batch_benchmark.run_method("hf_unbatched", model, ids, mask, 3, [1])
+    unpacked = EaModel.from_pretrained(base_model_path=str(base), ea_model_path=str(heads["eagle3-full"]),
+                                       dtype=torch.float32, pack_cpu_weights=False)
+    assert "hf_batched_unpacked" not in batch_benchmark.methods_for(unpacked)

@@ -6,12 +6,15 @@ prompt after the other, on the same left-padded batches of MT-bench first turns 
 
 For each batch size B the questions (``--num-questions``, spread over the categories) are cut into batches of B
 (a last, smaller batch is left out), each rendered with the tokenizer's chat template and left-padded. For every
-batch the three methods run one after the other, in an order rotated from batch to batch, so drifts of the machine
+batch the methods run one after the other, in an order rotated from batch to batch, so drifts of the machine
 hit them alike:
 
 - ``eagle_batched``: ``EaModel.eagenerate(ids, attention_mask=mask)``, all rows in one call;
 - ``hf_batched``: Hugging Face ``generate`` of the base model on the same ids and mask (a complete greedy
   ``GenerationConfig``, the engine's stop tokens; the same packed CPU weights as the engine);
+- ``hf_batched_unpacked`` (only when the model has packed CPU weights): the same ``generate`` call on the linear
+  layers as transformers loads them (the packing undone before the call and redone after it, outside the timed
+  region), i.e. what a user of transformers alone gets;
 - ``eagle_sequential``: ``EaModel.eagenerate`` of each prompt alone, one after the other.
 
 Throughput is total new tokens (up to and including each row's stop token) / total seconds, per method and batch
@@ -33,6 +36,7 @@ import torch
 from tqdm import tqdm
 
 from eagle.cli import HelpFormatter, add_model_arguments, load_model_from_args, resolve_model_args
+from eagle.model.cpu_linear import pack_linear_layers, packed_layer_count, unpack_linear_layers
 from eagle.templates import encode_prompt, get_template
 from eagle.utils.device import synchronize
 
@@ -41,9 +45,18 @@ from .questions import load_questions, spread_over_categories
 
 logger = logging.getLogger(__name__)
 
-METHODS = ("eagle_batched", "hf_batched", "eagle_sequential")
+METHODS = ("eagle_batched", "hf_batched", "hf_batched_unpacked", "eagle_sequential")
 LABELS = {"eagle_batched": "batched EAGLE", "hf_batched": "HF batched generate",
+          "hf_batched_unpacked": "HF batched generate, unpacked weights",
           "eagle_sequential": "batch-1 EAGLE, one prompt after the other"}
+
+
+def methods_for(model) -> tuple[str, ...]:
+    """The methods timed for ``model``: ``hf_batched_unpacked`` only where the engine's CPU weights are packed
+    (otherwise ``hf_batched`` already runs the weights as transformers loads them)."""
+    if packed_layer_count(model.base_model):
+        return METHODS
+    return tuple(m for m in METHODS if m != "hf_batched_unpacked")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -92,6 +105,12 @@ def new_tokens_of(row: list[int], stop_ids: set[int]) -> list[int]:
 
 def run_method(method: str, model, ids, mask, max_new_tokens: int, stop_ids: list[int]):
     """Run ``method`` on one batch. Returns (each row's new tokens, seconds)."""
+    if method == "hf_batched_unpacked":  # only the base model's layers: the head is not used here
+        unpack_linear_layers(model.base_model)
+        try:
+            return run_method("hf_batched", model, ids, mask, max_new_tokens, stop_ids)
+        finally:
+            pack_linear_layers(model.base_model)
     width, stops = ids.shape[1], set(stop_ids)
     synchronize(model.device)
     start = time.perf_counter()
@@ -102,11 +121,13 @@ def run_method(method: str, model, ids, mask, max_new_tokens: int, stop_ids: lis
         config = hf_generation_config(max_new_tokens=max_new_tokens, stop_ids=stop_ids)
         out = model.base_model.generate(input_ids=ids, attention_mask=mask, generation_config=config)
         rows = [new_tokens_of(row[width:], stops) for row in out.tolist()]
-    else:
+    elif method == "eagle_sequential":
         rows = []
         for row_ids, row_mask in zip(ids, mask):
             prompt = row_ids[row_mask.bool()][None]
             rows.append(model.eagenerate(prompt, max_new_tokens=max_new_tokens)[0, prompt.shape[1]:].tolist())
+    else:
+        raise ValueError(f"Unknown method {method!r}; expected one of {', '.join(METHODS)}.")
     synchronize(model.device)
     return rows, time.perf_counter() - start
 
@@ -114,18 +135,20 @@ def run_method(method: str, model, ids, mask, max_new_tokens: int, stop_ids: lis
 def measure(model, prompts: list[list[int]], sizes: list[int], args, stop_ids: list[int], pad_id: int) -> dict:
     """{batch size: {method: {"tokens", "seconds", "tokens_per_s"}, "rows_equal": n, "rows": n}}."""
     results: dict = {}
+    methods = methods_for(model)
     first = prompts[: max(sizes)]
     for _ in range(args.warmup):
         ids, mask = left_pad(first[: min(4, len(first))], pad_id)
-        for method in METHODS:
+        for method in methods:
             run_method(method, model, ids, mask, min(16, args.max_new_tokens), stop_ids)
     for size in sizes:
         batches = [prompts[i : i + size] for i in range(0, len(prompts) - size + 1, size)]
-        totals = {m: {"tokens": 0, "seconds": 0.0} for m in METHODS}
+        totals = {m: {"tokens": 0, "seconds": 0.0} for m in methods}
         equal = rows = 0
         for index, batch in enumerate(tqdm(batches, desc=f"batch size {size}")):
             ids, mask = left_pad(batch, pad_id)
-            order = METHODS[index % 3:] + METHODS[: index % 3]
+            shift = index % len(methods)
+            order = methods[shift:] + methods[:shift]
             outputs = {}
             for method in order:
                 torch.manual_seed(args.seed + index)
@@ -134,20 +157,33 @@ def measure(model, prompts: list[list[int]], sizes: list[int], args, stop_ids: l
                 totals[method]["seconds"] += seconds
             equal += sum(a == b for a, b in zip(outputs["eagle_batched"], outputs["eagle_sequential"]))
             rows += len(batch)
-        for method in METHODS:
+        for method in methods:
             totals[method]["tokens_per_s"] = totals[method]["tokens"] / max(totals[method]["seconds"], 1e-9)
         results[size] = {**totals, "rows_equal": equal, "rows": rows}
-        logger.info("batch size %d: %s", size, ", ".join(f"{m} {totals[m]['tokens_per_s']:.1f} tok/s" for m in METHODS))
+        logger.info("batch size %d: %s", size, ", ".join(f"{m} {totals[m]['tokens_per_s']:.1f} tok/s" for m in methods))
     return results
 
 
 def report_lines(results: dict) -> list[str]:
-    lines = ["| batch | batched EAGLE tok/s | HF batched generate tok/s | batch-1 EAGLE tok/s | EAGLE / HF | "
-             "EAGLE / batch-1 EAGLE | rows equal to batch-1 |", "|---|---|---|---|---|---|---|"]
+    unpacked = all("hf_batched_unpacked" in item for item in results.values())
+    head = "| batch | batched EAGLE tok/s | HF batched generate tok/s | "
+    rule = "|---|---|---|"
+    if unpacked:
+        head += "HF batched generate, unpacked weights tok/s | "
+        rule += "---|"
+    head += "batch-1 EAGLE tok/s | EAGLE / HF | "
+    rule += "---|---|"
+    if unpacked:
+        head += "EAGLE / HF unpacked | "
+        rule += "---|"
+    lines = [head + "EAGLE / batch-1 EAGLE | rows equal to batch-1 |", rule + "---|---|"]
     for size, item in results.items():
-        eagle, hf, one = (item[m]["tokens_per_s"] for m in METHODS)
-        lines.append(f"| {size} | {eagle:.1f} | {hf:.1f} | {one:.1f} | {eagle / hf:.2f}x | {eagle / one:.2f}x | "
-                     f"{item['rows_equal']}/{item['rows']} |")
+        eagle, hf, one = (item[m]["tokens_per_s"] for m in ("eagle_batched", "hf_batched", "eagle_sequential"))
+        plain = item["hf_batched_unpacked"]["tokens_per_s"] if unpacked else None
+        cells = [str(size), f"{eagle:.1f}", f"{hf:.1f}"] + ([f"{plain:.1f}"] if unpacked else [])
+        cells += [f"{one:.1f}", f"{eagle / hf:.2f}x"] + ([f"{eagle / plain:.2f}x"] if unpacked else [])
+        cells += [f"{eagle / one:.2f}x", f"{item['rows_equal']}/{item['rows']}"]
+        lines.append("| " + " | ".join(cells) + " |")
     return lines
 
 
@@ -160,7 +196,8 @@ def plot(results: dict, path: str) -> None:
     sizes = list(results)
     figure, axes = plt.subplots(figsize=(6, 4))
     for method in METHODS:
-        axes.plot(sizes, [results[s][method]["tokens_per_s"] for s in sizes], marker="o", label=LABELS[method])
+        if all(method in results[s] for s in sizes):
+            axes.plot(sizes, [results[s][method]["tokens_per_s"] for s in sizes], marker="o", label=LABELS[method])
     axes.set_xlabel("batch size")
     axes.set_ylabel("total new tokens / s")
     axes.set_xticks(sizes)
