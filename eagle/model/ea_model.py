@@ -26,6 +26,7 @@ from .kv_cache import check_cache_fits
 from .loading import load_base_model, load_ea_layer
 from .request import GenerationRequest, build_request
 from .target import Target, eagle3_layer_ids
+from ..utils.openmp import release_openmp_threads
 
 logger = logging.getLogger(__name__)
 
@@ -171,6 +172,7 @@ class EaModel(nn.Module):
                                   for key, source in sources.items()))
         if all(value is None for value in explicit.values()):  # an explicit tree applies to every batch size
             model.set_batch_trees(head_batch_trees(ea_layer.config, device, model.tree_settings))
+        release_openmp_threads()  # generation may run on another thread (a server's worker): see utils.openmp
         return model
 
     def set_tree(self, total_token: int, depth: int, top_k: int, lookup_tokens: int | None = None) -> None:

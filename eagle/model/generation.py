@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..utils.openmp import release_openmp_threads
 from .target import LazyLogits, Target
 from .tree import DraftTree, TreeBatch, likeliest_subtree, stack_trees
 from .verify import Sampler, verify_greedy, verify_greedy_batch, verify_sampling
@@ -321,15 +322,18 @@ class RunningBatch:
 
     @torch.no_grad()  # on a generator: entered around each resumption, so the caller's grad mode is left alone
     def _loop(self) -> Iterator[dict[int, RowStep]]:
-        while True:
-            self._retire()
-            if self._pending:
-                yield self._admit()
-                continue
-            if not self.rows.index:
-                self._steps = None  # ended: the next add starts a new loop
-                return
-            yield self._verify_step()
+        try:
+            while True:
+                self._retire()
+                if self._pending:
+                    yield self._admit()
+                    continue
+                if not self.rows.index:
+                    self._steps = None  # ended: the next add starts a new loop
+                    return
+                yield self._verify_step()
+        finally:  # whichever thread generates next gets the CPUs (see eagle.utils.openmp)
+            release_openmp_threads()
 
     def _retire(self) -> None:
         """Rows that ended (or were cancelled) leave the batch."""
