@@ -495,6 +495,33 @@ def test_serve_benchmark_measures_both_modes_with_identical_greedy_answers(tiny_
         assert (tmp_path / name).stat().st_size > 0
 
 
+def test_serve_benchmark_engine_alone_runs_as_many_rows_as_clients_send(tmp_path):
+    """`--engine-alone` loads the engine as the clients load the server: never more rows than clients (nor than
+    --max-batch-size), a finished request's successor added at the next step, every request once."""
+    from types import SimpleNamespace
+
+    from eagle.evaluation.serve_benchmark import closed_loop
+
+    class Running:  # a running batch whose oldest row ends after each step
+        def __init__(self):
+            self.rows, self.added, self.widest = [], 0, 0
+
+        def add(self, ids, max_new_tokens):
+            self.rows.append(self.added)
+            self.added += 1
+            self.widest = max(self.widest, len(self.rows))
+
+        def __iter__(self):
+            while self.rows:
+                row = self.rows.pop(0)
+                yield {row: SimpleNamespace(tokens=torch.ones(3), finished=True)}
+
+    for clients, max_batch, widest in [(1, 8, 1), (4, 8, 4), (16, 8, 8)]:
+        running = Running()
+        assert closed_loop(running, [torch.ones(2)], clients, 20, max_batch, 3) == 60
+        assert running.added == 20 and running.widest == widest
+
+
 def test_model_type_formats_the_chat_and_refuses_what_it_cannot_express(tiny_model):
     from eagle import templates
 

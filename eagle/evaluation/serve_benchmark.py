@@ -222,21 +222,30 @@ def engine_alone(model, args, prompts: list[str], clients: int, mode: str) -> tu
 
     ids = [torch.tensor(chat_prompt_ids(model.tokenizer, [ChatMessage(role="user", content=p)], args.model_type))
            for p in prompts]
-    order = itertools.cycle(ids)
     per_client = max(args.requests_per_client, -(-args.min_requests // clients))
-    waiting = per_client * clients  # requests not yet added
     running = model.continuous_batch(use_eagle=mode == "eagle")
-    tokens, start = 0, time.perf_counter()
-    for _ in range(min(waiting, args.max_batch_size)):
-        running.add(next(order), max_new_tokens=args.max_tokens)
+    start = time.perf_counter()
+    tokens = closed_loop(running, ids, clients, per_client * clients, args.max_batch_size, args.max_tokens)
+    return tokens, time.perf_counter() - start
+
+
+def closed_loop(running, ids: list, clients: int, requests: int, max_batch_size: int, max_tokens: int) -> int:
+    """Drive ``running`` (a continuous batch) as ``clients`` closed-loop clients would a server of
+    ``max_batch_size`` rows: ``requests`` prompts in all (``ids`` round robin), at most min(clients,
+    max_batch_size) generating at once, a finished one's successor added at the next step boundary. Returns the
+    tokens generated."""
+    order = itertools.cycle(ids)
+    waiting, tokens = requests, 0
+    for _ in range(min(waiting, clients, max_batch_size)):
+        running.add(next(order), max_new_tokens=max_tokens)
         waiting -= 1
     for update in running:
         for part in update.values():
             tokens += part.tokens.numel()
             if part.finished and waiting:
-                running.add(next(order), max_new_tokens=args.max_tokens)
+                running.add(next(order), max_new_tokens=max_tokens)
                 waiting -= 1
-    return tokens, time.perf_counter() - start
+    return tokens
 
 
 def ratios(rows: list[dict]) -> dict[int, list[float]]:
