@@ -144,6 +144,12 @@ def test_batched_drafts_share_the_budget_and_a_single_row_is_unchanged(pair, sha
     uniform.reset(3)
     trees = uniform.draft_batch(features, tokens)
     assert trees[1].size == settings.total_token and trees[0].size == trees[2].size == tree.size
+    # the next step scores the rows' last chains into the lookup rate, which only a shared budget reads
+    uniform.draft_batch(features[:, :2], tokens[:, :2])
+    assert uniform.lookup_rate.counts == LookupRate().counts
+    monkeypatch.setattr(drafter_module.EagleDrafter, "shared_budget", True)
+    batched.draft_batch(features[:, :2], tokens[:, :2])
+    assert batched.lookup_rate.counts != LookupRate().counts
 
 
 def test_greedy_rows_with_a_shared_budget_equal_hf_greedy(pair, shared, monkeypatch):  # noqa: F811

@@ -296,12 +296,12 @@ class EagleDrafter:
 
     def _lookup_chain(self, row: int, new_tokens: torch.Tensor) -> torch.Tensor | None:
         """Extend the row's history (kept whenever some batch size's tree looks up, so that a batch whose rows
-        leave can switch to one), score its last chain against what the row committed since
+        leave can switch to one), with ``shared_budget`` score its last chain against what the row committed since
         (:class:`~eagle.model.batch_budget.LookupRate`), and return its lookup continuation, or None when there is
         none or the tree in use does not look up."""
         history = self.history[row]
         self.history[row] = history = new_tokens if history is None else torch.cat([history, new_tokens])
-        if self.chains[row] is not None:
+        if self.shared_budget and self.chains[row] is not None:  # the estimate scores chains in a shared budget only
             self.lookup_rate.observe(self.chains[row], self.matches[row], self.grafted[row], new_tokens)
         self.chains[row], self.matches[row] = None, 0
         if not self.settings.lookup_tokens:
