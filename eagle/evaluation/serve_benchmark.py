@@ -193,11 +193,16 @@ def _serve_run(model, args, prompts: list[str], clients: int, mode: str, clients
     with BackgroundServer(app) as server:
         clients_process.run(server.url, "bench", prompts[:1], 1, 1, 8)  # warm-up
         before = engine_seconds(server.url)
-        per_client = max(args.requests_per_client, -(-args.min_requests // clients))
-        records, wall = clients_process.run(server.url, "bench", prompts, clients, per_client, args.max_tokens)
+        records, wall = clients_process.run(server.url, "bench", prompts, clients, requests_per_client(args, clients),
+                                            args.max_tokens)
         after = engine_seconds(server.url)
     prefill, decode = (b - a for a, b in zip(before, after))
     return records, wall, prefill / (prefill + decode) if prefill + decode > 0 else 0.0
+
+
+def requests_per_client(args, clients: int) -> int:
+    """``--requests-per-client``, more when fewer clients than ``--min-requests`` would send too few in all."""
+    return max(args.requests_per_client, -(-args.min_requests // clients))
 
 
 def engine_seconds(url: str) -> tuple[float, float]:
@@ -214,7 +219,8 @@ def engine_seconds(url: str) -> tuple[float, float]:
 def engine_alone(model, args, prompts: list[str], clients: int, mode: str) -> tuple[int, float]:
     """The same load without the server: ``clients`` closed-loop clients on the engine's running batch
     (``EaModel.continuous_batch``) directly, a finished request's client adding its next prompt at the next step
-    boundary, at most ``--max-batch-size`` rows (the others wait). Returns (generated tokens, wall seconds)."""
+    boundary, at most min(clients, ``--max-batch-size``) rows (see :func:`closed_loop`). Returns (generated tokens,
+    wall seconds)."""
     import torch
 
     from ..application.openai_schema import ChatMessage
@@ -222,10 +228,10 @@ def engine_alone(model, args, prompts: list[str], clients: int, mode: str) -> tu
 
     ids = [torch.tensor(chat_prompt_ids(model.tokenizer, [ChatMessage(role="user", content=p)], args.model_type))
            for p in prompts]
-    per_client = max(args.requests_per_client, -(-args.min_requests // clients))
     running = model.continuous_batch(use_eagle=mode == "eagle")
     start = time.perf_counter()
-    tokens = closed_loop(running, ids, clients, per_client * clients, args.max_batch_size, args.max_tokens)
+    tokens = closed_loop(running, ids, clients, requests_per_client(args, clients) * clients, args.max_batch_size,
+                         args.max_tokens)
     return tokens, time.perf_counter() - start
 
 

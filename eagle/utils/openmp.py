@@ -18,6 +18,7 @@ result).
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import threading
 
@@ -26,23 +27,20 @@ import torch
 logger = logging.getLogger(__name__)
 
 OMP_PAUSE_SOFT = 1  # omp_pause_resource_t: free the threads, keep the runtime's state
-_pause = []  # the runtime's omp_pause_resource_all, looked up once ([None] when there is none)
-_lock = threading.Lock()
 
 
+@functools.cache
 def _pause_function():
-    with _lock:
-        if not _pause:
-            function = None
-            if "OpenMP" in torch.__config__.parallel_info():
-                try:  # the OpenMP runtime torch loaded is in the process's global namespace
-                    function = getattr(ctypes.CDLL(None), "omp_pause_resource_all", None)
-                except OSError:
-                    function = None
-            if function is not None:
-                function.argtypes, function.restype = [ctypes.c_int], ctypes.c_int
-            _pause.append(function)
-        return _pause[0]
+    """The OpenMP runtime's ``omp_pause_resource_all``, or None (looked up once)."""
+    if "OpenMP" not in torch.__config__.parallel_info():
+        return None
+    try:  # the OpenMP runtime torch loaded is in the process's global namespace
+        function = getattr(ctypes.CDLL(None), "omp_pause_resource_all", None)
+    except OSError:
+        return None
+    if function is not None:
+        function.argtypes, function.restype = [ctypes.c_int], ctypes.c_int
+    return function
 
 
 def release_openmp_threads() -> bool:
