@@ -85,6 +85,9 @@ class NoDrafter:
         return self.draft_batch(features, next_tokens)[0]
 
 
+ROW_LISTS = ("history", "chains", "matches", "grafted")  # EagleDrafter's per-row lists, kept in row order
+
+
 class EagleDrafter:
     """EAGLE-2 dynamic tree drafting with an EAGLE head, for B rows at once (one tree per row; with ``shared_budget``
     B > 1 rows share one node budget, :mod:`eagle.model.batch_budget`).
@@ -117,20 +120,20 @@ class EagleDrafter:
         self.committed_kv: list[KVPair] | None = None
         self.valid: torch.Tensor | None = None  # (B, slots) bool; None while every slot is valid
         self.counts: torch.Tensor | None = None  # (B,) committed pairs per row
+        # per row (ROW_LISTS): its committed tokens, its last lookup chain, the length of the context match that
+        # chain came from, and how many of the chain's tokens its last tree verified
         self.history: list[torch.Tensor | None] = [None] * batch_size
-        self.chains: list[torch.Tensor | None] = [None] * batch_size  # each row's last lookup chain
-        self.matches: list[int] = [0] * batch_size  # the length of the context match it came from
-        self.grafted: list[int] = [0] * batch_size  # how many of its tokens the row's last tree verified
+        self.chains: list[torch.Tensor | None] = [None] * batch_size
+        self.matches: list[int] = [0] * batch_size
+        self.grafted: list[int] = [0] * batch_size
         self.lookup_rate = LookupRate()
 
     def select_rows(self, index: torch.Tensor) -> None:
         self.committed_kv = [(k[index.to(k.device)], v[index.to(v.device)]) for k, v in self.committed_kv or []] or None
         self.valid = None if self.valid is None else self.valid[index.to(self.valid.device)]
         self.counts = None if self.counts is None else self.counts[index.to(self.counts.device)]
-        self.history = [self.history[i] for i in index.tolist()]
-        self.chains = [self.chains[i] for i in index.tolist()]
-        self.matches = [self.matches[i] for i in index.tolist()]
-        self.grafted = [self.grafted[i] for i in index.tolist()]
+        for name in ROW_LISTS:
+            setattr(self, name, [getattr(self, name)[i] for i in index.tolist()])
         self._compact()
 
     def add_rows(self, features: torch.Tensor, next_tokens: torch.Tensor, valid: torch.Tensor | None = None) -> None:
@@ -161,10 +164,8 @@ class EagleDrafter:
         if self.counts is not None or other.counts is not None:
             self.counts = torch.cat([c.to(device) if c is not None else torch.zeros(n, dtype=torch.long, device=device)
                                      for c, n in zip((self.counts, other.counts), rows)])
-        self.history = self.history + other.history
-        self.chains = self.chains + other.chains
-        self.matches = self.matches + other.matches
-        self.grafted = self.grafted + other.grafted
+        for name in ROW_LISTS:
+            setattr(self, name, getattr(self, name) + getattr(other, name))
         self._compact()
 
     def _compact(self) -> None:
