@@ -10,7 +10,7 @@ from eagle.model.drafter import EagleDrafter, TreeSettings
 from eagle.model.generation import verify_tree
 from eagle.model.loading import load_ea_layer
 from eagle.model.target import Target, eagle3_layer_ids
-from eagle.model.tree import likeliest_subtree, select_tree, tree_from_parents
+from eagle.model.tree import likeliest_subtree, select_tree, select_trees, tree_from_parents
 from eagle.model.verify import verify_greedy
 from tiny_models import make_head, make_target
 
@@ -83,6 +83,25 @@ def test_select_tree_matches_slow_reference(seed, top_k, depth, num_nodes):
     assert tree.depths.tolist() == expected["depths"]
     assert tree.ancestor_mask.tolist() == expected["ancestor_mask"]
     assert tree.retrieve_indices.tolist() == expected["retrieve_indices"]
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("batch,top_k,depth,num_nodes",
+                         [(1, 3, 2, 6), (8, 1, 0, 1), (8, 3, 1, 3), (5, 4, 3, 15), (3, 2, 6, 13), (4, 3, 0, 0),
+                          (2, 3, 2, 100)])
+def test_select_trees_equals_select_tree_per_row(seed, batch, top_k, depth, num_nodes):
+    """The batched selection builds, row for row, the tree the one-row path builds: same nodes in the same order,
+    every field equal (values, dtype, shape), including rows whose scores tie and rows of different shapes."""
+    rows = [random_candidates(top_k, depth, 100 * seed + b, coarse=(seed + b) % 2 == 0) for b in range(batch)]
+    tokens, scores, parents = (torch.stack([row[i] for row in rows]) for i in range(3))
+    roots = torch.randint(0, 1000, (batch,), generator=torch.Generator().manual_seed(seed))
+    trees = select_trees(roots, tokens, scores, parents, num_nodes)
+    assert len(trees) == batch
+    for b, tree in enumerate(trees):
+        expected = select_tree(roots[b], tokens[b], scores[b], parents[b], num_nodes)
+        for field in ("tokens", "parents", "depths", "ancestor_mask", "retrieve_indices", "scores"):
+            got, want = getattr(tree, field), getattr(expected, field)
+            assert got.dtype == want.dtype and torch.equal(got, want), (b, field, got, want)
 
 
 def test_spec_worked_example():

@@ -176,20 +176,31 @@ def commit(cache, prefix_length: int, path: torch.Tensor) -> None:
 
 def commit_batch(cache, rows: Rows, paths: list[torch.Tensor], tree_size: int) -> None:
     """Each row keeps the KV entries of its accepted nodes (the trees of ``tree_size`` nodes fill the cache's last
-    slots) right after its own committed tokens; ``rows.length`` grows by each path's length."""
+    slots) right after its own committed tokens; ``rows.length`` grows by each path's length. A row whose path
+    already sits there (its committed tokens end where the trees begin and it accepted nodes 0, 1, ..., as plain
+    decoding's root-only trees always do) moves nothing."""
     slots = cache.length - tree_size
     if len(paths) == 1 and rows.length[0] == slots:
         commit(cache, slots, paths[0])
         rows.length[0] += paths[0].numel()
         return
-    width = max(path.numel() for path in paths)
-    device = paths[0].device
-    sources = torch.stack([torch.cat([p, p[-1:].expand(width - p.numel())]) for p in paths]) + slots
-    targets = torch.tensor(rows.length, device=device)[:, None] + torch.arange(width, device=device)
-    rows.length = [n + p.numel() for n, p in zip(rows.length, paths)]
-    cache.keep_rows(sources, targets, max(rows.length))
-
-
+    counts = [path.numel() for path in paths]
+    width, device = max(counts), paths[0].device
+    padded = torch.nn.utils.rnn.pad_sequence(paths, batch_first=True)  # (B, width), 0-padded on the right
+    last = torch.tensor(counts, device=device)[:, None] - 1
+    sources = padded.gather(1, torch.arange(width, device=device).expand(len(paths), width).minimum(last))
+    # Node ids ascend along a path from the root (node 0), so a path is 0, 1, ... exactly when it ends at count - 1.
+    ends = padded.gather(1, last)[:, 0].tolist()
+    moving = [b for b, (end, count, length) in enumerate(zip(ends, counts, rows.length))
+              if end != count - 1 or length != slots]
+    targets = torch.tensor([rows.length[b] for b in moving], device=device)[:, None]
+    rows.length = [n + count for n, count in zip(rows.length, counts)]
+    if not moving:
+        cache.crop(max(rows.length))
+        return
+    index = torch.tensor(moving, device=device)
+    targets = targets + torch.arange(width, device=device)
+    cache.keep_rows(sources[index] + slots, targets, max(rows.length), rows=index)
 def drop_finished(keep: list[int], rows: Rows, cache, drafter, carried: list):
     """Shrink the batch to the rows ``keep`` (positions among the rows still generating): the cache's and the
     drafter's rows, and every tensor of ``carried`` (indexed on dim 0; None passes). Returns (rows, carried)."""

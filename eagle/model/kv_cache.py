@@ -61,13 +61,35 @@ class TreeKVLayer(CacheLayerMixin):
     def reset(self) -> None:
         self.length = 0
 
-    def keep_rows(self, sources: torch.Tensor, targets: torch.Tensor) -> None:
-        """Per row b, copy the entries at slots ``sources[b]`` to slots ``targets[b]`` ((B, M) each)."""
-        if self.is_initialized:
-            rows = torch.arange(sources.shape[0], device=self.keys.device)[:, None]
+    def keep_rows(self, sources: torch.Tensor, targets: torch.Tensor, rows: torch.Tensor | None = None,
+                  flat: dict | None = None) -> None:
+        """Per row ``rows[i]`` (default: row i), copy the entries at slots ``sources[i]`` to slots ``targets[i]``
+        ((R, M) each). ``flat``: a dict the layers of one cache share, where the flat entry indices computed for
+        one layer are kept for the next layers of the same shape and device."""
+        if not self.is_initialized:
+            return
+        if rows is None:
+            rows = torch.arange(sources.shape[0])
+        if not (self.keys.is_contiguous() and self.values.is_contiguous()):
+            index = rows.to(self.keys.device)[:, None]
             sources, targets = sources.to(self.keys.device), targets.to(self.keys.device)
-            self.keys[rows, :, targets] = self.keys[rows, :, sources]
-            self.values[rows, :, targets] = self.values[rows, :, sources]
+            self.keys[index, :, targets] = self.keys[index, :, sources]
+            self.values[index, :, targets] = self.values[index, :, sources]
+            return
+        key = (self.keys.device, self.keys.shape[1], self.keys.shape[2])
+        if flat is None or key not in flat:
+            heads, capacity = key[1], key[2]
+            device = self.keys.device
+            base = (rows.to(device)[:, None, None] * heads + torch.arange(heads, device=device)[None, :, None])
+            base = base * capacity
+            entries = ((base + sources.to(device)[:, None, :]).flatten(), (base + targets.to(device)[:, None, :]).flatten())
+            if flat is None:
+                flat = {}
+            flat[key] = entries
+        source_index, target_index = flat[key]
+        for tensor in (self.keys, self.values):  # entries as rows of a (B * heads * capacity, head_dim) view
+            view = tensor.view(-1, tensor.shape[-1])
+            view.index_copy_(0, target_index, view.index_select(0, source_index))
 
     def select_rows(self, index: torch.Tensor) -> None:
         """Keep the batch rows ``index`` (1-D), in that order."""
@@ -142,11 +164,14 @@ class TreeKVCache(Cache):
                 layer.is_initialized = False
             layer.length = 0
 
-    def keep_rows(self, sources: torch.Tensor, targets: torch.Tensor, length: int) -> None:
-        """Per row b, move the entries at slots ``sources[b]`` to ``targets[b]`` ((B, M) each; a row with fewer
-        entries repeats its last source and writes past its own length), then hold ``length`` slots."""
+    def keep_rows(self, sources: torch.Tensor, targets: torch.Tensor, length: int,
+                  rows: torch.Tensor | None = None) -> None:
+        """Per row ``rows[i]`` (default: every row, in order), move the entries at slots ``sources[i]`` to
+        ``targets[i]`` ((R, M) each; a row with fewer entries repeats its last source and writes past its own
+        length), then hold ``length`` slots. The entry indices are computed once for all layers."""
+        flat: dict = {}
         for layer in self.layers:
-            layer.keep_rows(sources, targets)
+            layer.keep_rows(sources, targets, rows, flat)
             layer.length = length
 
     def select_rows(self, index: torch.Tensor) -> None:

@@ -119,9 +119,57 @@ def tree_of_candidates(root: torch.Tensor, cand_tokens: torch.Tensor, cand_score
 
 def select_trees(roots: torch.Tensor, cand_tokens: torch.Tensor, cand_scores: torch.Tensor,
                  cand_parents: torch.Tensor, num_nodes: int) -> list[DraftTree]:
-    """:func:`select_tree` for each of B rows: roots (B,), candidates (B, C) each."""
-    return [select_tree(root, tokens, scores, parents, num_nodes)
-            for root, tokens, scores, parents in zip(roots, cand_tokens, cand_scores, cand_parents)]
+    """:func:`select_tree` for each of B rows (roots (B,), candidates (B, C) each), computed for all rows at once:
+    the same trees, node for node and field for field, as the row-by-row path."""
+    batch, count = cand_tokens.shape
+    num_nodes = min(num_nodes, count)
+    device = cand_tokens.device
+    order = torch.sort(cand_scores, dim=1, descending=True, stable=True).indices[:, :num_nodes]
+    kept = order.sort(dim=1).values  # (B, n) ascending candidate indices
+    # node id of candidate c = position in `kept` + 1; index C (parent = root) maps to node 0
+    node_of = torch.full((batch, count + 1), -1, dtype=torch.long, device=device)
+    node_of.scatter_(1, kept, torch.arange(1, num_nodes + 1, device=device).expand(batch, num_nodes))
+    node_of[:, count] = 0
+    kept_parents = cand_parents.gather(1, kept)
+    kept_parents = torch.where(kept_parents < 0, torch.full_like(kept_parents, count), kept_parents)
+    parents = torch.cat([torch.full((batch, 1), -1, dtype=torch.long, device=device),
+                         node_of.gather(1, kept_parents)], dim=1)
+    if bool((parents[:, 1:] < 0).any()):
+        raise RuntimeError("Draft tree selection kept a node without its parent; this is a bug.")
+    tokens = torch.cat([roots.reshape(batch, 1).to(cand_tokens.dtype), cand_tokens.gather(1, kept)], dim=1)
+    scores = torch.cat([cand_scores.new_zeros(batch, 1), cand_scores.gather(1, kept)], dim=1)
+    return trees_from_parents(tokens, parents, scores)
+
+
+def trees_from_parents(tokens: torch.Tensor, parents: torch.Tensor, scores: torch.Tensor) -> list[DraftTree]:
+    """:func:`tree_from_parents` for B trees of the same node count at once: tokens/parents/scores (B, N+1)."""
+    batch, size = tokens.shape
+    device = tokens.device
+    nodes = torch.arange(size, device=device)
+    ancestor_mask = torch.eye(size, dtype=torch.bool, device=device).repeat(batch, 1, 1)
+    current = parents.clone()
+    # Walk up one generation per iteration over all rows (at most the deepest row's depth iterations).
+    has = current >= 0
+    while bool(has.any()):  # a row that has reached the root marks its own diagonal again (already set)
+        ancestor_mask.scatter_(2, torch.where(has, current, nodes)[:, :, None], True)
+        current = torch.where(has, parents.gather(1, current.clamp(min=0)), current)
+        has = current >= 0
+    depths = ancestor_mask.sum(2) - 1
+
+    is_parent = torch.zeros(batch, size + 1, dtype=torch.bool, device=device)
+    is_parent.scatter_(1, torch.where(parents >= 0, parents, torch.full_like(parents, size)), True)
+    is_leaf = ~is_parent[:, :size]
+    leaf_rows, leaf_nodes = is_leaf.nonzero(as_tuple=True)
+    counts_and_depths = torch.stack([is_leaf.sum(1), depths.max(1).values]).tolist()
+    big = size + 1
+    paths = torch.where(ancestor_mask[leaf_rows, leaf_nodes], nodes[None, :], torch.full_like(nodes, big)[None, :])
+    paths = paths.sort(dim=1).values
+    paths = torch.where(paths == big, torch.full_like(paths, -1), paths)
+    trees = []
+    for b, (row_paths, max_depth) in enumerate(zip(paths.split(counts_and_depths[0]), counts_and_depths[1])):
+        trees.append(DraftTree(tokens[b], parents[b], depths[b], ancestor_mask[b], row_paths[:, : max_depth + 1],
+                               scores[b]))
+    return trees
 
 
 @dataclass
