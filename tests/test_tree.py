@@ -10,7 +10,8 @@ from eagle.model.drafter import EagleDrafter, TreeSettings
 from eagle.model.generation import verify_tree
 from eagle.model.loading import load_ea_layer
 from eagle.model.target import Target, eagle3_layer_ids
-from eagle.model.tree import likeliest_subtree, select_tree, select_trees, tree_from_parents
+from eagle.model.tree import (likeliest_root_subtrees, likeliest_subtree, select_tree, select_trees,
+                              tree_from_parents)
 from eagle.model.verify import verify_greedy
 from tiny_models import make_head, make_target
 
@@ -134,6 +135,22 @@ def test_likeliest_subtree_is_the_node_then_its_best_descendants():
     assert likeliest_subtree(tree, 1, 3) == [1, 4, 3]  # capped, the best first
     assert likeliest_subtree(tree, 2, 8) == [2, 5]
     assert likeliest_subtree(tree, 6, 8) == [6]  # a leaf
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("limit", [1, 3, 8])
+def test_likeliest_root_subtrees_equals_likeliest_subtree_per_row(seed, limit):
+    """The roots' likeliest subtrees ranked for a whole batch at once (trees of different sizes, tied scores) are
+    each row's own."""
+    gen = torch.Generator().manual_seed(seed)
+    trees = []
+    for _ in range(6):
+        size = int(torch.randint(1, 12, (1,), generator=gen))
+        parents = torch.tensor([-1] + [int(torch.randint(0, node, (1,), generator=gen)) for node in range(1, size)])
+        scores = torch.cat([torch.zeros(1), -torch.randint(1, 4, (size - 1,), generator=gen).float()])
+        trees.append(tree_from_parents(torch.arange(size), parents, scores))
+    for batch in (trees, [trees[0]] * 3):
+        assert likeliest_root_subtrees(batch, limit) == [likeliest_subtree(tree, 0, limit) for tree in batch]
 
 
 @pytest.fixture(scope="module")

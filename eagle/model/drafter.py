@@ -23,7 +23,7 @@ import torch
 from .draft_layers import KVPair
 from .batch_budget import LookupRate, select_batch_trees
 from .lookup import find_match, graft_chain
-from .tree import DraftTree, root_only_tree, select_trees
+from .tree import DraftTree, root_only_trees, select_trees
 
 
 @dataclass(frozen=True)
@@ -79,7 +79,10 @@ class NoDrafter:
         pass
 
     def draft_batch(self, features, next_tokens: torch.Tensor, valid: torch.Tensor | None = None) -> list[DraftTree]:
-        return [root_only_tree(row[-1] if valid is None else row[valid[b]][-1]) for b, row in enumerate(next_tokens)]
+        if valid is None:
+            return root_only_trees(next_tokens[:, -1])
+        last = (valid.long() * torch.arange(1, valid.shape[1] + 1, device=valid.device)).argmax(1)  # last valid
+        return root_only_trees(next_tokens.gather(1, last.to(next_tokens.device)[:, None])[:, 0])
 
     def draft(self, features, next_tokens: torch.Tensor) -> DraftTree:
         return self.draft_batch(features, next_tokens)[0]

@@ -45,6 +45,15 @@ def root_only_tree(root: torch.Tensor) -> DraftTree:
     )
 
 
+def root_only_trees(roots: torch.Tensor) -> list[DraftTree]:
+    """:func:`root_only_tree` for each of B roots (B,); the trees share their constant fields (never written)."""
+    device = roots.device
+    zero = torch.zeros(1, dtype=torch.long, device=device)
+    parents, mask = zero - 1, torch.ones(1, 1, dtype=torch.bool, device=device)
+    retrieve, scores = zero.reshape(1, 1), torch.zeros(1, device=device)
+    return [DraftTree(root, parents, zero, mask, retrieve, scores) for root in roots.reshape(-1, 1)]
+
+
 def tree_from_parents(tokens: torch.Tensor, parents: torch.Tensor, scores: torch.Tensor) -> DraftTree:
     """Complete a tree given its nodes. tokens/parents/scores: (N+1,), parents[0] = -1, parents[i] < i."""
     size = tokens.shape[0]
@@ -79,6 +88,21 @@ def likeliest_subtree(tree: DraftTree, node: int, limit: int) -> list[int]:
     descendants = below.nonzero()[:, 0]
     best = descendants[torch.argsort(tree.scores[descendants], descending=True, stable=True)[: limit - 1]]
     return [node] + best.tolist()
+
+
+def likeliest_root_subtrees(trees: list[DraftTree], limit: int) -> list[list[int]]:
+    """``likeliest_subtree(tree, 0, limit)`` for each of B trees, ranked for all of them at once (every node
+    descends from the root, so a row ranks all its nodes but the root; a smaller tree's missing nodes rank last)."""
+    size = max(tree.size for tree in trees)
+    if all(tree.size == size for tree in trees):
+        scores = torch.stack([tree.scores for tree in trees])
+    else:
+        scores = torch.full((len(trees), size), -float("inf"), dtype=trees[0].scores.dtype,
+                            device=trees[0].scores.device)
+        for row, tree in enumerate(trees):
+            scores[row, : tree.size] = tree.scores
+    best = (torch.argsort(scores[:, 1:], dim=1, descending=True, stable=True)[:, : limit - 1] + 1).tolist()
+    return [[0] + row[: tree.size - 1] for row, tree in zip(best, trees)]
 
 
 def select_tree(
