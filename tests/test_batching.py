@@ -12,6 +12,7 @@ from eagle.model import cpu_linear, generation
 from eagle.model.cpu_linear import PackedLinear, packing_available
 from eagle.model.drafter import EagleDrafter
 from eagle.model.ea_model import EaModel
+from eagle.model.kv_cache import TreeKVCache
 from eagle.model.tree import stack_trees, tree_from_parents
 from test_sampling import LENGTH, hf_warpers, position_p_values
 from tiny_models import FAMILIES, make_head, make_target, train_head_quickly
@@ -404,3 +405,34 @@ def test_batch_benchmark_unpacked_hf_runs_unpacked_and_repacks(family_dirs):
     unpacked = EaModel.from_pretrained(base_model_path=str(base), ea_model_path=str(heads["eagle3-full"]),
                                        dtype=torch.float32, pack_cpu_weights=False)
     assert "hf_batched_unpacked" not in batch_benchmark.methods_for(unpacked)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_commit_batch_moves_each_accepted_path_after_its_rows_committed_tokens(seed):
+    """After a verification, row b's entries (every layer, keys and values) at its committed length onwards are
+    those of its accepted nodes, in path order, and its committed entries are untouched: rows behind the batch's
+    slot end, rows already in place (plain decoding's root, or nodes 0, 1, ...), rows of ragged paths."""
+    gen = torch.Generator().manual_seed(seed)
+    batch, tree_size, slots, layers = 6, 5, 20, 3
+    cache = TreeKVCache(layers, 40)
+    for layer in cache.layers:
+        layer.lazy_initialization(torch.zeros(batch, 2, 1, 4), torch.zeros(batch, 2, 1, 4))
+        layer.keys.normal_(generator=gen)
+        layer.values.normal_(generator=gen)
+        layer.length = slots + tree_size
+    lengths = [slots - int(torch.randint(0, 3, (1,), generator=gen)) * (seed % 2) for _ in range(batch)]
+    paths = []
+    for b in range(batch):
+        count = int(torch.randint(1, tree_size + 1, (1,), generator=gen))
+        rest = (torch.randperm(tree_size - 1, generator=gen)[: count - 1].sort().values + 1).tolist()
+        paths.append(torch.tensor([0] + (list(range(1, count)) if b % 3 == 0 else rest)))
+    before = [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers]
+    rows = generation.Rows(list(range(batch)), [0] * batch, list(lengths))
+    generation.commit_batch(cache, rows, paths, tree_size)
+    assert rows.length == [n + p.numel() for n, p in zip(lengths, paths)]
+    assert cache.length == max(rows.length)
+    for layer, old in zip(cache.layers, before):
+        for new, old_tensor in zip((layer.keys, layer.values), old):
+            for b, (n, path) in enumerate(zip(lengths, paths)):
+                assert torch.equal(new[b, :, :n], old_tensor[b, :, :n])
+                assert torch.equal(new[b, :, n : n + path.numel()], old_tensor[b, :, slots + path])

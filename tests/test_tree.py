@@ -11,7 +11,7 @@ from eagle.model.generation import verify_tree
 from eagle.model.loading import load_ea_layer
 from eagle.model.target import Target, eagle3_layer_ids
 from eagle.model.tree import (likeliest_root_subtrees, likeliest_subtree, select_tree, select_trees,
-                              tree_from_parents)
+                              tree_from_parents, trees_from_parents)
 from eagle.model.verify import verify_greedy
 from tiny_models import make_head, make_target
 
@@ -100,6 +100,22 @@ def test_select_trees_equals_select_tree_per_row(seed, batch, top_k, depth, num_
     assert len(trees) == batch
     for b, tree in enumerate(trees):
         expected = select_tree(roots[b], tokens[b], scores[b], parents[b], num_nodes)
+        for field in ("tokens", "parents", "depths", "ancestor_mask", "retrieve_indices", "scores"):
+            got, want = getattr(tree, field), getattr(expected, field)
+            assert got.dtype == want.dtype and torch.equal(got, want), (b, field, got, want)
+
+
+@pytest.mark.parametrize("size", [1, 2, 5, 12])
+def test_trees_from_parents_equals_tree_from_parents_per_row(size):
+    """Any shapes of trees (chains, stars, mixed depths in one batch) come out of the batched construction as
+    out of the one-tree construction."""
+    gen = torch.Generator().manual_seed(size)
+    parents = torch.tensor([[-1] + [int(torch.randint(0, node, (1,), generator=gen)) for node in range(1, size)]
+                            for _ in range(5)] + [[-1] + list(range(size - 1)), [-1] + [0] * (size - 1)])
+    tokens = torch.randint(0, 100, parents.shape, generator=gen)
+    scores = -torch.rand(parents.shape, generator=gen)
+    for b, tree in enumerate(trees_from_parents(tokens, parents, scores)):
+        expected = tree_from_parents(tokens[b], parents[b], scores[b])
         for field in ("tokens", "parents", "depths", "ancestor_mask", "retrieve_indices", "scores"):
             got, want = getattr(tree, field), getattr(expected, field)
             assert got.dtype == want.dtype and torch.equal(got, want), (b, field, got, want)

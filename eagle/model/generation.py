@@ -201,6 +201,8 @@ def commit_batch(cache, rows: Rows, paths: list[torch.Tensor], tree_size: int) -
     index = torch.tensor(moving, device=device)
     targets = targets + torch.arange(width, device=device)
     cache.keep_rows(sources[index] + slots, targets, max(rows.length), rows=index)
+
+
 def drop_finished(keep: list[int], rows: Rows, cache, drafter, carried: list):
     """Shrink the batch to the rows ``keep`` (positions among the rows still generating): the cache's and the
     drafter's rows, and every tensor of ``carried`` (indexed on dim 0; None passes). Returns (rows, carried)."""

@@ -77,15 +77,11 @@ class TreeKVLayer(CacheLayerMixin):
             self.values[index, :, targets] = self.values[index, :, sources]
             return
         key = (self.keys.device, self.keys.shape[1], self.keys.shape[2])
-        if flat is None or key not in flat:
-            heads, capacity = key[1], key[2]
-            device = self.keys.device
-            base = (rows.to(device)[:, None, None] * heads + torch.arange(heads, device=device)[None, :, None])
-            base = base * capacity
-            entries = ((base + sources.to(device)[:, None, :]).flatten(), (base + targets.to(device)[:, None, :]).flatten())
-            if flat is None:
-                flat = {}
-            flat[key] = entries
+        if flat is None:
+            flat = {}
+        if key not in flat:
+            flat[key] = tuple(_flat_entries(rows, slots, key[1], key[2], self.keys.device)
+                              for slots in (sources, targets))
         source_index, target_index = flat[key]
         for tensor in (self.keys, self.values):  # entries as rows of a (B * heads * capacity, head_dim) view
             view = tensor.view(-1, tensor.shape[-1])
@@ -125,6 +121,13 @@ class TreeKVLayer(CacheLayerMixin):
             self.keys[:, :, start : start + positions.numel()] = self.keys[:, :, positions]
             self.values[:, :, start : start + positions.numel()] = self.values[:, :, positions]
         self.length = start + positions.numel()
+
+
+def _flat_entries(rows: torch.Tensor, slots: torch.Tensor, heads: int, capacity: int, device) -> torch.Tensor:
+    """The entries (row ``rows[i]``, every head, slot ``slots[i, j]``) of a (B, heads, capacity, dim) tensor, as
+    indices into its (B * heads * capacity, dim) view: (R * heads * M,), row-major."""
+    base = (rows.to(device)[:, None, None] * heads + torch.arange(heads, device=device)[None, :, None]) * capacity
+    return (base + slots.to(device)[:, None, :]).flatten()
 
 
 class TreeKVCache(Cache):

@@ -160,7 +160,7 @@ def select_trees(roots: torch.Tensor, cand_tokens: torch.Tensor, cand_scores: to
                          node_of.gather(1, kept_parents)], dim=1)
     if bool((parents[:, 1:] < 0).any()):
         raise RuntimeError("Draft tree selection kept a node without its parent; this is a bug.")
-    tokens = torch.cat([roots.reshape(batch, 1).to(cand_tokens.dtype), cand_tokens.gather(1, kept)], dim=1)
+    tokens = torch.cat([roots.reshape(batch, 1), cand_tokens.gather(1, kept)], dim=1)
     scores = torch.cat([cand_scores.new_zeros(batch, 1), cand_scores.gather(1, kept)], dim=1)
     return trees_from_parents(tokens, parents, scores)
 
