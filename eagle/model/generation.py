@@ -217,25 +217,18 @@ def drop_finished(keep: list[int], rows: Rows, cache, drafter, carried: list):
 def next_inputs(trees: TreeBatch, results: list, tree_features):
     """After evaluation: each row's new tokens (accepted drafts then the next token), and the drafter's next
     inputs: features (B, M, F) of the accepted nodes, the token after each (B, M), and which are real (B, M) bool,
-    or None when every row accepted the same number (a batch of one). Built for all rows at once; a row's new
-    tokens are a view of its row of the next tokens."""
+    or None when every row accepted the same number (a batch of one)."""
+    new = [torch.cat([tree.tokens[path[1:]], bonus.reshape(1)]) for tree, (path, bonus) in zip(trees.trees, results)]
     paths = [path for path, _ in results]
-    counts = [path.numel() for path in paths]
-    width, batch, device = max(counts), len(paths), trees.tokens.device
-    columns = torch.arange(width, device=device).expand(batch, width)
-    if all(count == width for count in counts):
-        index = torch.stack(paths).to(device)
-        padded, last = index, torch.full((batch, 1), width - 1, device=device)
+    width = max(tokens.shape[0] for tokens in new)
+    if all(tokens.shape[0] == width for tokens in new):
+        next_tokens, valid = torch.stack(new), None
+        index = torch.stack(paths)
     else:
-        padded = torch.nn.utils.rnn.pad_sequence([path.to(device) for path in paths], batch_first=True)
-        last = torch.tensor(counts, device=device)[:, None] - 1
-        index = padded.gather(1, columns.minimum(last))  # each path, its last node repeated
-    # column j holds the token of the path's node j + 1, and the column of the last node the bonus token
-    drafted = trees.tokens.gather(1, padded.gather(1, (columns + 1).minimum(last)))
-    bonus = torch.stack([token.reshape(()) for _, token in results]).to(drafted)
-    next_tokens = torch.where(columns >= last, bonus[:, None], drafted)
-    new = [row[:count] for row, count in zip(next_tokens, counts)]
-    valid = None if all(count == width for count in counts) else columns <= last
+        next_tokens = torch.stack([torch.cat([t, t[-1:].expand(width - t.shape[0])]) for t in new])
+        index = torch.stack([torch.cat([p, p[-1:].expand(width - p.shape[0])]) for p in paths])
+        valid = torch.arange(width, device=index.device)[None] < torch.tensor([t.shape[0] for t in new],
+                                                                              device=index.device)[:, None]
     features = None
     if tree_features is not None:
         index = index.to(tree_features.device)
