@@ -107,8 +107,8 @@ def test_select_trees_equals_select_tree_per_row(seed, batch, top_k, depth, num_
 
 @pytest.mark.parametrize("size", [1, 2, 5, 12])
 def test_trees_from_parents_equals_tree_from_parents_per_row(size):
-    """Any shapes of trees (chains, stars, mixed depths in one batch) come out of the batched construction as
-    out of the one-tree construction."""
+    """Any shapes of trees (chains, stars, mixed depths in one batch) come out of a batch of them as each comes out
+    alone: the rows of the batched construction do not leak into each other."""
     gen = torch.Generator().manual_seed(size)
     parents = torch.tensor([[-1] + [int(torch.randint(0, node, (1,), generator=gen)) for node in range(1, size)]
                             for _ in range(5)] + [[-1] + list(range(size - 1)), [-1] + [0] * (size - 1)])

@@ -50,7 +50,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--min-requests", type=int, default=8,
                         help="at least this many requests per run: clients send more when there are few of them "
                         "(default 8)")
-    parser.add_argument("--max-tokens", type=int, default=64, help="max_tokens of every request (default 64; MT-bench answers end by themselves at about 380 tokens on average with 512: short caps make the joining prompts' prefill, the same cost in both modes, a larger share of the run)")
+    parser.add_argument("--max-tokens", type=int, default=64,
+                        help="max_tokens of every request (default 64; MT-bench answers end by themselves at about "
+                        "380 tokens on average with 512: short caps make the joining prompts' prefill, the same cost "
+                        "in both modes, a larger share of the run)")
     parser.add_argument("--num-prompts", type=int, default=16,
                         help="MT-bench first turns used, spread over categories, sent round robin (default 16)")
     parser.add_argument("--eagle-max-batch-size", type=int, default=DEFAULT_EAGLE_MAX_BATCH_SIZE,

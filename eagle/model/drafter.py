@@ -81,11 +81,16 @@ class NoDrafter:
     def draft_batch(self, features, next_tokens: torch.Tensor, valid: torch.Tensor | None = None) -> list[DraftTree]:
         if valid is None:
             return root_only_trees(next_tokens[:, -1])
-        last = (valid.long() * torch.arange(1, valid.shape[1] + 1, device=valid.device)).argmax(1)  # last valid
-        return root_only_trees(next_tokens.gather(1, last.to(next_tokens.device)[:, None])[:, 0])
+        last = last_valid(valid).to(next_tokens.device)
+        return root_only_trees(next_tokens.gather(1, last[:, None])[:, 0])
 
     def draft(self, features, next_tokens: torch.Tensor) -> DraftTree:
         return self.draft_batch(features, next_tokens)[0]
+
+
+def last_valid(valid: torch.Tensor) -> torch.Tensor:
+    """(B, m) bool (each row's True entries a contiguous run, at least one) -> the index of each row's last (B,)."""
+    return (valid.long() * torch.arange(1, valid.shape[1] + 1, device=valid.device)).argmax(1)
 
 
 ROW_LISTS = ("history", "chains", "matches", "grafted")  # EagleDrafter's per-row lists, kept in row order
@@ -251,8 +256,7 @@ class EagleDrafter:
                                               past_key_values=self.committed_kv, use_cache=True)
         self.valid = torch.cat([past_valid, new_valid], dim=1)
         self.counts = self.counts + new_valid.sum(1)
-        last = (new_valid.long() * torch.arange(1, length + 1, device=device)).argmax(1)
-        return hidden, last
+        return hidden, last_valid(new_valid)
 
     def _expand(self, last: torch.Tensor, tokens: torch.Tensor, scores: torch.Tensor):
         """Grow ``depth`` levels below the K best root children, K nodes expanded per level. last: (B, 1, H) the

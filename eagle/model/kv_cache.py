@@ -70,12 +70,6 @@ class TreeKVLayer(CacheLayerMixin):
             return
         if rows is None:
             rows = torch.arange(sources.shape[0])
-        if not (self.keys.is_contiguous() and self.values.is_contiguous()):
-            index = rows.to(self.keys.device)[:, None]
-            sources, targets = sources.to(self.keys.device), targets.to(self.keys.device)
-            self.keys[index, :, targets] = self.keys[index, :, sources]
-            self.values[index, :, targets] = self.values[index, :, sources]
-            return
         key = (self.keys.device, self.keys.shape[1], self.keys.shape[2])
         if flat is None:
             flat = {}
@@ -83,7 +77,9 @@ class TreeKVLayer(CacheLayerMixin):
             flat[key] = tuple(_flat_entries(rows, slots, key[1], key[2], self.keys.device)
                               for slots in (sources, targets))
         source_index, target_index = flat[key]
-        for tensor in (self.keys, self.values):  # entries as rows of a (B * heads * capacity, head_dim) view
+        # entries as rows of a (B * heads * capacity, head_dim) view: the layer's tensors are always contiguous
+        # (allocated, row-indexed or concatenated, never sliced in place)
+        for tensor in (self.keys, self.values):
             view = tensor.view(-1, tensor.shape[-1])
             view.index_copy_(0, target_index, view.index_select(0, source_index))
 

@@ -33,16 +33,7 @@ class DraftTree:
 
 def root_only_tree(root: torch.Tensor) -> DraftTree:
     """The tree of plain decoding: just the root."""
-    device = root.device
-    zero = torch.zeros(1, dtype=torch.long, device=device)
-    return DraftTree(
-        tokens=root.reshape(1),
-        parents=zero - 1,
-        depths=zero,
-        ancestor_mask=torch.ones(1, 1, dtype=torch.bool, device=device),
-        retrieve_indices=zero.reshape(1, 1),
-        scores=torch.zeros(1, device=device),
-    )
+    return root_only_trees(root.reshape(1))[0]
 
 
 def root_only_trees(roots: torch.Tensor) -> list[DraftTree]:
@@ -55,29 +46,9 @@ def root_only_trees(roots: torch.Tensor) -> list[DraftTree]:
 
 
 def tree_from_parents(tokens: torch.Tensor, parents: torch.Tensor, scores: torch.Tensor) -> DraftTree:
-    """Complete a tree given its nodes. tokens/parents/scores: (N+1,), parents[0] = -1, parents[i] < i."""
-    size = tokens.shape[0]
-    device = tokens.device
-    nodes = torch.arange(size, device=device)
-    ancestor_mask = torch.eye(size, dtype=torch.bool, device=device)
-    current = parents.clone()
-    # Walk up one generation per iteration: at most max-depth iterations of vector ops.
-    while bool((current >= 0).any()):
-        has = current >= 0
-        ancestor_mask[nodes[has], current[has]] = True
-        current = torch.where(has, parents[current.clamp(min=0)], current)
-    depths = ancestor_mask.sum(1) - 1
-
-    is_parent = torch.zeros(size, dtype=torch.bool, device=device)
-    is_parent[parents[parents >= 0]] = True
-    leaves = nodes[~is_parent]
-    max_depth = int(depths.max())
-    # A path's node ids ascend from root to leaf, so sorting each leaf's ancestor set gives the path in order.
-    big = size + 1
-    paths = torch.where(ancestor_mask[leaves], nodes[None, :], torch.full_like(nodes, big)[None, :])
-    paths = paths.sort(dim=1).values[:, : max_depth + 1]
-    retrieve_indices = torch.where(paths == big, torch.full_like(paths, -1), paths)
-    return DraftTree(tokens, parents, depths, ancestor_mask, retrieve_indices, scores)
+    """Complete a tree given its nodes. tokens/parents/scores: (N+1,), parents[0] = -1, parents[i] < i. All
+    structure is derived with tensor operations (see :func:`trees_from_parents`)."""
+    return trees_from_parents(tokens[None], parents[None], scores[None])[0]
 
 
 def likeliest_subtree(tree: DraftTree, node: int, limit: int) -> list[int]:
@@ -185,6 +156,7 @@ def trees_from_parents(tokens: torch.Tensor, parents: torch.Tensor, scores: torc
     is_leaf = ~is_parent[:, :size]
     leaf_rows, leaf_nodes = is_leaf.nonzero(as_tuple=True)
     counts_and_depths = torch.stack([is_leaf.sum(1), depths.max(1).values]).tolist()
+    # A path's node ids ascend from root to leaf, so sorting each leaf's ancestor set gives the path in order.
     big = size + 1
     paths = torch.where(ancestor_mask[leaf_rows, leaf_nodes], nodes[None, :], torch.full_like(nodes, big)[None, :])
     paths = paths.sort(dim=1).values
