@@ -20,7 +20,7 @@ Without argparse (a server, a notebook)::
 - ``--use-eagle3`` / ``--no-eagle3`` (also ``--use_eagle3`` / ``--no_eagle3``);
 - ``--total-token`` (-1: timed on this device), ``--depth``, ``--top-k``, ``--lookup-tokens`` (0 = off);
 - ``--device`` (auto = the best accelerator), ``--dtype`` and ``--draft-dtype`` (auto or a name of
-  :data:`eagle.model.loading.DTYPES_BY_NAME`), ``--pack-cpu-weights`` (auto, on, off);
+  :data:`eagle.model.heads.loading.DTYPES_BY_NAME`), ``--pack-cpu-weights`` (auto, on, off);
 - ``--load-in-8bit`` / ``--load-in-4bit`` (bitsandbytes, CUDA only).
 
 The rules live here and nowhere else: a model path not given is the embedded pair's
@@ -41,8 +41,9 @@ from dataclasses import dataclass
 
 import torch
 
-from eagle.model.cpu_linear import PACK_FLAG_VALUES, add_pack_cpu_weights_argument
-from eagle.model.loading import DTYPES_BY_NAME
+from eagle.model.target.backends.linear import BitsAndBytesLinear
+from eagle.model.target.backends.onednn import PACK_FLAG_VALUES, add_pack_cpu_weights_argument
+from eagle.model.heads.loading import DTYPES_BY_NAME
 
 logger = logging.getLogger(__name__)
 
@@ -241,23 +242,15 @@ def resolve_dtype(name, device: torch.device) -> torch.dtype:
 
 
 def quantization_kwargs(quantization: str | None, base_model_path: str | None = None) -> dict:
-    """``from_pretrained`` keyword arguments for ``"8bit"``/``"4bit"``; exits with why where it cannot work."""
+    """``from_pretrained`` keyword arguments for ``"8bit"``/``"4bit"`` (the bitsandbytes linear backend, see
+    :mod:`eagle.model.target.backends.linear`); exits with why where it cannot work."""
     if quantization is None:
         return {}
-    import importlib.util
-
     flag = f"--load-in-{quantization}"
-    if not torch.cuda.is_available():
-        raise SystemExit(f"error: {flag} needs a CUDA GPU (bitsandbytes quantisation); none is available. "
-                         "Run without it (the model loads unquantised) or on a machine with a GPU.")
-    if importlib.util.find_spec("bitsandbytes") is None:
-        raise SystemExit(f"error: {flag} needs the bitsandbytes package: pip install bitsandbytes")
-    if base_model_path and str(base_model_path).endswith(".gguf"):
-        raise SystemExit(f"error: {flag} cannot quantise a GGUF base model; pass a transformers checkpoint.")
-    from transformers import BitsAndBytesConfig
-
-    config = BitsAndBytesConfig(load_in_8bit=quantization == "8bit", load_in_4bit=quantization == "4bit")
-    return {"quantization_config": config, "device_map": "auto"}
+    try:
+        return BitsAndBytesLinear(int(quantization[0]), label=flag).load_options(base_model_path)
+    except ValueError as err:
+        raise SystemExit(f"error: {err}") from None
 
 
 def placement_kwargs(options: ModelOptions) -> tuple[torch.device, dict]:
@@ -322,3 +315,13 @@ def load_model(options: ModelOptions, **hf_kwargs):
     return EaModel.from_pretrained(use_eagle3=options.use_eagle3, base_model_path=options.base_model_path,
                                    ea_model_path=options.ea_model_path, pack_cpu_weights=options.pack_cpu_weights,
                                    draft_dtype=options.draft_dtype, **options.tree, **kwargs)
+
+
+def load_default_model(base_model_path: str | None = None, ea_model_path: str | None = None, use_eagle3: bool = True,
+                       pack_cpu_weights: bool | str = "auto", **tree_overrides):
+    """``EaModel`` for the given paths, falling back to the embedded default pair for whatever is not given
+    (:func:`eagle.defaults.resolve_model_paths`); the tree is the head's own for the device (see
+    ``EaModel.from_pretrained``). Tree settings given as keyword arguments (``total_token``, ``depth``, ``top_k``,
+    ``lookup_tokens``) win."""
+    return load_model(ModelOptions(base_model_path=base_model_path, ea_model_path=ea_model_path,
+                                   use_eagle3=use_eagle3, pack_cpu_weights=pack_cpu_weights, **tree_overrides))

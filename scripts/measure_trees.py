@@ -18,13 +18,13 @@ import time
 
 import torch
 
-from eagle.evaluation.methods import (eagle_generate, engine_stop_ids, hf_generate, hf_generation_config,
-                                      resolve_model_paths)
+from eagle.cli import resolve_model_args
+from eagle.evaluation.methods import eagle_generate, engine_stop_ids, hf_generate, hf_generation_config
 from eagle.evaluation.questions import load_questions, spread_over_categories
 from eagle.evaluation.simulate import parse_trees
-from eagle.model import autotune
+from eagle.model.tuning import autotune
 from eagle.model.ea_model import EaModel
-from eagle.model.head_tree import REFERENCE_TREE
+from eagle.model.tuning.head_tree import REFERENCE_TREE
 from eagle.templates import encode_prompt, get_template
 
 
@@ -50,7 +50,7 @@ def main(argv=None) -> None:
     wanted = [part.strip() for part in args.configs.split(",") if part.strip()]
     if not wanted or set(wanted) - set(names):
         raise SystemExit(f"--configs: expected a comma-separated subset of {', '.join(names)}, got {args.configs!r}.")
-    resolve_model_paths(args)
+    resolve_model_args(args)
     model = EaModel.from_pretrained(base_model_path=args.base_model_path, ea_model_path=args.ea_model_path)
     tuned = None
     if "tuned" in wanted:

@@ -25,37 +25,37 @@ from pathlib import Path
 MUTATIONS = {
     # greedy verification reads the target's choice from the parent's row instead of the node's own
     "greedy_row": [
-        ("eagle/model/verify.py", "predicted = torch.stack([logits[row][nodes[row]] for row in walking]).argmax(-1)",
+        ("eagle/model/engine/acceptance.py", "predicted = torch.stack([logits[row][nodes[row]] for row in walking]).argmax(-1)",
          "predicted = torch.stack([logits[row][max(nodes[row] - 1, 0)] for row in walking]).argmax(-1)"),
-        ("eagle/model/verify.py", "path, bonus = greedy_path(tree, lambda node: logits[node].argmax())",
+        ("eagle/model/engine/acceptance.py", "path, bonus = greedy_path(tree, lambda node: logits[node].argmax())",
          "path, bonus = greedy_path(tree, lambda node: logits[max(node - 1, 0)].argmax())"),
     ],
     # the residual is left unnormalised after a rejected sibling (the next sibling is accepted too rarely)
-    "residual_unnormalised": ("eagle/model/verify.py", "            residual = residual / total\n",
+    "residual_unnormalised": ("eagle/model/engine/acceptance.py", "            residual = residual / total\n",
                               "            residual = residual\n"),
     # after rejections the bonus token is drawn from the full target distribution instead of the residual
     "bonus_from_target": [
-        ("eagle/model/verify.py", "        if accepted is None:\n            return path, residual",
+        ("eagle/model/engine/acceptance.py", "        if accepted is None:\n            return path, residual",
          "        if accepted is None:\n            return path, probs"),
-        ("eagle/model/verify.py", "return torch.tensor(path, device=tree.tokens.device), sampler.draw(residual)",
+        ("eagle/model/engine/acceptance.py", "return torch.tensor(path, device=tree.tokens.device), sampler.draw(residual)",
          "return torch.tensor(path, device=tree.tokens.device), sampler.draw(probs)"),
     ],
     # cache compaction moves the accepted keys but leaves the values where they were
-    "compaction_values": ("eagle/model/kv_cache.py",
+    "compaction_values": ("eagle/model/target/kv_cache.py",
                           "            self.values[:, :, start : start + positions.numel()] = self.values[:, :, positions]\n",
                           ""),
     # a reduced-vocabulary head maps draft ids to target ids with the offset alone
-    "d2t_offset": [("eagle/model/draft_head.py", "return ids + self.d2t[ids]", "return self.d2t[ids]"),
+    "d2t_offset": [("eagle/model/heads/draft_head.py", "return ids + self.d2t[ids]", "return self.d2t[ids]"),
                    ("eagle/model/cnets.py", "return ids + self.d2t[ids]", "return self.d2t[ids]")],
     # the tree is verified under a causal mask: every node also sees the nodes before it that are not its ancestors
-    "tree_mask_causal": ("eagle/model/target.py", "new_block = tree_mask.to(device)",
+    "tree_mask_causal": ("eagle/model/target/target.py", "new_block = tree_mask.to(device)",
                          "new_block = torch.ones(length, length, dtype=torch.bool, device=device).tril_()"),
     # the head is fed the features of the tree's first nodes instead of the accepted path's
     "features_gather": [
-        ("eagle/model/generation.py",
+        ("eagle/model/engine/verify.py",
          "features = tree_features[torch.arange(index.shape[0], device=index.device)[:, None], index]",
          "features = tree_features[:, : index.shape[1]]"),
-        ("eagle/model/generation.py", "features = tree_features[:, path.to(tree_features.device)]",
+        ("eagle/model/engine/verify.py", "features = tree_features[:, path.to(tree_features.device)]",
          "features = tree_features[:, : path.numel()]"),
     ],
 }

@@ -7,9 +7,10 @@ greedy answers to MT-bench first turns (one at a time, or ``--batch-size`` toget
 
 The parts (nested: a line's time includes the lines indented below it):
 
-- ``draft``: the drafter (``draft_batch``): the head pass over the newly committed tokens (``commit pass``), the
-  tree expansion (``expand``, the other head passes), each head pass (``head pass``) and its draft logits
-  (``draft logits``), the tree selection (``select``) and the prompt-lookup graft (``lookup``);
+- ``observe``: the drafter learning what was committed (the head pass over the newly committed tokens);
+  ``propose``: the head's tree (``expand``: the other head passes; ``select``: the tree selection); each head pass
+  (``head pass``, observe's included) and its draft logits (``draft logits``); ``lookup``: the prompt-lookup
+  search and graft;
 - ``verify``: the tree's target forward (``target forward``: the model itself and its attention mask);
 - ``evaluate``: the greedy walk over the tree (with the logits rows it projects: ``LM-head rows``);
 - ``commit``: the target KV cache compaction; ``next inputs``: the drafter's next inputs; ``prefill``: the prompts'
@@ -28,28 +29,33 @@ from collections import Counter, defaultdict
 import torch
 
 from eagle.evaluation.questions import load_questions, spread_over_categories
-from eagle.model import draft_head, drafter, generation, target
+from eagle.model.drafting import eagle as eagle_drafter
+from eagle.model.drafting import lookup
 from eagle.model.ea_model import EaModel
+from eagle.model.engine import loop
+from eagle.model.heads import draft_head
+from eagle.model.target import target
 from eagle.templates import encode_prompt, get_template
 
 # (owner, attribute, label, indent)
 PARTS = [
-    (drafter.EagleDrafter, "draft_batch", "draft", 0),
-    (drafter.EagleDrafter, "_commit", "commit pass", 1),
-    (drafter.EagleDrafter, "_expand", "expand", 1),
+    (eagle_drafter.EagleDrafter, "observe", "observe", 0),
+    (eagle_drafter.EagleDrafter, "propose", "propose", 0),
+    (eagle_drafter.EagleDrafter, "_expand", "expand", 1),
+    (eagle_drafter, "select_trees", "select", 1),
     (draft_head.DraftHead, "forward", "head pass", 1),
     (draft_head.Eagle3DraftHead, "compute_logits", "draft logits", 1),
-    (drafter, "select_trees", "select", 1),
-    (drafter.EagleDrafter, "_lookup_chain", "lookup", 1),
-    (generation, "verify_trees", "verify", 0),
+    (lookup, "find_match", "lookup", 0),
+    (lookup, "graft_chain", "lookup graft", 1),
+    (loop, "verify_trees", "verify", 0),
     (target.Target, "forward", "target forward", 1),
     (target.Target, "attention_mask", "attention mask", 2),
-    (generation, "evaluate_batch", "evaluate", 0),
+    (loop, "evaluate_batch", "evaluate", 0),
     (target.Target, "project", "LM-head rows", 1),
-    (generation, "commit_batch", "commit", 0),
-    (generation, "next_inputs", "next inputs", 0),
-    (generation, "stack_trees", "stack trees", 0),
-    (generation, "prefill", "prefill", 0),
+    (loop, "commit_batch", "commit", 0),
+    (loop, "next_inputs", "next inputs", 0),
+    (loop, "stack_trees", "stack trees", 0),
+    (loop, "prefill", "prefill", 0),
 ]
 TOP_LEVEL = [label for _, _, label, indent in PARTS if indent == 0]
 
@@ -81,14 +87,14 @@ class Timers:
 def install(timers: Timers) -> None:
     for owner, name, label, _ in PARTS:
         timers.wrap(owner, name, label)
-    stack = generation.stack_trees
+    stack = loop.stack_trees
 
     def counted(trees):
         batch = stack(trees)
         timers.tree_tokens.append(batch.size)
         return batch
 
-    generation.stack_trees = counted
+    loop.stack_trees = counted
 
 
 def run(model, prompts, max_new_tokens: int, use_eagle: bool, batch_size: int = 1) -> tuple[int, int, float]:

@@ -7,9 +7,8 @@ Greedy; MT-bench first turns taken round-robin over categories, cut into batches
 every configuration in turn (the order rotated from batch to batch), one tree at a time set as the model's only
 batch tree (``EaModel.set_batch_trees({2: tree})``), so every batch of two or more rows drafts with it. Speeds are total new tokens over total seconds; the ratio in brackets is
 the geometric mean, over batches and repeats, of a tree's speed over HF's on the same batch in the same turn (what
-to read on a loaded machine). A tree ending in ``b`` (``4/1/3/0b``) drafts the batch from one node budget shared by
-its rows (``EagleDrafter.shared_budget = True``, eagle/model/batch_budget.py) instead of the same tree per row. What it prints is what
-chose the trees the embedded head carries in ``eagle_batch_tree`` (see docs/PERFORMANCE.md).
+to read on a loaded machine). What it prints is what chose the trees the embedded head carries in
+``eagle_batch_tree`` (see docs/PERFORMANCE.md).
 """
 
 from __future__ import annotations
@@ -22,7 +21,6 @@ from eagle.cli import HelpFormatter, add_model_arguments, load_model_from_args, 
 from eagle.evaluation.batch_benchmark import first_turn_prompts, left_pad, parse_batch_sizes, run_method
 from eagle.evaluation.methods import engine_stop_ids
 from eagle.evaluation.simulate import parse_trees
-from eagle.model.drafter import EagleDrafter
 
 logger = logging.getLogger("sweep_batch_trees")
 
@@ -33,9 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_arguments(parser, tree=False, quantization=False)
     parser.add_argument("--batch-sizes", default="4,8", help="Comma-separated batch sizes.")
     parser.add_argument("--trees", default="2/0/1/0,3/1/2/0,4/1/3/0,6/1/4/0,8/2/4/0,8/2/4/16",
-                        help="Comma-separated total_token/depth/top_k/lookup trees; a tree ending in b (4/1/3/0b) "
-                        "drafts the batch from one shared node budget (EagleDrafter.shared_budget) instead of the "
-                        "same tree per row.")
+                        help="Comma-separated total_token/depth/top_k/lookup trees.")
     parser.add_argument("--num-questions", type=int, default=16, help="MT-bench first turns.")
     parser.add_argument("--max-new-tokens", type=int, default=128, help="New tokens per answer at most.")
     parser.add_argument("--repeats", type=int, default=2, help="Runs of every configuration, in turn.")
@@ -56,7 +52,6 @@ def sweep(model, prompts, size: int, trees: dict, args, stop_ids, pad_id) -> dic
         for name in names[turn % len(names):] + names[: turn % len(names)]:
             method = "hf_batched" if name == "hf" else "eagle_batched"
             if name != "hf":
-                EagleDrafter.shared_budget = name.endswith("b")
                 model.set_batch_trees({2: trees[name]})
             rows, seconds[name] = run_method(method, model, ids, mask, args.max_new_tokens, stop_ids)
             totals[name][0] += sum(len(r) for r in rows)
@@ -65,7 +60,6 @@ def sweep(model, prompts, size: int, trees: dict, args, stop_ids, pad_id) -> dic
             log_ratios[name].append(math.log(seconds["hf"] / seconds[name]))
         logger.info("batch %d, turn %d: %s", size, turn,
                     ", ".join(f"{name} {seconds['hf'] / seconds[name]:.2f}x" for name in names[1:]))
-    EagleDrafter.shared_budget = False
     return {name: (tokens / spent, math.exp(sum(log_ratios[name]) / len(log_ratios[name])))
             for name, (tokens, spent) in totals.items()}
 

@@ -1,6 +1,6 @@
 """What padding rows cost in one target forward of a batch: a verification forward over trees of different sizes
 (padded to the largest) and a prefill of left-padded prompts, each timed with the padding rows skipped by the
-packed linear layers (``cpu_linear.real_rows_only``, the engine's way) and computed like real rows, interleaved in
+packed linear layers (``real_rows_only``, the engine's way) and computed like real rows, interleaved in
 one process on the embedded default pair (or ``--base-model`` / ``--ea-model``).
 
     python scripts/time_padding_rows.py --tree-sizes 24,4,4,4,4,4,4,4 --prompt-lengths 30,60,90,120,150,180,210,240
@@ -23,9 +23,12 @@ from collections import defaultdict
 
 import torch
 
-from eagle.model import generation, target as target_module
+from eagle.model.drafting.tree import DraftTree, stack_trees, tree_from_parents
 from eagle.model.ea_model import EaModel
-from eagle.model.tree import DraftTree, stack_trees, tree_from_parents
+from eagle.model.engine import loop
+from eagle.model.engine.commit import Rows
+from eagle.model.engine.verify import prefill, verify_trees
+from eagle.model.target import target as target_module
 
 
 def chain_tree(root: torch.Tensor, size: int) -> DraftTree:
@@ -62,14 +65,14 @@ def time_verify(target, sizes: list[int], prefix: int) -> dict[str, float]:
     cache = target.new_cache(prefix + max(sizes) + 1)
     cache.reset(batch)
     ids = torch.randint(100, 1000, (batch, prefix))
-    generation.prefill(target, ids, cache, None, False)
-    rows = generation.Rows(list(range(batch)), [0] * batch, [prefix] * batch)
+    prefill(target, ids, cache, None, False)
+    rows = Rows(list(range(batch)), [0] * batch, [prefix] * batch)
     trees = stack_trees([chain_tree(ids[b, -1], n) for b, n in enumerate(sizes)])
     seconds = {}
     for label, context in (("skipped", contextlib.nullcontext()), ("computed", padding_computed())):
         with context:
             start = clock()
-            generation.verify_trees(target, trees, cache, rows, lazy_logits=True)
+            verify_trees(target, trees, cache, rows, lazy_logits=True)
             seconds[label] = clock() - start
         cache.crop(prefix)
     return seconds
@@ -86,7 +89,7 @@ def time_prefill(target, lengths: list[int]) -> dict[str, float]:
         cache.reset(len(lengths))
         with context:
             start = clock()
-            generation.prefill(target, ids, cache, None, True, pads)
+            prefill(target, ids, cache, None, True, pads)
             seconds[label] = clock() - start
     return seconds
 
@@ -120,7 +123,7 @@ def time_generation(model, prompts: list[list[int]], batch: int, max_new_tokens:
     seconds: dict[str, float] = defaultdict(float)
     steps = 0
     start = clock()
-    with timed(generation, ["prefill", "verify_trees"], seconds):
+    with timed(loop, ["prefill", "verify_trees"], seconds):
         for first in range(0, len(prompts), batch):
             rows = [torch.tensor(p) for p in prompts[first:first + batch]]
             steps += sum(1 for _ in model.generate_batch_steps(rows, max_new_tokens=max_new_tokens))
@@ -174,7 +177,7 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     _clock[0] = CLOCKS[args.clock]
     model = EaModel.from_pretrained(base_model_path=args.base_model, ea_model_path=args.ea_model)
-    target = model._eagle_target
+    target = model.engine.target
     print(f"{torch.get_num_threads()} torch threads, {args.clock} time, median of {args.repeats}")
     if args.generate_batches:
         compare_generation(model, args)

@@ -9,9 +9,9 @@ import json
 import pytest
 import torch
 
-from eagle.model import drafter as drafter_module
-from eagle.model.batch_tree import largest_tree_size, parse_batch_trees, tree_for_batch
-from eagle.model.drafter import TreeSettings
+from eagle.model.drafting import lookup as lookup_module
+from eagle.model.drafting.batch_tree import largest_tree_size, parse_batch_trees, tree_for_batch
+from eagle.model.drafting.settings import TreeSettings
 from eagle.model.ea_model import EaModel
 from test_batching import hf_alone, left_padded
 from tiny_models import make_head, make_target
@@ -50,14 +50,14 @@ def test_the_head_s_batch_trees_are_used_and_rechosen_as_rows_finish(pair, monke
     assert model.tree_for_batch(2) == model.tree_settings and model.tree_for_batch(4) == TreeSettings(4, 1, 3, 0)
     assert model.tree_for_batch(8) == TreeSettings(2, 0, 3, 6)
     drafted = []  # (rows, the tree in use, each tree's size, the drafter) per draft
-    original = drafter_module.EagleDrafter.draft_batch
+    original = lookup_module.LookupDrafter.propose
 
-    def spy(self, features, next_tokens, valid=None):
-        trees = original(self, features, next_tokens, valid)
-        drafted.append((next_tokens.shape[0], self.settings, [t.size for t in trees], self))
+    def spy(self):  # the head's drafter with its lookup branch (the batch-1 tree grafts lookup chains)
+        trees = original(self)
+        drafted.append((len(trees), self.inner.settings, [t.size for t in trees], self))
         return trees
 
-    monkeypatch.setattr(drafter_module.EagleDrafter, "draft_batch", spy)
+    monkeypatch.setattr(lookup_module.LookupDrafter, "propose", spy)
     # max_length 16: budgets 10, 6, 14, 12, 10, so the batch shrinks from 5 rows to 4, 2 and 1
     expected = [row[: 16 - len(prompt)] for row, prompt in zip(hf_alone(reference, PROMPTS, max_new_tokens=14),
                                                                  PROMPTS)]

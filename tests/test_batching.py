@@ -8,12 +8,14 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from eagle.model import cpu_linear, generation
-from eagle.model.cpu_linear import PackedLinear, packing_available
-from eagle.model.drafter import EagleDrafter
 from eagle.model.ea_model import EaModel
-from eagle.model.kv_cache import TreeKVCache
-from eagle.model.tree import stack_trees, tree_from_parents
+from eagle.model.engine import loop
+from eagle.model.engine.commit import Rows, commit_batch
+from eagle.model.engine.verify import prefill, verify_trees
+from eagle.model.target.backends import linear as linear_backends
+from eagle.model.target.backends.onednn import PackedLinear, packing_available
+from eagle.model.target.kv_cache import TreeKVCache
+from eagle.model.drafting.tree import stack_trees, tree_from_parents
 from test_sampling import LENGTH, hf_warpers, position_p_values
 from tiny_models import FAMILIES, make_head, make_target, train_head_quickly
 
@@ -162,10 +164,10 @@ def _prefill_and_verify(target, prompts, sizes):
     pads = (1 - mask).sum(1).tolist()
     cache = target.new_cache(64)
     cache.reset(len(prompts))
-    roots, features = generation.prefill(target, ids, cache, None, True, pads)
-    rows = generation.Rows(list(range(len(prompts))), pads, [ids.shape[1]] * len(prompts))
+    roots, features = prefill(target, ids, cache, None, True, pads)
+    rows = Rows(list(range(len(prompts))), pads, [ids.shape[1]] * len(prompts))
     trees = stack_trees(_ragged_trees(roots, sizes, seeds=[len(p) for p in prompts]))
-    logits, _, tree_features = generation.verify_trees(target, trees, cache, rows)
+    logits, _, tree_features = verify_trees(target, trees, cache, rows)
     nodes = [(torch.stack([logits[b][i] for i in range(n)]), tree_features[b, :n]) for b, n in enumerate(sizes)]
     return roots, [features[b, pad:] for b, pad in enumerate(pads)], nodes
 
@@ -178,7 +180,7 @@ def test_padding_rows_are_skipped_and_real_rows_equal_each_row_alone(family, fam
     base, heads, _ = family_dirs[family]
     model = EaModel.from_pretrained(base_model_path=str(base), ea_model_path=str(heads["eagle3-full"]),
                                     dtype=torch.float32, pack_cpu_weights=True)
-    target, prompts, sizes = model._eagle_target, PROMPTS[:3], [9, 2, 4]
+    target, prompts, sizes = model.engine.target, PROMPTS[:3], [9, 2, 4]
     rows_seen = []
     compute = PackedLinear._linear
     monkeypatch.setattr(PackedLinear, "_linear",
@@ -199,14 +201,14 @@ def test_padding_rows_are_skipped_and_real_rows_equal_each_row_alone(family, fam
 def test_ragged_trees_with_lookup_chains_are_lossless(family, pack, family_dirs, monkeypatch):
     """Rows whose trees differ in size (a lookup chain grafted on some rows, no padding filled with candidates)
     verify in one padded forward, and every row is still its prompt's greedy decoding, packed or not."""
-    monkeypatch.setattr(EagleDrafter, "_fill_padding", lambda self, trees, *rest: trees, raising=False)
-    monkeypatch.setattr(cpu_linear, "MIN_PADDING_ROWS", 1)  # every padded forward skips its padding rows
+    monkeypatch.setattr(linear_backends, "MIN_PADDING_ROWS", 1)  # every padded forward skips its padding rows
     skipping = []
-    real_rows = cpu_linear.RealRows
-    monkeypatch.setattr(cpu_linear, "RealRows", lambda shape, index: skipping.append(shape) or real_rows(shape, index))
+    real_rows = linear_backends.RealRows
+    monkeypatch.setattr(linear_backends, "RealRows",
+                        lambda shape, index: skipping.append(shape) or real_rows(shape, index))
     sizes = []
-    stack = generation.stack_trees
-    monkeypatch.setattr(generation, "stack_trees", lambda trees: sizes.append({t.size for t in trees}) or stack(trees))
+    stack = loop.stack_trees
+    monkeypatch.setattr(loop, "stack_trees", lambda trees: sizes.append({t.size for t in trees}) or stack(trees))
     base, heads, reference = family_dirs[family]
     prompts = PROMPTS + [[1, 50, 51, 52, 53, 50, 51, 52, 53, 50, 51]]  # a repeating prompt: lookup finds chains
     expected = hf_alone(reference, prompts)
@@ -287,14 +289,14 @@ def test_bad_batches_are_refused_and_the_model_stays_usable(family_dirs, inputs,
 
 
 def test_a_batch_whose_cache_does_not_fit_is_refused_before_it_runs(family_dirs, monkeypatch):
-    from eagle.model import kv_cache
+    from eagle.model.target import kv_cache
 
     model = _usable_model(family_dirs)
     ids, mask = left_padded(PROMPTS)
     ran = []
     model.base_model.register_forward_pre_hook(lambda *args: ran.append(1))
     monkeypatch.setattr(kv_cache, "free_memory", lambda device: 1000)
-    model._cache = None
+    model.engine.cache = None
     with pytest.raises(ValueError, match="A batch of 4 rows needs a KV cache of .* only 0.00 GiB"):
         model.eagenerate(ids, attention_mask=mask, max_new_tokens=4)
     assert not ran
@@ -381,7 +383,7 @@ def test_batch_benchmark_unpacked_hf_runs_unpacked_and_repacks(family_dirs):
     """`hf_batched_unpacked` times HF generate on the layers as transformers loads them and leaves the engine's
     packed layers as they were; without packed layers it is not offered (hf_batched already is that)."""
     from eagle.evaluation import batch_benchmark
-    from eagle.model.cpu_linear import packed_layer_count
+    from eagle.model.target.backends.onednn import packed_layer_count
 
     base, heads, _ = family_dirs["llama"]
     model = EaModel.from_pretrained(base_model_path=str(base), ea_model_path=str(heads["eagle3-full"]),
@@ -427,8 +429,8 @@ def test_commit_batch_moves_each_accepted_path_after_its_rows_committed_tokens(s
         rest = (torch.randperm(tree_size - 1, generator=gen)[: count - 1].sort().values + 1).tolist()
         paths.append(torch.tensor([0] + (list(range(1, count)) if b % 3 == 0 else rest)))
     before = [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers]
-    rows = generation.Rows(list(range(batch)), [0] * batch, list(lengths))
-    generation.commit_batch(cache, rows, paths, tree_size)
+    rows = Rows(list(range(batch)), [0] * batch, list(lengths))
+    commit_batch(cache, rows, paths, tree_size)
     assert rows.length == [n + p.numel() for n, p in zip(lengths, paths)]
     assert cache.length == max(rows.length)
     for layer, old in zip(cache.layers, before):

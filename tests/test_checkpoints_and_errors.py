@@ -10,8 +10,8 @@ from transformers import AutoModelForCausalLM
 
 from eagle.model import EaModel
 from eagle.model.configs import EConfig
-from eagle.model.cpu_linear import native_bfloat16
-from eagle.model.loading import resolve_draft_dtype
+from eagle.model.target.backends.onednn import native_bfloat16
+from eagle.model.heads.loading import resolve_draft_dtype
 from tiny_models import make_head, make_target
 
 
@@ -61,7 +61,7 @@ def test_fp16_checkpoint_loads_into_float32_base(base):
 
 
 def test_draft_dtype_follows_the_base_model_unless_bfloat16_is_native(monkeypatch):
-    from eagle.model import loading
+    from eagle.model.heads import loading
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     monkeypatch.setattr(loading, "native_bfloat16", lambda: True)
@@ -150,7 +150,7 @@ def test_unsupported_models_are_refused(base, tmp_path):
                                 attn_implementation="flash_attention_2")
     from transformers import T5Config, T5ForConditionalGeneration
 
-    from eagle.model.target import check_target_model
+    from eagle.model.target.target import check_target_model
 
     t5 = T5ForConditionalGeneration(T5Config(vocab_size=32, d_model=16, d_ff=32, num_layers=1, num_heads=2, d_kv=8))
     with pytest.raises(ValueError, match="encoder-decoder"):

@@ -7,9 +7,10 @@ import pytest
 import torch
 
 from eagle import cli, defaults
+from eagle.model.tuning.head_tree import embedded_tree_settings
 from eagle.model.ea_model import EaModel
 
-TREE = defaults.default_tree_settings()
+TREE = embedded_tree_settings()
 
 
 def _parsers():
@@ -71,7 +72,7 @@ def test_one_embedded_pair_rule():
 def test_the_embedded_head_tree_is_chosen_per_device_by_from_pretrained(monkeypatch):
     """No command passes the embedded head's CPU tree explicitly: from_pretrained reads the head's tree for the
     device the model lands on, so a GPU gets the head's GPU tree (the reference's while it has none)."""
-    from eagle.model.head_tree import REFERENCE_TREE, head_tree_for, read_head_trees, resolve_tree
+    from eagle.model.tuning.head_tree import REFERENCE_TREE, head_tree_for, read_head_trees, resolve_tree
 
     calls = []
     monkeypatch.setattr(EaModel, "from_pretrained", classmethod(lambda cls, **kwargs: calls.append(kwargs)))
@@ -80,9 +81,9 @@ def test_the_embedded_head_tree_is_chosen_per_device_by_from_pretrained(monkeypa
         assert not set(cli.TREE_KEYS) & set(calls[-1])
     config = {"eagle_tree": read_head_trees(defaults.default_ea_model_path())}
     on_cpu = resolve_tree({}, head_tree_for(config, torch.device("cpu")))[0]
-    assert {k: getattr(on_cpu, k) for k in cli.TREE_KEYS} == TREE == defaults.default_tree_settings("cpu")
+    assert {k: getattr(on_cpu, k) for k in cli.TREE_KEYS} == TREE == embedded_tree_settings("cpu")
     on_gpu = resolve_tree({}, head_tree_for(config, torch.device("cuda")))[0]
-    assert {k: getattr(on_gpu, k) for k in cli.TREE_KEYS} == defaults.default_tree_settings("cuda")
+    assert {k: getattr(on_gpu, k) for k in cli.TREE_KEYS} == embedded_tree_settings("cuda")
     if "cuda" not in config["eagle_tree"]:
         assert on_gpu == REFERENCE_TREE
 

@@ -9,8 +9,10 @@ import pytest
 import torch
 from torch import nn
 
-from eagle.model import EaModel, cpu_linear
-from eagle.model.cpu_linear import PackedLinear, pack_linear_layers, unpack_linear_layers
+from eagle.model import EaModel
+from eagle.model.target.backends import linear as linear_backends
+from eagle.model.target.backends import onednn as cpu_linear
+from eagle.model.target.backends.onednn import PackedLinear, pack_linear_layers, unpack_linear_layers
 from tiny_models import make_tiny_pair
 
 pytestmark = pytest.mark.skipif(not cpu_linear.packing_available(), reason="this torch build cannot pack weights")
@@ -188,7 +190,7 @@ def test_under_real_rows_only_a_packed_layer_computes_the_real_rows_alone(flat, 
     with torch.no_grad():
         expected = net(x)
         seen.clear()
-        with cpu_linear.real_rows_only(real):
+        with linear_backends.real_rows_only(real):
             got = net(x)
             other = net[0](torch.randn(4, 24))  # not one row per token of the call: computed as it is
     assert seen == [8, 8, 4]  # the 8 real rows in each layer, the 4 rows of the other call
@@ -198,9 +200,9 @@ def test_under_real_rows_only_a_packed_layer_computes_the_real_rows_alone(flat, 
     torch.testing.assert_close(got[mask], expected[mask], rtol=1e-5, atol=1e-5)
     assert torch.count_nonzero(got[~mask]) == 0
     few = torch.ones(2, 12, dtype=torch.bool)
-    few[1, -cpu_linear.MIN_PADDING_ROWS + 1:] = False
+    few[1, -linear_backends.MIN_PADDING_ROWS + 1:] = False
     for real in (torch.ones(2, 12, dtype=torch.bool), few):  # no padding; too few padding rows to be worth skipping
-        with cpu_linear.real_rows_only(real), torch.no_grad():
+        with linear_backends.real_rows_only(real), torch.no_grad():
             seen.clear()
             net(x)  # every row, in one call per layer
         assert seen == [24, 24]
@@ -216,7 +218,7 @@ def test_layers_reading_the_same_input_gather_its_real_rows_once(monkeypatch):
     gathered = []
     index_select = torch.Tensor.index_select
     monkeypatch.setattr(torch.Tensor, "index_select", lambda t, *a: gathered.append(t.shape) or index_select(t, *a))
-    with torch.no_grad(), cpu_linear.real_rows_only(real):
+    with torch.no_grad(), linear_backends.real_rows_only(real):
         a, b = first[0](x), second[0](x)  # the same input: gathered once
         x.mul_(2)  # changed in place: gathered again
         c = first[0](x)
@@ -232,6 +234,6 @@ def test_real_rows_only_leaves_plain_linear_layers_alone():
     x = torch.randn(2, 5, 24)
     with torch.no_grad():
         expected = net(x)
-        with cpu_linear.real_rows_only(torch.tensor([[True] * 5, [True] + [False] * 4])):
+        with linear_backends.real_rows_only(torch.tensor([[True] * 5, [True] + [False] * 4])):
             got = net(x)
     assert torch.equal(got, expected)

@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 
 from eagle import defaults
+from eagle.cli import load_default_model
+from eagle.model.tuning.head_tree import embedded_tree_settings
 
 PROMPTS = [
     "Give me three tips for staying focused while studying.",
@@ -21,7 +23,7 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def default_model():
-    return defaults.load_default_model()
+    return load_default_model()
 
 
 def test_default_paths_come_from_installed_packages():
@@ -37,7 +39,7 @@ def test_default_pair_is_lossless_and_accepted(default_model):
     model = default_model
     assert model.use_eagle3 and model.base_model.config.num_hidden_layers == 30
     settings = model.tree_settings
-    assert settings.lookup_tokens == defaults.default_tree_settings()["lookup_tokens"] > 0
+    assert settings.lookup_tokens == embedded_tree_settings()["lookup_tokens"] > 0
     emitted = forwards = 0
     for prompt in PROMPTS:
         ids = model.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,

@@ -13,7 +13,7 @@ import torch
 from safetensors import safe_open
 
 from eagle.model import EaModel
-from eagle.model.draft_config import EConfig, head_layer_ids, to_engine_layout
+from eagle.model.heads.draft_config import EConfig, head_layer_ids, to_engine_layout
 from tiny_models import make_head, make_target
 
 DEFAULT_HEAD = Path(__file__).resolve().parent.parent / "eagle" / "default_head"
@@ -115,7 +115,7 @@ def test_shipped_default_head_is_in_the_engine_layout():
 
 def test_trainer_writes_the_engine_layout(target, tmp_path):
     from eagle.model import cnets
-    from eagle.traineagle3.export import head_config, save_head
+    from eagle.traineagle3.save_head import head_config, save_head
 
     root, model = target
     config = head_config(model, draft_vocab_size=40, layer_ids=[1, 3, 4])
@@ -129,7 +129,7 @@ def test_trainer_writes_the_engine_layout(target, tmp_path):
 def test_export_converts_a_config_in_the_older_layout(target, tmp_path):
     """A checkpoint whose run wrote the older config (eagle_layer_ids) exports in the engine layout."""
     from eagle.model import cnets
-    from eagle.traineagle3.export import save_head_state
+    from eagle.traineagle3.save_head import save_head_state
 
     root, model = target
     make_head(tmp_path / "old", model, draft_vocab_size=40)

@@ -14,7 +14,7 @@ import torch
 from eagle.defaults import default_base_model_path, default_ea_model_path
 from eagle.export import main as export_main
 from eagle.export import rope_rows_to_llamacpp
-from eagle.model.checkpoint import load_head_state_dict
+from eagle.model.heads.checkpoint import load_head_state_dict
 
 
 @pytest.fixture(scope="module")

@@ -126,7 +126,7 @@ def test_prompt_lookup_matches_greedy_search(family_dirs, monkeypatch):
     """transformers' test_prompt_lookup_decoding_matches_greedy_search, here: several models, batch one, with the
     lookup branch grafting continuations copied from the context onto a one-token head tree, the output is exactly
     greedy search. (That copied tokens are accepted is shown in test_lookup.py, on text that repeats.)"""
-    import eagle.model.drafter as drafter_module
+    import eagle.model.drafting.lookup as drafter_module
 
     grafted = []
     real_graft = drafter_module.graft_chain
@@ -269,7 +269,7 @@ def test_replay_against_a_recorded_answer_reproduces_the_generation_loop(trained
 
 def _count_projected_rows(model, monkeypatch) -> list[int]:
     """Record how many rows each lazy projection through the LM head computes."""
-    target = model._eagle_target
+    target = model.engine.target
     counts: list[int] = []
     project = target.project
 
@@ -285,7 +285,7 @@ def test_cpu_verification_projects_only_the_accepted_path(trained_pairs, monkeyp
     """On a CPU the LM head runs only for the tree rows verification reads (the accepted path), each projected
     together with a few of the likeliest nodes below it so that a long accepted path costs few projections; the
     output is still exactly HF greedy decoding."""
-    from eagle.model.generation import LAZY_PROJECTION_ROWS
+    from eagle.model.engine.verify import LAZY_PROJECTION_ROWS
 
     base, head, eagle3, prompts = trained_pairs["eagle3-full"]
     reference = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
@@ -298,7 +298,7 @@ def test_cpu_verification_projects_only_the_accepted_path(trained_pairs, monkeyp
     steps = list(model.generate_steps(ids, max_new_tokens=40))
     got = torch.cat([ids[0]] + [s.tokens for s in steps])
     assert got.tolist() == reference.generate(ids, max_new_tokens=40, do_sample=False)[0].tolist()
-    assert model._eagle_target._lazy_logits is True
+    assert model.engine.target._lazy_logits is True
     counts = counts[1:]  # the first call is the prefill's check that the LM head alone gives the logits
     accepted = sum(s.accepted for s in steps)
     assert accepted > len(steps) - 1  # the head is really accepted, so whole paths were walked
@@ -336,7 +336,7 @@ def test_a_bfloat16_draft_head_changes_nothing_in_the_output(trained_pairs):
 def test_logits_that_are_not_the_lm_head_alone_are_never_computed_lazily(tmp_path, monkeypatch):
     """A model whose logits are post-processed (Granite divides them by ``logits_scaling``) verifies full trees; so
     does one whose logits fail the numerical check. Both stay equal to HF greedy decoding."""
-    from eagle.model.target import Target
+    from eagle.model.target.target import Target
 
     model = make_target(tmp_path / "base", "granite", seed=2, logits_scaling=4.0)
     make_head(tmp_path / "head", model, eagle3=True, seed=3)
@@ -344,7 +344,7 @@ def test_logits_that_are_not_the_lm_head_alone_are_never_computed_lazily(tmp_pat
     expected = model.generate(prompt, max_new_tokens=MAX_NEW, do_sample=False).tolist()
     capped = EaModel.from_pretrained(base_model_path=str(tmp_path / "base"), ea_model_path=str(tmp_path / "head"),
                                      total_token=8, depth=3, top_k=3, dtype=torch.float32)
-    assert capped._eagle_target._lazy_logits is False
+    assert capped.engine.target._lazy_logits is False
     assert capped.eagenerate(prompt, max_new_tokens=MAX_NEW).tolist() == expected
 
     base = make_target(tmp_path / "llama", "llama", seed=2)
@@ -354,7 +354,7 @@ def test_logits_that_are_not_the_lm_head_alone_are_never_computed_lazily(tmp_pat
                                      total_token=8, depth=3, top_k=3, dtype=torch.float32)
     expected = base.generate(prompt, max_new_tokens=MAX_NEW, do_sample=False).tolist()
     assert scaled.eagenerate(prompt, max_new_tokens=MAX_NEW).tolist() == expected
-    assert scaled._eagle_target._lazy_logits is False
+    assert scaled.engine.target._lazy_logits is False
 
 
 def test_tree_verification_runs_sdpa_gqa_and_gets_the_same_logits(tmp_path, monkeypatch):
@@ -365,9 +365,9 @@ def test_tree_verification_runs_sdpa_gqa_and_gets_the_same_logits(tmp_path, monk
 
     import torch.nn.functional as F
 
-    from eagle.model import target as target_module
-    from eagle.model.target import Target
-    from eagle.model.tree import tree_from_parents
+    from eagle.model.target import target as target_module
+    from eagle.model.target.target import Target
+    from eagle.model.drafting.tree import tree_from_parents
 
     model = make_target(tmp_path / "base", "llama", seed=4)
     assert model.config.num_key_value_heads < model.config.num_attention_heads
@@ -394,7 +394,7 @@ def test_tree_verification_runs_sdpa_gqa_and_gets_the_same_logits(tmp_path, monk
     fast = verify()
     assert grouped == [True] * model.config.num_hidden_layers
     assert model.config._attn_implementation == "sdpa"
-    monkeypatch.setattr(target_module, "tree_attention", lambda config: contextlib.nullcontext())
+    monkeypatch.setattr(target_module, "our_attention", lambda config: contextlib.nullcontext())
     stock = verify()
     assert grouped == [False] * model.config.num_hidden_layers  # transformers repeats keys and values instead
     assert torch.equal(fast.logits, stock.logits) and torch.equal(fast.features, stock.features)

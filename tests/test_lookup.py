@@ -7,11 +7,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-import eagle.model.drafter as drafter_module
-from eagle.model.drafter import TreeSettings
+import eagle.model.drafting.lookup as drafter_module
+from eagle.model.drafting.settings import TreeSettings
 from eagle.model.ea_model import EaModel
-from eagle.model.lookup import find_continuation, graft_chain
-from eagle.model.tree import tree_from_parents
+from eagle.model.drafting.lookup import find_continuation, graft_chain
+from eagle.model.drafting.tree import tree_from_parents
 from tiny_models import make_head, make_target
 
 

@@ -11,6 +11,7 @@ import time
 import pytest
 import torch
 
+from eagle.application.worker import GenerationParams, Job, ModelWorker
 from eagle.model.ea_model import EaModel
 from eagle.utils.openmp import release_openmp_threads
 
@@ -57,33 +58,25 @@ def test_release_frees_the_calling_threads_pool_and_torch_gets_it_back(two_threa
     assert reference.shape == (256, 256)
 
 
-def test_a_worker_thread_generating_leaves_no_pool_behind(tiny_pair, two_threads):
-    """The model is loaded on this thread and generates on another (what the server does): after loading, this
-    thread holds no pool, and the worker holds none once its generation has ended (while it lives on)."""
+def test_the_serving_worker_owns_its_threads_pool(tiny_pair, two_threads):
+    """The model is loaded on this thread and generates on the serving worker's (what the server and the web UI
+    do): starting the worker frees this thread's pool, and the worker holds none once its batch has ended (while
+    it lives on, waiting for the next job)."""
     base_dir, head_dir = tiny_pair
     model = EaModel.from_pretrained(base_model_path=str(base_dir), ea_model_path=str(head_dir), total_token=6,
                                     depth=2, top_k=2)
-    before = os_threads()
-    parallel_work()
-    assert os_threads() == before + 1  # from_pretrained had left this thread no pool: running torch made one
     release_openmp_threads()
-    assert settle(before) == before
-    results, counts = [], []
-    generated, checked = threading.Event(), threading.Event()
-
-    def work():
-        ids = torch.tensor([[1, 40, 41, 42, 43]])
-        parallel_work()
-        counts.append(os_threads())  # this thread and its pool
-        results.append(model.eagenerate(ids, max_new_tokens=6))
-        generated.set()
-        checked.wait(30)
-
-    worker = threading.Thread(target=work)
-    worker.start()
-    assert generated.wait(60)
-    counts.append(settle(before + 1))  # the worker alone, its pool freed when the generation ended
-    checked.set()
-    worker.join()
-    assert counts == [before + 2, before + 1]
-    assert results[0].shape[1] > 5
+    before = settle(os_threads())
+    parallel_work()
+    assert os_threads() == before + 1  # running torch made this thread a pool
+    worker = ModelWorker(model)
+    worker.start()  # the worker thread (one more thread) and no pool left on this one
+    assert settle(before + 1) == before + 1
+    done = threading.Event()
+    updates = []
+    worker.submit(Job([1, 40, 41, 42, 43], GenerationParams(max_new_tokens=6),
+                      deliver=lambda update: updates.append(update) or (update.final and done.set())))
+    assert done.wait(60)
+    assert settle(before + 1) == before + 1  # the worker alone, its pool freed when its batch ended
+    worker.close()
+    assert updates[-1].finish_reason in ("stop", "length") and sum(len(u.new_tokens) for u in updates) == 6

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
@@ -47,13 +48,13 @@ def test_total_token_minus_one_tunes_the_tree_on_this_device(tmp_path, caplog, m
     """The reference's ``total_token=-1`` still chooses the size on this device; the other settings given stay."""
     import logging
 
-    from eagle.model import autotune
+    from eagle.model.tuning import autotune
 
     base, head = make_tiny_pair(tmp_path, "qwen2", eagle3=True)
     monkeypatch.setenv("EAGLE_TREE_CACHE", str(tmp_path / "trees.json"))
     monkeypatch.setattr(autotune, "CALIBRATION_TOKENS", 8)
     monkeypatch.setattr(autotune, "REPEATS", 1)
-    with caplog.at_level(logging.INFO, logger="eagle.model.autotune"):
+    with caplog.at_level(logging.INFO, logger="eagle.model.tuning.autotune"):
         model = EaModel.from_pretrained(base_model_path=str(base), ea_model_path=str(head), total_token=-1, depth=5,
                                         top_k=4)
     assert (model.tree_settings.depth, model.tree_settings.top_k) == (5, 4)
@@ -65,11 +66,13 @@ def test_total_token_minus_one_tunes_the_tree_on_this_device(tmp_path, caplog, m
         prompt, max_new_tokens=6, do_sample=False).tolist()
 
 
-COMPAT_MODULES = ("cnets", "cnets1", "configs", "choices", "utils")
+COMPAT_MODULES = ("cnets", "cnets1", "configs", "choices", "utils", "kv_cache")
 
 
 def test_reference_names_are_the_engine_classes():
-    from eagle.model import cnets, cnets1, configs, draft_config, draft_head, utils
+    from eagle.model import cnets, cnets1, configs, utils
+    from eagle.model.heads import draft_config
+    from eagle.model.heads import draft_head
 
     assert cnets.Model is draft_head.Eagle3DraftHead and cnets1.Model is draft_head.Eagle1DraftHead
     assert cnets.Model is not cnets1.Model and configs.EConfig is draft_config.EConfig
@@ -85,10 +88,11 @@ def test_engine_imports_nothing_from_the_compatibility_layer():
     from pathlib import Path
 
     package = Path(__file__).resolve().parents[1] / "eagle"
-    compat = {f"eagle.model.{name}" for name in COMPAT_MODULES}
+    compat = {f"eagle.model.{name}" for name in COMPAT_MODULES} | {"eagle.model.compat"}
+    compat |= {f"eagle.model.compat.{name}" for name in COMPAT_MODULES}
     offenders = []
     for path in sorted(package.rglob("*.py")):
-        if path.parent == package / "model" and path.stem in COMPAT_MODULES:
+        if (path.parent == package / "model" and path.stem in COMPAT_MODULES) or path.parent == package / "model" / "compat":
             continue
         parts = list(path.relative_to(package.parent).with_suffix("").parts)
         for node in ast.walk(ast.parse(path.read_text())):
@@ -107,9 +111,9 @@ def test_engine_imports_nothing_from_the_compatibility_layer():
 def test_reference_evaluate_posterior_samples_like_the_engine():
     """``utils.evaluate_posterior`` with a sampling processor walks the paths as the engine's verifier walks the
     tree: same accepted tokens, and the returned distribution draws the engine's bonus token."""
-    from eagle.model.tree import tree_from_parents
+    from eagle.model.drafting.tree import tree_from_parents
     from eagle.model.utils import evaluate_posterior
-    from eagle.model.verify import Sampler, verify_sampling
+    from eagle.model.engine.acceptance import Sampler, verify_sampling
 
     # Nodes numbered depth first, siblings by descending score: row order of the paths = the engine's order.
     parents = torch.tensor([-1, 0, 1, 1, 0, 4, 5, 0])
@@ -155,3 +159,18 @@ def test_static_tree_buffers_of_the_reference_tree():
         assert rank == path[-1]
         assert blocks.setdefault(tuple(path[:-1]), block) == block
     assert sorted(blocks.values()) == list(range(len(blocks)))  # one block per expanded node, none skipped
+
+
+# The reference's public import paths (EAGLE_SPEC section 1), each with a name its users import from it.
+REFERENCE_PATHS = [("eagle.model", "EaModel"), ("eagle.model.ea_model", "EaModel"), ("eagle.model.cnets", "Model"),
+                   ("eagle.model.cnets1", "Model"), ("eagle.model.configs", "EConfig"),
+                   ("eagle.model.choices", "mc_sim_7b_63"), ("eagle.model.utils", "initialize_tree"),
+                   ("eagle.model.utils", "prepare_logits_processor"),
+                   ("eagle.model.kv_cache", "initialize_past_key_values")]
+
+
+@pytest.mark.parametrize("module, name", REFERENCE_PATHS, ids=lambda value: str(value))
+def test_every_reference_import_path_works(module, name):
+    import importlib
+
+    assert getattr(importlib.import_module(module), name) is not None

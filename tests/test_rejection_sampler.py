@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from eagle.model.tree import tree_from_parents
-from eagle.model.verify import Sampler, verify_sampling
+from eagle.model.drafting.tree import tree_from_parents
+from eagle.model.engine.acceptance import Sampler, verify_sampling
 from test_sampling import chi_square_p_value
 
 VOCAB = 8

@@ -15,6 +15,7 @@ import torch
 from transformers import (AutoModelForCausalLM, LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper,
                           TopPLogitsWarper)
 
+from eagle.model.drafting.protocol import StepDrafter
 from eagle.model.ea_model import EaModel
 from tiny_models import make_head, make_target, train_head_quickly
 
@@ -132,7 +133,7 @@ def test_speculative_sampling_matches_hugging_face_warpers(sampling_setup, case)
 def test_lookup_branch_keeps_the_distribution(sampling_setup, monkeypatch):
     """Nodes grafted from a lookup "match" (here, always there and often right: the target's own greedy
     continuation) are verified like the head's, so sampling stays exact."""
-    import eagle.model.drafter as drafter_module
+    import eagle.model.drafting.lookup as drafter_module
 
     heads, reference, prompt = sampling_setup
     model = heads["eagle3-full"]
@@ -159,7 +160,7 @@ def test_lookup_branch_keeps_the_distribution(sampling_setup, monkeypatch):
 
 
 # ------------------------------------------------------------------------------------------------ power checks
-class OracleDrafter:
+class OracleDrafter(StepDrafter):
     """Drafts the target's own likeliest tokens (from the reference model): the root's three likeliest children, each
     with its two likeliest. Siblings then carry much of the target's probability, so rejections of likely tokens,
     residual renormalisation and bonus draws after rejections all happen often: where a subtly wrong verifier shows."""
@@ -176,20 +177,28 @@ class OracleDrafter:
     def select_rows(self, index: torch.Tensor) -> None:
         pass
 
-    def draft_batch(self, features, next_tokens: torch.Tensor, valid=None):
+    def add_rows(self, features, next_tokens, valid=None) -> None:
+        raise AssertionError("one row only")
+
+    def max_nodes(self, batch_size: int) -> int:
+        return 10
+
+    def observe(self, features, next_tokens: torch.Tensor, valid=None) -> None:
         assert next_tokens.shape[0] == 1 and valid is None, "one row only"
-        return [self.draft(features, next_tokens)]
+        new = next_tokens[0]
+        self.history = new if self.history is None else torch.cat([self.history, new])
+
+    def propose(self):
+        return [self._tree()]
 
     def _top(self, sequences: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         with torch.no_grad():
             logp = torch.log_softmax(self.reference(sequences).logits[:, -1].float() / self.temperature, dim=-1)
         return logp.topk(k, dim=-1)
 
-    def draft(self, features, next_tokens: torch.Tensor):
-        from eagle.model.tree import tree_from_parents
+    def _tree(self):
+        from eagle.model.drafting.tree import tree_from_parents
 
-        new = next_tokens[0]
-        self.history = new if self.history is None else torch.cat([self.history, new])
         sequence = torch.cat([self.first, self.history])
         scores1, level1 = self._top(sequence[None], 3)
         children = torch.cat([sequence.expand(3, -1), level1[0][:, None]], dim=1)
@@ -239,14 +248,15 @@ def wrong_verifier(bug: str):
 
 
 def oracle_samples(sampling_setup, monkeypatch, verifier=None):
-    import eagle.model.ea_model as ea_model_module
-    import eagle.model.generation as generation
+    import eagle.model.engine.verify as verify_module
+    from eagle.model.engine.engine import Engine
 
     heads, reference, prompt = sampling_setup
-    monkeypatch.setattr(ea_model_module, "EagleDrafter",
-                        lambda head, settings: OracleDrafter(reference, prompt[0, :1], POWER_TEMPERATURE))
+    real = Engine.drafter
+    monkeypatch.setattr(Engine, "drafter", lambda self, kind: OracleDrafter(reference, prompt[0, :1], POWER_TEMPERATURE)
+                        if kind == "head" else real(self, kind))
     if verifier is not None:
-        monkeypatch.setattr(generation, "verify_sampling", verifier)
+        monkeypatch.setattr(verify_module, "verify_sampling", verifier)
     torch.manual_seed(1234)
     samples, accepted = sample(heads["eagle3-full"], prompt, RUNS, temperature=POWER_TEMPERATURE)
     return position_p_values(reference, prompt, samples, hf_warpers(POWER_TEMPERATURE)), accepted

@@ -467,7 +467,7 @@ def test_help_lists_the_flags(capsys):
 
 
 def test_embedded_default_pair_serves_eagenerate_answers():
-    from eagle.defaults import load_default_model
+    from eagle.cli import load_default_model
 
     model = load_default_model()
     message = "Name three colours."

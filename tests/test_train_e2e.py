@@ -126,7 +126,7 @@ def test_train_under_the_deepspeed_launcher_then_resume_and_load_into_eamodel(wo
     # The checkpoint exports to the same head the trainer saved at that epoch's end.
     from safetensors.torch import load_file as read_weights
 
-    exported = run([sys.executable, "-m", "eagle.traineagle3.export", "--savedir", str(savedir), "--output",
+    exported = run([sys.executable, "-m", "eagle.traineagle3.save_head", "--savedir", str(savedir), "--output",
                     str(root / "exported")])
     assert exported.returncode == 0, exported.stderr[-3000:]
     saved, again = read_weights(str(savedir / "state_5" / "model.safetensors")), read_weights(str(root / "exported" / "model.safetensors"))
@@ -136,7 +136,7 @@ def test_train_under_the_deepspeed_launcher_then_resume_and_load_into_eamodel(wo
     # An untrained head with the same vocabulary map, saved the same way.
     from eagle.model.cnets import Model
     from eagle.model.configs import EConfig
-    from eagle.traineagle3.export import save_head
+    from eagle.traineagle3.save_head import save_head
     from safetensors.torch import load_file
 
     torch.manual_seed(0)

@@ -97,7 +97,7 @@ def test_zero3_on_two_ranks_saves_and_exports_the_whole_head(workspace):
     root, data = workspace
     savedir = root / "zero3"
     train(root, data, savedir, ranks=2, epochs=1, grad_accum=1, ds_config="ds_config_zero3.json")
-    exported = run([sys.executable, "-m", "eagle.traineagle3.export", "--savedir", str(savedir), "--output",
+    exported = run([sys.executable, "-m", "eagle.traineagle3.save_head", "--savedir", str(savedir), "--output",
                     str(savedir / "exported")])
     assert exported.returncode == 0, exported.stderr[-3000:]
     saved, again = load_file(str(savedir / "state_0" / "model.safetensors")), load_file(str(savedir / "exported" / "model.safetensors"))

@@ -6,13 +6,14 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from eagle.model.drafter import EagleDrafter, TreeSettings
-from eagle.model.generation import verify_tree
-from eagle.model.loading import load_ea_layer
-from eagle.model.target import Target, eagle3_layer_ids
-from eagle.model.tree import (likeliest_root_subtrees, likeliest_subtree, select_tree, select_trees,
+from eagle.model.drafting.eagle import EagleDrafter
+from eagle.model.drafting.settings import TreePlan, TreeSettings
+from eagle.model.engine.verify import verify_tree
+from eagle.model.heads.loading import load_ea_layer
+from eagle.model.target.target import Target, eagle3_layer_ids
+from eagle.model.drafting.tree import (likeliest_root_subtrees, likeliest_subtree, select_tree, select_trees,
                               tree_from_parents, trees_from_parents)
-from eagle.model.verify import verify_greedy
+from eagle.model.engine.acceptance import verify_greedy
 from tiny_models import make_head, make_target
 
 
@@ -237,7 +238,7 @@ def test_drafter_expansion_matches_explicit_chains(tiny_target):
     prompt = torch.randint(6, 128, (1, 8))
     out = target.forward(prompt, target.new_cache(64), torch.arange(8))
     context_ids = torch.cat([prompt[0, 1:], torch.tensor([17])])[None]
-    tree = EagleDrafter(head, TreeSettings(total_token=20, depth=3, top_k=3)).draft(out.features, context_ids)
+    tree = EagleDrafter(head, TreePlan(TreeSettings(total_token=20, depth=3, top_k=3))).draft(out.features, context_ids)
     assert tree.size == 20 and int(tree.tokens[0]) == 17
     with torch.no_grad():
         for node in range(1, tree.size):

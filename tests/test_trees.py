@@ -10,11 +10,11 @@ import shutil
 import pytest
 import torch
 
-from eagle.model import autotune
+from eagle.model.tuning import autotune
 from eagle.model.configs import EConfig
-from eagle.model.drafter import TreeSettings
+from eagle.model.drafting.settings import TreeSettings
 from eagle.model.ea_model import EaModel
-from eagle.model.head_tree import REFERENCE_TREE, read_head_trees, write_head_tree
+from eagle.model.tuning.head_tree import REFERENCE_TREE, read_head_trees, write_head_tree
 from tiny_models import make_tiny_pair
 
 CPU_TREE = {"total_token": 9, "depth": 2, "top_k": 3, "lookup_tokens": 5}
@@ -125,7 +125,7 @@ def test_tuner_picks_small_trees_when_verification_is_dear_and_large_ones_when_c
 def test_swept_acceptance_matches_the_replay_of_the_real_drafter(tiny_pair):
     """The one-draft-per-position sweep predicts exactly what the simulator's replay (the real drafter, step by
     step) accepts, for trees of several sizes, depths and lookup lengths."""
-    from eagle.model.replay import Recording, replay
+    from eagle.model.tuning.replay import Recording, replay
 
     base, head = tiny_pair
     model = EaModel.from_pretrained(base_model_path=str(base), ea_model_path=str(head), draft_dtype=torch.float32)
@@ -133,7 +133,7 @@ def test_swept_acceptance_matches_the_replay_of_the_real_drafter(tiny_pair):
     # an answer that repeats itself, so the lookup branch has something to graft
     prompt = torch.randint(6, 100, (1, 6))
     tokens = torch.cat([prompt[0], torch.randint(6, 100, (8,)).repeat(4)])
-    features = model._eagle_target.forward(tokens[None], model._eagle_target.new_cache(tokens.shape[0]),
+    features = model.engine.target.forward(tokens[None], model.engine.target.new_cache(tokens.shape[0]),
                                            torch.arange(tokens.shape[0]), last_logits_only=True).features
     recording = Recording(6, tokens, features)
     acceptance = autotune.CalibrationAcceptance({3: [autotune.sweep_positions(model.ea_layer, recording, 3, 3)]})
@@ -154,7 +154,7 @@ def test_total_token_minus_one_tunes_once_and_the_cache_is_reused(tiny_pair, tmp
     monkeypatch.setattr(autotune, "TOP_K_CHOICES", (2, 4))
     monkeypatch.setattr(autotune, "MAX_DEPTH", 3)
     monkeypatch.setattr(autotune, "REPEATS", 1)
-    with caplog.at_level(logging.INFO, logger="eagle.model.autotune"):
+    with caplog.at_level(logging.INFO, logger="eagle.model.tuning.autotune"):
         model = EaModel.from_pretrained(base_model_path=str(base), ea_model_path=str(head), total_token=-1)
     assert "tuned the tree for this cpu" in caplog.text and "runner-up" in caplog.text
     tuned = model.tree_settings

@@ -17,17 +17,55 @@ os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 
 from eagle.application import highlight, prompts  # noqa: E402
 from eagle.application.streaming import EAGLE, PLAIN, ChatRunner, PromptError  # noqa: E402
-from eagle.model.generation import Step  # noqa: E402
+from eagle.application.worker import ModelWorker  # noqa: E402
+from eagle.model.engine.steps import RowStep  # noqa: E402
 
 FAKE_ANSWER = "Hello! EAGLE drafts\n- make it *fast*\n- `x < y`"
 FAKE_CHUNKS = [1, 3, 1, 4, 2]  # tokens per yield after the prefill's single token, cycled
 
 
+class FakeBatch:
+    """The running batch of :class:`FakeModel`: every row answers the model's scripted answer, in ``sizes``-sized
+    steps, to its own budget; ends with the engine's finish reasons."""
+
+    def __init__(self, model, sizes):
+        self.model, self.sizes = model, sizes
+        self.rows: dict[int, list] = {}  # row -> [answer left, step index]
+        self.next_row = 0
+
+    def add(self, input_ids, attention_mask=None, max_new_tokens=512):
+        self.model.calls[-1]["max_new_tokens"] = max_new_tokens
+        self.rows[self.next_row] = [self.model.answer_ids[:max_new_tokens], 0, max_new_tokens]
+        self.next_row += 1
+        return [self.next_row - 1]
+
+    def cancel(self, row):
+        self.rows.pop(row, None)
+
+    def close(self):
+        pass
+
+    def __iter__(self):
+        while self.rows:
+            time.sleep(self.model.delay)
+            step = {}
+            for row, state in list(self.rows.items()):
+                left, index, budget = state
+                size = self.sizes[(index - 1) % len(self.sizes)] if index else 1
+                tokens, state[0], state[1] = left[:size], left[size:], index + 1
+                reason = None
+                if not state[0]:
+                    reason = "stop" if tokens and tokens[-1] == self.model.tokenizer.eos_token_id else "length"
+                    del self.rows[row]
+                step[row] = RowStep(torch.tensor(tokens), len(tokens) - 1 if index else 0, reason)
+            yield step
+
+
 class FakeModel:
     """Scripted stand-in for ``EaModel``: answers ``answer`` (then EOS) whatever the prompt, EAGLE
-    (``generate_steps``) in ``chunks``-sized steps (all but the last token of each step "accepted drafts"), plain
-    decoding (``use_eagle=False``) one token per step, sleeping ``delay`` seconds per step. Records the keyword
-    arguments of each call."""
+    (``continuous_batch(use_eagle=True)``) in ``chunks``-sized steps (all but the last token of each step "accepted
+    drafts"), plain decoding one token per step, sleeping ``delay`` seconds per step. Records the keyword arguments
+    of each batch (and the budget of its last row)."""
 
     def __init__(self, tokenizer, answer: str = FAKE_ANSWER, chunks=FAKE_CHUNKS, delay: float = 0.0,
                  max_position_embeddings: int = 512):
@@ -39,18 +77,14 @@ class FakeModel:
         self.config = type("Config", (), {"max_position_embeddings": max_position_embeddings})()
         self.calls: list[dict] = []
 
-    def generate_steps(self, input_ids, use_eagle=True, max_new_tokens=512, **kwargs):
-        self.calls.append(dict(kwargs, max_new_tokens=max_new_tokens))
-        sizes = [1] + [self.chunks[i % len(self.chunks)] if use_eagle else 1 for i in range(len(self.answer_ids))]
-        answer = self.answer_ids[:max_new_tokens]
-        done = 0
-        for index, size in enumerate(sizes):
-            if done >= len(answer):
-                return
-            time.sleep(self.delay)
-            tokens = answer[done:done + size]
-            done += len(tokens)
-            yield Step(torch.tensor(tokens), accepted=len(tokens) - 1 if index else 0)
+    def continuous_batch(self, use_eagle=True, generator=None, **kwargs):
+        self.calls.append(dict(kwargs))
+        return FakeBatch(self, self.chunks if use_eagle else [1])
+
+
+def runner_of(model, **kwargs) -> ChatRunner:
+    """A runner on a serving worker of its own that owns ``model``."""
+    return ChatRunner(ModelWorker(model, max_length=kwargs.get("max_length", 2048)), **kwargs)
 
 
 @pytest.fixture(scope="module")
@@ -165,7 +199,7 @@ def test_draft_segments_cut_multi_byte_characters_cleanly():
 
 
 def test_streamed_text_never_shows_half_a_character():
-    runner = ChatRunner(FakeModel(_byte_level_tokenizer(), answer="né é", chunks=[1]))
+    runner = runner_of(FakeModel(_byte_level_tokenizer(), answer="né é", chunks=[1]))
     for decoding in (EAGLE, PLAIN):
         snapshots = [(p.text, runner.render(p, highlight=True)) for p in runner.stream(runner.prompt([], "x"),
                                                                                       decoding)]
@@ -199,7 +233,7 @@ def test_render_without_drafts_only_escapes():
 
 # -------------------------------------------------------------------------------------------------- ChatRunner
 def test_runner_streams_the_scripted_answer_with_speed_figures(tokenizer):
-    runner = ChatRunner(FakeModel(tokenizer))
+    runner = runner_of(FakeModel(tokenizer))
     snapshots = [(p.text, p.new_tokens) for p in runner.stream(runner.prompt([], "Hi"), EAGLE)]
     final = runner.stream(runner.prompt([], "Hi"), EAGLE)
     *_, last = final
@@ -218,7 +252,7 @@ def test_runner_streams_the_scripted_answer_with_speed_figures(tokenizer):
 
 def test_runner_passes_settings_and_the_context_limit_to_the_model(tokenizer):
     model = FakeModel(tokenizer, max_position_embeddings=300)
-    runner = ChatRunner(model, model_type="qwen3", max_length=2048)
+    runner = runner_of(model, model_type="qwen3", max_length=2048)
     assert runner.max_length == 300
     list(runner.stream(runner.prompt([], "Hi"), EAGLE, temperature=0.7, top_p=0.8, top_k=5, max_new_tokens=7))
     assert model.calls[-1] == dict(temperature=0.7, top_p=0.8, top_k=5, max_new_tokens=7, max_length=300,
@@ -226,29 +260,44 @@ def test_runner_passes_settings_and_the_context_limit_to_the_model(tokenizer):
 
 
 def test_empty_or_too_long_messages_are_refused_with_a_reason(tokenizer):
-    runner = ChatRunner(FakeModel(tokenizer, max_position_embeddings=64))
+    runner = runner_of(FakeModel(tokenizer, max_position_embeddings=64))
     with pytest.raises(PromptError, match="empty"):
         runner.prompt([], "   \n")
     with pytest.raises(PromptError, match=r"is \d+ tokens long, but this model's context holds 64 tokens"):
         runner.prompt([], "x" * 100)
     with pytest.raises(ValueError, match="unknown model type"):
-        ChatRunner(FakeModel(tokenizer), model_type="gpt")
+        runner_of(FakeModel(tokenizer), model_type="gpt")
 
 
-def test_a_newer_generation_supersedes_an_abandoned_one_even_from_another_runner(tokenizer):
-    model = FakeModel(tokenizer)
-    runner = ChatRunner(model)
+def test_an_abandoned_generation_neither_blocks_another_nor_runs_on_once_closed(tokenizer):
+    """Two answers on one model share its serving worker (no lock per model): an answer whose stream was left
+    half way does not hold up a second one (they are batched), and closing a stream cancels its job."""
+    model = FakeModel(tokenizer, delay=0.01)
+    worker = ModelWorker(model, max_batch_size=4)
+    runner = ChatRunner(worker)
     prompt = runner.prompt([], "Hi")
     first = runner.stream(prompt, EAGLE)
-    next(first)
-    second = list(ChatRunner(model).stream(prompt, EAGLE))[-1]  # same model, same KV cache: same guard
+    next(first)  # left half way, not closed
+    second = list(ChatRunner(worker).stream(prompt, EAGLE))[-1]  # another runner, the same worker
     assert second.finished and second.text == FAKE_ANSWER
-    leftover = next(first)
-    assert leftover.interrupted and not leftover.finished
+    closed = runner.stream(prompt, PLAIN)
+    next(closed)
+    closed.close()  # what Gradio does when the user presses Stop
+    deadline = time.monotonic() + 10
+    while (worker.running() or worker.queue_depth()) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert 'eagle_requests_total{outcome="cancelled"} 1' in worker.render_metrics()
+    assert list(runner.stream(prompt, PLAIN))[-1].text == FAKE_ANSWER  # and the model serves on
+    worker.close()
+
+
+def test_a_runner_needs_the_worker_that_owns_the_model(tokenizer):
+    with pytest.raises(TypeError, match="serving worker"):
+        ChatRunner(FakeModel(tokenizer))
 
 
 def test_real_model_same_greedy_answer_eagle_and_plain_and_usable_after_stop(tiny_model):
-    runner = ChatRunner(tiny_model)
+    runner = runner_of(tiny_model)
     prompt = runner.prompt([("Hi", "Hello")], "Tell me a story")
     expected = tiny_model.naivegenerate(torch.tensor([prompt.input_ids]), max_new_tokens=24)[0, len(prompt.input_ids):]
     *_, eagle = runner.stream(prompt, EAGLE, temperature=0.0, max_new_tokens=24)
@@ -268,7 +317,7 @@ def _controller(tokenizer, **fake):
     from eagle.application.chat import ChatController
 
     model = FakeModel(tokenizer, **fake)
-    return ChatController(ChatRunner(model)), model
+    return ChatController(runner_of(model)), model
 
 
 def test_send_adds_a_pending_turn_and_a_refused_message_changes_nothing(tokenizer):

@@ -67,12 +67,13 @@ def real_app(tiny_pair):
     """The UI on a tiny random EaModel (greedy by default), and greedy reference answers computed before serving."""
     from eagle.application.streaming import ChatRunner
     from eagle.application.webui import build_demo
+    from eagle.application.worker import ModelWorker
     from eagle.model.ea_model import EaModel
 
     base_dir, head_dir = tiny_pair
     model = EaModel.from_pretrained(base_model_path=str(base_dir), ea_model_path=str(head_dir), total_token=12,
                                     depth=3, top_k=4)
-    runner = ChatRunner(model)
+    runner = ChatRunner(ModelWorker(model))  # only its prompts are used here
     expected = {}
     for text in PROMPTS:  # computed before the server exists: the model is not shared with anyone yet
         ids = runner.prompt([], text).input_ids

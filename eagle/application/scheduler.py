@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..model.generation import Step
+from eagle.model.engine.steps import Step
 from .openai_schema import APIError
 from .text_stream import TextStream
 

@@ -1,27 +1,23 @@
-"""Streaming one chat answer from an ``EaModel`` (EAGLE or plain decoding), with live speed figures.
+"""Streaming one chat answer (EAGLE or plain decoding), with live speed figures.
 
-:class:`ChatRunner` is the only thing the web UI calls to touch the model. It builds and checks prompts, and
-streams :class:`ReplyProgress` snapshots. The model's KV cache is shared state, so only one generation may
-advance at a time: every runner on a model shares one lock, held while the model computes a step (never while a
-snapshot is out with the caller), and a newer generation supersedes an older one that was abandoned half way (a
-stopped browser request), which then ends without touching the model again. The UI also queues requests, one
-at a time.
+:class:`ChatRunner` is the only thing the web UI calls to reach the model. It builds and checks prompts, and streams
+:class:`ReplyProgress` snapshots of a job it submits to the serving worker
+(:class:`~eagle.application.worker.ModelWorker`), which owns the model, as it does for the HTTP server. A stream that
+is closed before its answer ends (a stopped browser request) cancels its job; several streams at once are
+batched by the worker.
 """
 
 from __future__ import annotations
 
-import itertools
 import logging
-import threading
-import time
-import weakref
+import queue
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
-import torch
 
 from .highlight import draft_flags, draft_segments, render_highlighted
 from .prompts import ModelType, Prompt, Turn, build_prompt, get_model_type
+from .worker import GenerationParams, Job, ModelWorker, position_limit
 
 logger = logging.getLogger(__name__)
 
@@ -39,7 +35,8 @@ class ReplyProgress:
 
     ``token_ids``: generated ids so far; ``step_sizes``: tokens added by each target forward pass (the prefill
     first); ``seconds``: time spent inside the model only; ``finished``: generation ended (stop token, token
-    budget or context end); ``interrupted``: a newer generation took the model over before this one finished.
+    budget or context end); ``interrupted``: it ended before that (the worker closed or failed: ``error`` says
+    why).
     """
 
     mode: str
@@ -49,6 +46,7 @@ class ReplyProgress:
     seconds: float = 0.0
     finished: bool = False
     interrupted: bool = False
+    error: str | None = None
     #: decoded prefixes at highlight boundaries, reused while the answer grows (see ``draft_segments``)
     prefix_cache: dict[int, str] = field(default_factory=dict, repr=False)
 
@@ -84,21 +82,23 @@ class ReplyProgress:
 
 
 class ChatRunner:
-    """Prompts and streamed answers for one loaded model.
+    """Prompts and streamed answers for the model a serving ``worker`` owns.
 
-    ``model``: an ``EaModel`` or anything with ``tokenizer`` and ``generate_steps`` of the same signature, yielding
-    the loop's :class:`~eagle.model.generation.Step` objects (their ``tokens``); ``model_type``: see :mod:`eagle.application.prompts` (``None`` = the tokenizer's
-    chat template); ``max_length``: prompt plus answer, in tokens (capped by the model's position limit).
+    ``worker``: a :class:`~eagle.application.worker.ModelWorker` (started at the first answer if it is not);
+    ``model_type``: see :mod:`eagle.application.prompts` (``None`` = the tokenizer's chat template);
+    ``max_length``: prompt plus answer, in tokens (capped by the model's position limit).
     """
 
-    def __init__(self, model, model_type: str | None = None, max_length: int = DEFAULT_MAX_LENGTH):
-        self.model = model
-        self.tokenizer = model.tokenizer
+    def __init__(self, worker: ModelWorker, model_type: str | None = None, max_length: int = DEFAULT_MAX_LENGTH):
+        if not isinstance(worker, ModelWorker):
+            raise TypeError(f"ChatRunner needs the serving worker that owns the model (eagle.application.worker."
+                            f"ModelWorker), got {type(worker).__name__}.")
+        self.worker, self.model = worker, worker.model
+        self.tokenizer = self.model.tokenizer
         self.model_type: ModelType = get_model_type(model_type)
         if max_length < 2:
             raise ValueError(f"max_length must be at least 2 tokens, got {max_length}")
-        self.max_length = min(max_length, _position_limit(model) or max_length)
-        self._guard = _guard_of(model)
+        self.max_length = min(max_length, position_limit(self.model) or max_length)
         # Fail now, not at the first message, if the template cannot work with this tokenizer.
         build_prompt(self.tokenizer, [], "Hello", self.model_type)
 
@@ -118,55 +118,45 @@ class ChatRunner:
                top_p: float = 0.0, top_k: int = 0, max_new_tokens: int = 512) -> Iterator[ReplyProgress]:
         """Generate an answer, yielding a :class:`ReplyProgress` after every target forward pass.
 
-        ``mode``: ``"eagle"`` (speculative) or ``"plain"`` (``generate_steps(use_eagle=False)``). The last snapshot
-        has ``finished`` (or ``interrupted``) set. The same object is yielded each time, updated in place.
-        """
+        ``mode``: ``"eagle"`` (speculative) or ``"plain"``. The last snapshot has ``finished`` (or ``interrupted``)
+        set. The same object is yielded each time, updated in place. Closing the stream early cancels the job."""
         if mode not in (EAGLE, PLAIN):
             raise ValueError(f"unknown decoding mode {mode!r}; expected {EAGLE!r} or {PLAIN!r}")
         ids = prompt.input_ids if isinstance(prompt, Prompt) else list(prompt)
-        input_ids = torch.tensor([ids], dtype=torch.long, device=self.model.device)
-        kwargs = dict(temperature=float(temperature), top_p=float(top_p), top_k=int(top_k),
-                      max_new_tokens=int(max_new_tokens), max_length=self.max_length,
-                      is_llama3=self.model_type.is_llama3, use_eagle=mode == EAGLE)
+        budget = max(0, min(int(max_new_tokens), self.max_length - len(ids)))
+        params = GenerationParams(max_new_tokens=budget, temperature=float(temperature), top_p=float(top_p),
+                                  top_k=int(top_k), mode=mode)
+        updates: queue.SimpleQueue = queue.SimpleQueue()
+        job = Job(list(ids), params, deliver=updates.put)
         progress = ReplyProgress(mode=mode)
-        guard = self._guard
-        with guard.lock:
-            generation = guard.current = next(guard.counter)
-            steps = self.model.generate_steps(input_ids, **kwargs)
+        self.worker.start()
+        self.worker.submit(job)
         try:
             while True:
-                with guard.lock:
-                    if guard.current != generation:
-                        progress.interrupted = True
-                        new_ids = None
-                    else:
-                        new_ids = self._advance(steps, progress)
-                if progress.interrupted:
-                    logger.info("a newer generation took over the model; this one stops")
-                    yield progress
-                    return
-                if new_ids is None:
-                    progress.finished = True
-                    progress.text = self.tokenizer.decode(progress.token_ids, skip_special_tokens=True)
-                    yield progress
-                    return
-                progress.token_ids += new_ids
-                progress.step_sizes.append(len(new_ids))
-                # A character split over tokens decodes as U+FFFD until its last token arrives: hold it back.
-                progress.text = self.tokenizer.decode(progress.token_ids, skip_special_tokens=True).rstrip("\ufffd")
+                update = updates.get()
+                self._apply(update, progress)
                 yield progress
+                if update.final:
+                    return
         finally:
-            steps.close()
+            if not job.done:
+                self.worker.cancel(job)
 
-    @staticmethod
-    def _advance(steps, progress: ReplyProgress) -> list[int] | None:
-        """Run the model one step; the ids it added, or None when generation has ended. Timed."""
-        start = time.perf_counter()
-        with torch.no_grad():  # grad mode is per thread, and the server may resume us in another one
-            step = next(steps, None)
-            new_ids = None if step is None else step.tokens.tolist()
-        progress.seconds += time.perf_counter() - start
-        return new_ids
+    def _apply(self, update, progress: ReplyProgress) -> None:
+        """Fold one of the worker's updates into ``progress``."""
+        progress.seconds += update.step_seconds
+        if update.new_tokens:
+            progress.token_ids += update.new_tokens
+            progress.step_sizes.append(len(update.new_tokens))
+        if update.error is not None:
+            progress.interrupted, progress.error = True, update.error.message
+            logger.warning("the answer was interrupted: %s", update.error.message)
+        elif update.final:
+            progress.finished = True
+            progress.text = self.tokenizer.decode(progress.token_ids, skip_special_tokens=True)
+            return
+        # A character split over tokens decodes as U+FFFD until its last token arrives: hold it back.
+        progress.text = self.tokenizer.decode(progress.token_ids, skip_special_tokens=True).rstrip("\ufffd")
 
     def segments(self, progress: ReplyProgress) -> list[tuple[str, bool]]:
         """``(text, is_accepted_draft)`` runs of the answer so far."""
@@ -181,34 +171,3 @@ class ChatRunner:
                 segments[-1] = (segments[-1][0].rstrip("\ufffd"), segments[-1][1])
             return render_highlighted(segments)
         return render_highlighted([(progress.text, False)])
-
-
-class _ModelGuard:
-    """Per model: the lock held while it computes a step, and which generation owns it now."""
-
-    def __init__(self):
-        self.lock = threading.Lock()
-        self.counter = itertools.count(1)
-        self.current = 0
-
-
-_GUARDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_GUARDS_LOCK = threading.Lock()
-
-
-def _guard_of(model) -> _ModelGuard:
-    """The one guard of ``model``, shared by every runner on it (its KV cache is shared too)."""
-    with _GUARDS_LOCK:
-        if model not in _GUARDS:
-            _GUARDS[model] = _ModelGuard()
-        return _GUARDS[model]
-
-
-def _position_limit(model) -> int | None:
-    config = getattr(getattr(model, "base_model", None), "config", None) or getattr(model, "config", None)
-    if config is None:
-        return None
-    if hasattr(config, "get_text_config"):
-        config = config.get_text_config()
-    limit = getattr(config, "max_position_embeddings", None)
-    return int(limit) if isinstance(limit, int) and limit > 0 else None

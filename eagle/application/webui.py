@@ -4,8 +4,9 @@ Run ``python -m eagle.application.webui --help``. Nothing is loaded at import ti
 loaded model and returns the ``gr.Blocks`` app; :func:`main` parses flags, loads the model and serves it (on
 127.0.0.1, with no public share link unless ``--share``).
 
-Every event that runs the model shares one queue slot (``concurrency_id="eagle-model"``, limit 1): two browser
-tabs or API clients wait for each other instead of interleaving on the model's KV cache.
+The model belongs to the serving worker (:class:`~eagle.application.worker.ModelWorker`, the HTTP server's too);
+every event that runs it shares one queue slot (``concurrency_id="eagle-model"``, limit 1), so that the speed each
+answer shows is its own, not that of a batch shared with another tab.
 
 What Send, Regenerate, Stop and Clear do is :class:`eagle.application.chat.ChatController`'s (plain data, tested
 without Gradio; Stop and Clear flag the session rather than cancel the event, see there). This module lays out the
@@ -27,6 +28,7 @@ from .chat import (  # noqa: F401  (the UI's modes and texts, importable here as
 )
 from .prompts import MODEL_TYPES
 from .streaming import EAGLE, ChatRunner, PromptError
+from .worker import ModelWorker
 
 logger = logging.getLogger(__name__)
 
@@ -247,16 +249,19 @@ def _wire(gr, page: _Page, events: _Events, demo) -> None:
 
 
 def build_demo(model, model_type: str | None = None, max_new_tokens: int = 512, max_length: int = 2048,
-               model_name: str | None = None, temperature: float = 0.5, top_p: float = 0.9):
+               model_name: str | None = None, temperature: float = 0.5, top_p: float = 0.9,
+               worker: ModelWorker | None = None):
     """The chat app for a loaded ``model`` (an ``EaModel``, or anything with its ``tokenizer``/``device``/
-    ``generate_steps``). Returns a ``gr.Blocks``; call ``.queue().launch(...)`` or use :func:`launch`.
+    ``continuous_batch``), served through ``worker`` (the serving worker that owns the model; default: a new one,
+    started at the first answer). Returns a ``gr.Blocks``; call ``.queue().launch(...)`` or use :func:`launch`.
     ``model_type`` picks the prompt format (see ``eagle.application.prompts``; ``None`` = the tokenizer's own chat
     template); ``max_new_tokens``, ``temperature`` and ``top_p`` are the initial control values. What the buttons
     do is :class:`~eagle.application.chat.ChatController`'s; this function lays out the page and wires it.
     """
     import gradio as gr
 
-    runner = ChatRunner(model, model_type=model_type, max_length=max_length)
+    worker = worker or ModelWorker(model, max_length=max_length)
+    runner = ChatRunner(worker, model_type=model_type, max_length=max_length)
     events = _Events(gr, ChatController(runner), max_new_tokens)
     with gr.Blocks(title="EAGLE chat", analytics_enabled=False) as demo:
         page = _layout(gr, _describe(model, runner, model_name), max_new_tokens, runner.max_length, temperature,
@@ -306,22 +311,18 @@ def load_model(args: argparse.Namespace):
     return cli.load_model_from_args(args)
 
 
-def warm_up(runner: ChatRunner) -> None:
-    """One short EAGLE answer, so the first user does not wait for lazy initialisation."""
-    for _ in runner.stream(runner.prompt([], "Hello"), EAGLE, max_new_tokens=8):
-        pass
-
-
 def main(argv: list[str] | None = None, prog: str = "python -m eagle.application.webui") -> None:
     """Parse flags (``argv``, default ``sys.argv[1:]``), load the model and serve the UI until interrupted."""
     args = parse_args(argv, prog)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # Gradio's own start-up requests
     model = load_model(args)  # exits with the reason when the model cannot be loaded
+    worker = ModelWorker(model, max_length=args.max_length)
     demo = build_demo(model, model_type=args.model_type, max_new_tokens=args.max_new_token,
-                      max_length=args.max_length, model_name=args.base_model_path)
+                      max_length=args.max_length, model_name=args.base_model_path, worker=worker)
+    worker.start()
     if not args.no_warmup:
-        warm_up(ChatRunner(model, model_type=args.model_type, max_length=args.max_length))
+        worker.warm_up()
     if args.host not in ("127.0.0.1", "localhost", "::1"):
         logger.warning("serving on %s: anyone who can reach this address can use the model", args.host)
     launch(demo, host=args.host, port=args.port, share=args.share)

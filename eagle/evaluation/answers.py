@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
+
+from eagle.utils.jsonl import read_jsonl
 
 
 @dataclass
@@ -26,19 +27,10 @@ class AnswerStats:
 def read_answer_file(path: str) -> dict:
     """``question_id`` -> record of a JSONL answer file (the last record of a question wins)."""
     records = {}
-    with open(path, encoding="utf-8") as f:
-        for line_number, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise ValueError(f"{path}:{line_number} is not valid JSON ({err}).") from err
-            if not isinstance(record, dict) or "question_id" not in record or not isinstance(
-                record.get("choices"), list
-            ):
-                raise ValueError(f"{path}:{line_number}: expected an answer with 'question_id' and 'choices'.")
-            records[record["question_id"]] = record
+    for line_number, record in read_jsonl(path):
+        if not isinstance(record, dict) or "question_id" not in record or not isinstance(record.get("choices"), list):
+            raise ValueError(f"{path}:{line_number}: expected an answer with 'question_id' and 'choices'.")
+        records[record["question_id"]] = record
     if not records:
         raise ValueError(f"{path} has no answers.")
     return records

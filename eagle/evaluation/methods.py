@@ -25,7 +25,7 @@ from eagle.cli import (  # noqa: F401  (resolve_device, resolve_dtype, head_vers
     ModelOptions, add_placement_arguments, head_version_hint, load_model, resolve_device, resolve_dtype,
     resolve_model_args,
 )
-from eagle.model.loading import DTYPES_BY_NAME
+from eagle.model.heads.loading import DTYPES_BY_NAME
 from eagle.utils.device import synchronize
 
 logger = logging.getLogger(__name__)
@@ -60,7 +60,7 @@ class Generation:
 
 
 def _stream(steps, device) -> Generation:
-    """Consume the loop's :class:`~eagle.model.generation.Step` objects, timed: the new ids, one forward pass per
+    """Consume the loop's :class:`~eagle.model.engine.loop.Step` objects, timed: the new ids, one forward pass per
     step, and the accepted drafts of every step after the prefill (of a last step cut short, those kept before
     the cut: its tokens minus one)."""
     synchronize(device)
@@ -164,15 +164,13 @@ def checkpoint_generation_defaults_off(hf_model):
 
 def engine_stop_ids(tokenizer, hf_model, ea_model=None, is_llama3: bool = False) -> list[int]:
     """The ids at which ``EaModel``'s generation stops, so Hugging Face ``generate`` stops at the same ones and
-    every method counts the same tokens: ``EaModel.stop_token_ids``, the one rule, applied to ``ea_model`` or,
-    when only the base model is loaded, to ``hf_model`` and ``tokenizer``."""
-    from types import SimpleNamespace
+    every method counts the same tokens: :func:`eagle.model.engine.stops.stop_token_ids`, the one rule, applied to
+    ``ea_model`` or, when only the base model is loaded, to ``hf_model`` and ``tokenizer``."""
+    from eagle.model.engine.stops import stop_token_ids
 
-    from eagle.model.ea_model import EaModel
-
-    if ea_model is None:  # the rule reads only these three attributes
-        ea_model = SimpleNamespace(base_model=hf_model, tokenizer=tokenizer, config=hf_model.config)
-    return sorted(EaModel.stop_token_ids(ea_model, is_llama3))
+    if ea_model is not None:
+        return sorted(ea_model.stop_token_ids(is_llama3))
+    return sorted(stop_token_ids(hf_model, tokenizer, is_llama3))
 
 
 def hf_generate(hf_model, input_ids: torch.Tensor, generation_config, stop_ids: list[int]) -> Generation:
@@ -212,12 +210,6 @@ def default_max_length(prompt_length: int, max_new_tokens: int) -> int:
     return max(2048, prompt_length + max_new_tokens + 1)
 
 
-def resolve_model_paths(args) -> None:
-    """Fill ``args.base_model_path`` / ``args.ea_model_path`` by the embedded-pair rule; kept for scripts written
-    against it: see :func:`eagle.cli.resolve_model_args`."""
-    resolve_model_args(args)
-
-
 DTYPES = DTYPES_BY_NAME
 add_device_arguments = add_placement_arguments
 
@@ -240,7 +232,7 @@ def load_hf_model(base_model_path: str, *, dtype: torch.dtype = torch.float32, d
                   **hf_kwargs):
     """The base model alone (a plain Hugging Face causal LM, loaded as ``EaModel`` loads it: directory, Hub id or
     ``.gguf`` file) and its tokenizer."""
-    from eagle.model.loading import load_base_model
+    from eagle.model.target.loading import load_base_model
 
     device = device or torch.device("cpu")
     if device.type != "cpu" and "device_map" not in hf_kwargs:

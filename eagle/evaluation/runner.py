@@ -35,7 +35,8 @@ import torch
 from tqdm import tqdm
 
 from eagle.cli import HelpFormatter, add_model_arguments, load_model, placement_kwargs, resolve_model_args
-from eagle.model.loading import load_base_model
+from eagle.model.target.loading import load_base_model
+from eagle.utils.jsonl import read_jsonl
 from eagle.templates import TEMPLATES, PromptTemplate, decode_answer, encode_prompt, get_template, stop_token_ids
 
 from .methods import (
@@ -206,15 +207,10 @@ def answer_question(generator: AnswerGenerator, question: dict, args: argparse.N
 
 def reorganize_answer_file(path: str) -> None:
     """Sort the answers by ``question_id`` and keep the last answer of each question."""
-    answers = {}
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            if line.strip():
-                record = json.loads(line)
-                answers[record["question_id"]] = line.rstrip("\n")
+    answers = {record["question_id"]: record for _, record in read_jsonl(path)}
     with open(path, "w", encoding="utf-8") as f:
         for question_id in sorted(answers, key=_sort_key):
-            f.write(answers[question_id] + "\n")
+            f.write(json.dumps(answers[question_id]) + "\n")
 
 
 def _sort_key(question_id):

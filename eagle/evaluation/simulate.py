@@ -6,7 +6,7 @@
 
 Greedy verification accepts the longest tree path whose tokens are the target's own greedy continuation, so once
 that continuation is known the target is no longer needed to say what a tree would have accepted. ``record``
-(:mod:`eagle.model.replay`) runs
+(:mod:`eagle.model.tuning.replay`) runs
 plain decoding once per prompt and one target forward over prompt + answer (the features the head reads);
 ``replay`` then runs the real drafter (head, tree selection, lookup branch) step by step and accepts what matches
 the recorded answer. Each tree setting costs only the head's passes, so a dozen settings take about as long as
@@ -26,8 +26,8 @@ import torch
 from tqdm import tqdm
 
 from eagle.cli import HelpFormatter, add_model_arguments, load_model_from_args
-from eagle.model.drafter import TreeSettings
-from eagle.model.replay import Recording, Replay, record, replay  # noqa: F401  (their home before eagle.model.replay)
+from eagle.model.drafting.settings import TreeSettings
+from eagle.model.tuning.replay import Recording, Replay, record, replay  # noqa: F401  (their home before eagle.model.tuning.replay)
 from eagle.templates import TEMPLATES, encode_prompt, get_template
 
 from .questions import load_questions, spread_over_categories
@@ -83,8 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def write_tree(args) -> dict:
     """``--write-tree HEAD_DIR``: tune the tree of HEAD_DIR on this device and write it into the head."""
-    from eagle.model.autotune import tune_tree
-    from eagle.model.head_tree import device_kind, read_head_trees, write_head_tree
+    from eagle.model.tuning.autotune import tune_tree
+    from eagle.model.tuning.head_tree import device_kind, read_head_trees, write_head_tree
 
     if args.ea_model_path not in (None, args.write_tree):
         raise SystemExit("--write-tree HEAD_DIR names the head to tune; leave --ea-model-path out.")

@@ -1,15 +1,4 @@
-"""Reference-compatibility layer: the reference's static tree shapes (paths of top-k ranks).
+"""The reference's import path ``eagle.model.choices``: see :mod:`eagle.model.compat.choices`."""
 
-The reference's import paths (``eagle.model.cnets``, ``cnets1``, ``configs``, ``choices``, ``utils``) live in these
-five modules and nowhere else; the engine never imports them (tests/test_reference_api.py checks it).
-EAGLE-2/3 grow their trees dynamically (:mod:`eagle.model.drafter`); these are data only, read by nothing in the
-engine.
-"""
-
-mc_sim_7b_63 = [
-    [0], [1], [2], [3],
-    [0, 0], [0, 1], [0, 2], [1, 0], [1, 1], [2, 0], [2, 1], [3, 0],
-    [0, 0, 0], [0, 0, 1], [0, 0, 2], [0, 1, 0], [0, 1, 1], [0, 2, 0], [0, 2, 1], [1, 0, 0],
-    [0, 0, 0, 0], [0, 0, 0, 1], [0, 0, 0, 2],
-    [0, 0, 0, 0, 0], [0, 0, 0, 0, 1],
-]
+from eagle.model.compat.choices import *  # noqa: F401,F403
+from eagle.model.compat.choices import __all__  # noqa: F401

@@ -1,13 +1,4 @@
-"""Reference-compatibility layer: ``from eagle.model.cnets import Model``, the EAGLE-3 draft head.
+"""The reference's import path ``eagle.model.cnets``: see :mod:`eagle.model.compat.cnets`."""
 
-The reference's import paths (``eagle.model.cnets``, ``cnets1``, ``configs``, ``choices``, ``utils``) live in these
-five modules and nowhere else; the engine never imports them (tests/test_reference_api.py checks it).
-The head is :class:`eagle.model.draft_head.Eagle3DraftHead`.
-"""
-
-from .draft_head import Eagle3DraftHead
-from .draft_layers import Eagle3DecoderLayer
-
-Model = Eagle3DraftHead
-
-__all__ = ["Model", "Eagle3DraftHead", "Eagle3DecoderLayer"]
+from eagle.model.compat.cnets import *  # noqa: F401,F403
+from eagle.model.compat.cnets import __all__  # noqa: F401

@@ -1,13 +1,4 @@
-"""Reference-compatibility layer: ``from eagle.model.cnets1 import Model``, the EAGLE-1/EAGLE-2 draft head.
+"""The reference's import path ``eagle.model.cnets1``: see :mod:`eagle.model.compat.cnets1`."""
 
-The reference's import paths (``eagle.model.cnets``, ``cnets1``, ``configs``, ``choices``, ``utils``) live in these
-five modules and nowhere else; the engine never imports them (tests/test_reference_api.py checks it).
-The head is :class:`eagle.model.draft_head.Eagle1DraftHead`.
-"""
-
-from .draft_head import Eagle1DraftHead
-from .draft_layers import Eagle1DecoderLayer
-
-Model = Eagle1DraftHead
-
-__all__ = ["Model", "Eagle1DraftHead", "Eagle1DecoderLayer"]
+from eagle.model.compat.cnets1 import *  # noqa: F401,F403
+from eagle.model.compat.cnets1 import __all__  # noqa: F401

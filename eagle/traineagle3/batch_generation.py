@@ -30,6 +30,22 @@ def _pick(logits: torch.Tensor, temperature: float, top_p: float, generator: tor
 
 
 @torch.no_grad()
+def _left_padded(tokenizer, prompts: list[str], stop_ids: list[int], device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rendered prompts tokenized and left-padded (so that every row's next token is at the same column):
+    ids and attention mask (B, S)."""
+    encoded = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in prompts]
+    if any(len(ids) == 0 for ids in encoded):
+        raise ValueError("Cannot generate from an empty prompt.")
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (stop_ids[0] if stop_ids else 0)
+    width = max(len(ids) for ids in encoded)
+    input_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    attention = torch.zeros((len(prompts), width), dtype=torch.long)
+    for row, ids in enumerate(encoded):
+        input_ids[row, width - len(ids):] = torch.tensor(ids)
+        attention[row, width - len(ids):] = 1
+    return input_ids.to(device), attention.to(device)
+
+
 def generate_batch(
     model,
     tokenizer,
@@ -48,17 +64,7 @@ def generate_batch(
     if not prompts:
         return []
     device = next(model.parameters()).device
-    encoded = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in prompts]
-    if any(len(ids) == 0 for ids in encoded):
-        raise ValueError("Cannot generate from an empty prompt.")
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (stop_ids[0] if stop_ids else 0)
-    width = max(len(ids) for ids in encoded)
-    input_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
-    attention = torch.zeros((len(prompts), width), dtype=torch.long)
-    for row, ids in enumerate(encoded):  # left padding, so every row's next token is at the same column
-        input_ids[row, width - len(ids):] = torch.tensor(ids)
-        attention[row, width - len(ids):] = 1
-    input_ids, attention = input_ids.to(device), attention.to(device)
+    input_ids, attention = _left_padded(tokenizer, prompts, stop_ids, device)
     positions = (attention.cumsum(-1) - 1).clamp(min=0)
     stop = torch.tensor(sorted(set(stop_ids)) or [-1], device=device)
 
@@ -82,22 +88,15 @@ def generate_batch(
                 results[row] = Generated(tokens[row], True)
             else:
                 tokens[row].append(token)
-        if step == max_new_tokens - 1:
-            break
         keep = (~done).nonzero().squeeze(-1)
-        if keep.numel() == 0:
+        if step == max_new_tokens - 1 or keep.numel() == 0:
             break
         if keep.numel() < rows.numel():
             cache.batch_select_indices(keep)
             rows, chosen, attention, next_position = rows[keep], chosen[keep], attention[keep], next_position[keep]
         attention = torch.cat([attention, attention.new_ones((rows.numel(), 1))], dim=1)
-        out = model(
-            input_ids=chosen[:, None],
-            attention_mask=attention,
-            position_ids=next_position[:, None],
-            use_cache=True,
-            **{cache_arg: cache},
-        )
+        out = model(input_ids=chosen[:, None], attention_mask=attention, position_ids=next_position[:, None],
+                    use_cache=True, **{cache_arg: cache})
         logits = out.logits[:, -1].float()
         next_position = next_position + 1
     return [result if result is not None else Generated(tokens[row], False) for row, result in enumerate(results)]

@@ -31,6 +31,8 @@ import time
 
 import torch
 
+from eagle.utils.jsonl import read_jsonl
+
 logger = logging.getLogger("eagle.traineagle3.gen_data")
 
 
@@ -98,15 +100,11 @@ def _dtype(name: str, device: torch.device) -> torch.dtype:
 def _done_ids(path: str) -> set[str]:
     done = set()
     if os.path.isfile(path):
-        with open(path, encoding="utf-8") as f:
-            for line in f:
-                line = line.strip()
-                if not line:
-                    continue
-                try:
-                    done.add(json.loads(line)["id"])
-                except (json.JSONDecodeError, KeyError):
-                    logger.warning("Ignoring an unreadable line in %s (an interrupted write?).", path)
+        for _, record in read_jsonl(path, skip_bad_lines=True):
+            if isinstance(record, dict) and "id" in record:
+                done.add(record["id"])
+            else:
+                logger.warning("Ignoring a line without an id in %s (an interrupted write?).", path)
     return done
 
 
@@ -175,17 +173,10 @@ def process_batch(model, tokenizer, items, args, stats: Stats, generator: torch.
     return records
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from tqdm import tqdm
-
-    from .chat import require_chat_template
+def _pending_items(args) -> tuple[list, set]:
+    """The conversations this shard still has to write, and the ids already in ``--output``."""
     from .prompts import question_prompts, sharegpt_prompts, synthesized_items
-    from .frozen_target import load_target
 
-    if args.turns < 1 or args.batch_size < 1 or args.max_new_tokens < 1:
-        raise SystemExit("--turns, --batch-size and --max-new-tokens must be at least 1.")
     items = []
     for path in args.sharegpt:
         items += sharegpt_prompts(path, args.turns)
@@ -203,16 +194,14 @@ def main(argv: list[str] | None = None) -> int:
     done = _done_ids(args.output)
     pending = [item for item in items if item.id not in done]
     print(f"{len(items)} conversations, {len(items) - len(pending)} already in {args.output}, {len(pending)} to go.")
-    if not pending:
-        return 0
+    return pending, done
 
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    model, tokenizer = load_target(args.basepath, _dtype(args.dtype, device), device)
-    require_chat_template(tokenizer)
-    torch.manual_seed(args.seed)
-    generator = torch.Generator(device=device).manual_seed(args.seed + len(done))
-    os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
-    stats = Stats()
+
+def _write_batches(model, tokenizer, pending: list, args, stats: Stats, generator) -> None:
+    """Answer ``pending`` batch by batch, appending each batch's records to ``--output`` as it is done (within
+    ``--time-budget``)."""
+    from tqdm import tqdm
+
     batches_done = 0
     with open(args.output, "a", encoding="utf-8") as out, tqdm(total=len(pending), desc="conversations", unit="conv") as bar:
         for start in range(0, len(pending), args.batch_size):
@@ -232,6 +221,27 @@ def main(argv: list[str] | None = None) -> int:
             bar.update(len(batch))
             elapsed = time.time() - stats.start
             bar.set_postfix(answer_tok_s=f"{stats.answer_tokens / max(elapsed, 1e-6):.1f}", written=stats.written)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from .chat import require_chat_template
+    from .frozen_target import load_target
+
+    if args.turns < 1 or args.batch_size < 1 or args.max_new_tokens < 1:
+        raise SystemExit("--turns, --batch-size and --max-new-tokens must be at least 1.")
+    pending, done = _pending_items(args)
+    if not pending:
+        return 0
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    model, tokenizer = load_target(args.basepath, _dtype(args.dtype, device), device)
+    require_chat_template(tokenizer)
+    torch.manual_seed(args.seed)
+    generator = torch.Generator(device=device).manual_seed(args.seed + len(done))
+    os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
+    stats = Stats()
+    _write_batches(model, tokenizer, pending, args, stats, generator)
     elapsed = time.time() - stats.start
     print(
         f"Wrote {stats.written} conversations to {args.output} in {elapsed:.0f}s: {stats.answer_tokens} answer tokens "

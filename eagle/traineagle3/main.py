@@ -37,7 +37,7 @@ if __package__ in (None, ""):  # run as a script from its folder: import the pac
 import torch
 
 from eagle.traineagle3.deepspeed_setup import init_distributed, resolve_ds_config
-from eagle.traineagle3.export import HEAD_KEYS_EXCLUDED, head_config, write_head_config
+from eagle.traineagle3.save_head import HEAD_KEYS_EXCLUDED, head_config, write_head_config
 from eagle.traineagle3.schedule import CALIBRATION_BATCHES, make_schedule
 from eagle.traineagle3.trainer import Trainer
 
@@ -183,7 +183,7 @@ def draft_vocabulary(args, train_set, tokenizer, vocab: int, is_main: bool):
 
 def load_init_head(directory: str, vocab_size: int) -> dict[str, torch.Tensor]:
     """Weights of a saved EAGLE-3 head (``model.safetensors``), to start from (``--init_head``)."""
-    from eagle.model.checkpoint import load_head_state_dict
+    from eagle.model.heads.checkpoint import load_head_state_dict
 
     state = load_head_state_dict(directory)
     for key in ("d2t", "t2d"):
@@ -214,7 +214,7 @@ def init_lm_head_from_target(head, target) -> None:
 def build_head(args, config, target, d2t: torch.Tensor, t2d: torch.Tensor, init_state: dict | None):
     """The EAGLE-3 head to train: the target's (frozen) embedding, the draft vocabulary map, and the weights of
     ``--init_head`` or the ``--lm_head_init`` initialisation."""
-    from eagle.model.draft_head import Eagle3DraftHead
+    from eagle.model.heads.draft_head import Eagle3DraftHead
 
     head = Eagle3DraftHead(config)
     with torch.no_grad():
@@ -345,7 +345,7 @@ def main(argv: list[str] | None = None) -> int:
     train_set, test_set = load_conversations(args, tokenizer)
     init_state, d2t, t2d = draft_vocabulary(args, train_set, tokenizer, vocab, is_main)
     config = head_config(target, args.draft_vocab_size, layer_ids)
-    if is_main:  # lets `python -m eagle.traineagle3.export` turn any checkpoint of this run into a head directory
+    if is_main:  # lets `python -m eagle.traineagle3.save_head` turn any checkpoint of this run into a head directory
         os.makedirs(args.savedir, exist_ok=True)
         write_head_config(config, args.savedir)
     head = build_head(args, config, target, d2t, t2d, init_state)

@@ -15,6 +15,8 @@ import os
 import random
 from dataclasses import dataclass, field
 
+from eagle.utils.jsonl import read_jsonl
+
 from .chat import USER, normalize_conversation
 
 logger = logging.getLogger(__name__)
@@ -47,13 +49,10 @@ def read_json_records(path: str) -> list[dict]:
         except json.JSONDecodeError as err:
             raise ValueError(f"{path} starts like a JSON list but is not valid JSON: {err}") from err
     else:
-        records = []
-        for number, line in enumerate(text.splitlines(), 1):
-            if line.strip():
-                try:
-                    records.append(json.loads(line))
-                except json.JSONDecodeError as err:
-                    raise ValueError(f"{path}, line {number}: not valid JSON ({err}). Expected JSONL or a JSON list.") from err
+        try:
+            records = [record for _, record in read_jsonl(path)]
+        except ValueError as err:
+            raise ValueError(f"{err} Expected JSONL or a JSON list.") from err
     if not all(isinstance(record, dict) for record in records):
         raise ValueError(f"{path} must hold JSON objects (one per line, or a list of them).")
     return records

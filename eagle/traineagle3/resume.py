@@ -45,7 +45,7 @@ def joined_zero_state(paths: list[str]) -> list[dict[str, torch.Tensor]]:
     states = [torch.load(p, map_location="cpu", weights_only=False)["optimizer_state_dict"] for p in paths]
     if any(s.get("zero_stage") not in (1, 2) for s in states):
         raise ValueError("Only ZeRO stage 1/2 checkpoints move to another number of ranks: resume this one with as "
-                         "many ranks as wrote it, or export its head (python -m eagle.traineagle3.export) and start "
+                         "many ranks as wrote it, or export its head (python -m eagle.traineagle3.save_head) and start "
                          "a new run from it with --init_head.")
     groups = []
     for index in range(len(states[0]["single_partition_of_fp32_groups"])):

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from eagle.traineagle3.export import save_head_state
+from eagle.traineagle3.save_head import save_head_state
 from eagle.traineagle3.resume import all_ranks_sum, full_head_state
 from eagle.traineagle3.schedule import Budget
 

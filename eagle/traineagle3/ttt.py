@@ -91,7 +91,7 @@ class TTTOutput:
 
 
 class Eagle3TTTModel(nn.Module):
-    """Wraps an EAGLE-3 head (``eagle.model.draft_head.Eagle3DraftHead``) with the training-time-test forward. Only the head's
+    """Wraps an EAGLE-3 head (``eagle.model.heads.draft_head.Eagle3DraftHead``) with the training-time-test forward. Only the head's
     trainable parameters get gradients; the target runs outside (see ``main.py``)."""
 
     def __init__(self, head: nn.Module, length: int = 7, decay: float = 0.8):

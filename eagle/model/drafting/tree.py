@@ -175,7 +175,7 @@ class TreeBatch:
     tokens, depths: (B, N); ancestor_mask: (B, N, N); valid: (B, N) bool, which nodes are real (row b's first
     ``trees[b].size``). A padding node (beyond a row's own tree) carries the row's root token at depth 0 and sees
     only itself, and no real node sees it: its KV entry is written and dropped, and the target's linear layers skip
-    it (see :func:`~eagle.model.cpu_linear.real_rows_only`)."""
+    it (see :func:`~eagle.model.target.backends.linear.real_rows_only`)."""
 
     trees: list[DraftTree]
     tokens: torch.Tensor
@@ -209,3 +209,13 @@ def stack_trees(trees: list[DraftTree]) -> TreeBatch:
         depths[row, : tree.size] = tree.depths
         ancestors[row, : tree.size, : tree.size] = tree.ancestor_mask
     return TreeBatch(trees, tokens, depths, ancestors, valid)
+
+
+def children_by_token(tree: DraftTree) -> dict[int, dict[int, int]]:
+    """node -> {draft token: child node}. Siblings carry distinct tokens (each level is a top-k); were two equal,
+    the first (smaller node id) would be kept."""
+    children: dict[int, dict[int, int]] = {}
+    for node, (parent, token) in enumerate(zip(tree.parents.tolist(), tree.tokens.tolist())):
+        if parent >= 0:
+            children.setdefault(parent, {}).setdefault(token, node)
+    return children

@@ -1,163 +1,69 @@
-"""Drafters: what proposes a tree of tokens for the target to verify.
-
-The interface is three calls, in the spirit of transformers' candidate generators:
-
-- ``reset(batch_size)`` at the start of a generation;
-- ``draft_batch(features, next_tokens, valid) -> list[DraftTree]``: take, for each of B rows, the target features
-  of the newly committed positions with the token that follows each of them (the last valid one being the root
-  the target just chose), and return one tree per row rooted at that token (``draft`` does it for one row);
-- ``select_rows(index)``: keep the rows ``index`` (finished rows leave the batch);
-- ``add_rows(features, next_tokens, valid)``: rows join the batch after the given committed pairs (a running
-  batch takes new requests between steps; see :class:`~eagle.model.generation.RunningBatch`).
-
-``NoDrafter`` returns the root alone, which turns the speculative loop into plain decoding; ``EagleDrafter``
-grows an EAGLE-2 dynamic tree with an EAGLE-1 or EAGLE-3 head.
-"""
+"""EAGLE-2 dynamic draft trees grown by an EAGLE-1 or EAGLE-3 head, for B rows at once (one tree per row)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from .draft_layers import KVPair
-from .batch_budget import LookupRate, select_batch_trees
-from .lookup import find_match, graft_chain
-from .tree import DraftTree, root_only_trees, select_trees
+from eagle.model.drafting.protocol import DraftContext, StepDrafter, last_valid
+from eagle.model.drafting.settings import TreePlan
+from eagle.model.drafting.tree import DraftTree, select_trees
+from eagle.model.heads.draft_layers import KVPair
 
 
-@dataclass(frozen=True)
-class TreeSettings:
-    """total_token: nodes verified per step including the root (N + 1); depth: draft expansion steps after the
-    first (the tree has up to depth + 1 draft levels); top_k: children kept per expanded node and nodes expanded
-    per level; lookup_tokens: at most this many tokens copied from earlier in the context are grafted onto the
-    tree (see :mod:`eagle.model.lookup`; 0 = off, the reference's behaviour), so a step may verify up to
-    ``total_token + lookup_tokens`` nodes."""
-
-    total_token: int = 60
-    depth: int = 7
-    top_k: int = 10
-    lookup_tokens: int = 0
-
-    def __post_init__(self):
-        if self.total_token < 1 or self.depth < 0 or self.top_k < 1 or self.lookup_tokens < 0:
-            raise ValueError(
-                f"Invalid tree settings total_token={self.total_token}, depth={self.depth}, top_k={self.top_k}, "
-                f"lookup_tokens={self.lookup_tokens}: expected total_token >= 1 (or -1 to auto-tune), depth >= 0, "
-                "top_k >= 1, lookup_tokens >= 0."
-            )
-
-    @property
-    def max_tree_size(self) -> int:
-        """The most nodes one step verifies (root included)."""
-        return self.total_token + self.lookup_tokens
+def head_drafter(context: DraftContext, version: int) -> "EagleDrafter":
+    """The registry's ``"eagle3"`` / ``"eagle1"``: the context's head, which must be of that version."""
+    head = context.head
+    if head is None:
+        raise ValueError(f"The eagle{version} drafter needs a draft head; this model has none.")
+    if head.eagle_version != version:
+        raise ValueError(f"The eagle{version} drafter was asked for, but the model's head is an EAGLE-"
+                         f"{head.eagle_version} head: use eagle{head.eagle_version}.")
+    return EagleDrafter(head, context.plan)
 
 
-def tree_for_batch(settings: TreeSettings, batch_trees: dict[int, TreeSettings] | None,
-                   batch_size: int) -> TreeSettings:
-    """The tree for ``batch_size`` rows: the entry of ``batch_trees`` ({smallest batch size: settings}, see
-    :mod:`eagle.model.batch_tree`) with the largest key <= ``batch_size``, else ``settings`` (the batch-1 tree)."""
-    chosen = settings
-    for size, tree in sorted((batch_trees or {}).items()):
-        if size <= batch_size:
-            chosen = tree
-    return chosen
-
-
-class NoDrafter:
-    """Plain decoding in the speculative loop: no draft, the tree is the root alone."""
-
-    needs_features = False
-
-    def reset(self, batch_size: int = 1) -> None:
-        pass
-
-    def select_rows(self, index: torch.Tensor) -> None:
-        pass
-
-    def add_rows(self, features, next_tokens: torch.Tensor, valid: torch.Tensor | None = None) -> None:
-        pass
-
-    def draft_batch(self, features, next_tokens: torch.Tensor, valid: torch.Tensor | None = None) -> list[DraftTree]:
-        if valid is None:
-            return root_only_trees(next_tokens[:, -1])
-        last = last_valid(valid).to(next_tokens.device)
-        return root_only_trees(next_tokens.gather(1, last[:, None])[:, 0])
-
-    def draft(self, features, next_tokens: torch.Tensor) -> DraftTree:
-        return self.draft_batch(features, next_tokens)[0]
-
-
-def last_valid(valid: torch.Tensor) -> torch.Tensor:
-    """(B, m) bool (each row's True entries a contiguous run, at least one) -> the index of each row's last (B,)."""
-    return (valid.long() * torch.arange(1, valid.shape[1] + 1, device=valid.device)).argmax(1)
-
-
-ROW_LISTS = ("history", "chains", "matches", "grafted")  # EagleDrafter's per-row lists, kept in row order
-
-
-class EagleDrafter:
-    """EAGLE-2 dynamic tree drafting with an EAGLE head, for B rows at once (one tree per row; with ``shared_budget``
-    B > 1 rows share one node budget, :mod:`eagle.model.batch_budget`).
-
-    ``batch_trees`` ({smallest batch size: settings}, see :mod:`eagle.model.batch_tree`): each draft uses the tree
-    for the number of rows it drafts (``settings`` when none applies); ``settings`` then holds the tree in use.
+class EagleDrafter(StepDrafter):
+    """EAGLE-2 dynamic tree drafting with an EAGLE head; each draft uses the plan's tree for the number of rows it
+    drafts (``settings`` then holds the tree in use).
 
     State: the head's KV cache over the committed (feature, next token) pairs of every row; it only ever holds
     committed positions, so a rejected tree needs no rollback. Rows commit different numbers of pairs per step, so
     once a step brings padding, ``valid`` (B, slots) says which cache slots hold a row's pairs and ``counts`` (B,)
-    how many it has (its next head position). With ``settings.lookup_tokens``, also each row's committed tokens
-    (the prompt without its first token, then everything emitted), where its lookup branch is searched, its last
-    chain with the length of the context match it came from and how many of its tokens were verified
-    (``chains``, ``matches``, ``grafted``), and ``lookup_rate``, the running
-    estimate of how often a chain token is accepted, which scores chains against the head's nodes.
-    """
+    how many it has (its next head position)."""
 
     needs_features = True
-    # True: a batch's rows share one node budget (:mod:`eagle.model.batch_budget`); off by default, since ragged
-    # trees measured slower on a CPU than the same tree per row (BENCHMARKS.md, "One node budget per batch").
-    shared_budget = False
 
-    def __init__(self, head, settings: TreeSettings, batch_trees: dict[int, TreeSettings] | None = None):
-        self.head = head
-        self.settings = self.batch1_settings = settings
-        self.batch_trees = dict(batch_trees or {})
+    def __init__(self, head, plan: TreePlan):
+        self.head, self.plan = head, plan
+        self.settings = plan.batch1
         self.reset()
 
     def reset(self, batch_size: int = 1) -> None:
         self.committed_kv: list[KVPair] | None = None
         self.valid: torch.Tensor | None = None  # (B, slots) bool; None while every slot is valid
         self.counts: torch.Tensor | None = None  # (B,) committed pairs per row
-        # per row (ROW_LISTS): its committed tokens, its last lookup chain, the length of the context match that
-        # chain came from, and how many of the chain's tokens its last tree verified
-        self.history: list[torch.Tensor | None] = [None] * batch_size
-        self.chains: list[torch.Tensor | None] = [None] * batch_size
-        self.matches: list[int] = [0] * batch_size
-        self.grafted: list[int] = [0] * batch_size
-        self.lookup_rate = LookupRate()
+        self._roots: tuple[torch.Tensor, torch.Tensor] | None = None  # (head state (B, 1, H), root tokens (B,))
+        self.batch_size = batch_size
 
     def select_rows(self, index: torch.Tensor) -> None:
         self.committed_kv = [(k[index.to(k.device)], v[index.to(v.device)]) for k, v in self.committed_kv or []] or None
         self.valid = None if self.valid is None else self.valid[index.to(self.valid.device)]
         self.counts = None if self.counts is None else self.counts[index.to(self.counts.device)]
-        for name in ROW_LISTS:
-            setattr(self, name, [getattr(self, name)[i] for i in index.tolist()])
+        self.batch_size = index.numel()
         self._compact()
 
     def add_rows(self, features: torch.Tensor, next_tokens: torch.Tensor, valid: torch.Tensor | None = None) -> None:
         """k rows join the batch (after the existing ones): the head commits their pairs (features (k, m, F),
         next_tokens (k, m), valid (k, m) bool or None; m may be 0) in a pass of their own, and its cache rows are
         appended to the batch's (the shorter side padded with slots no row sees)."""
-        joining = EagleDrafter(self.head, self.settings)
+        joining = EagleDrafter(self.head, self.plan)
         joining.reset(next_tokens.shape[0])
         if next_tokens.shape[1]:
             joining._commit(features, next_tokens, valid)
-            joining.history = [row if valid is None else row[valid[b]] for b, row in enumerate(next_tokens)]
         self._append(joining)
 
     def _append(self, other: "EagleDrafter") -> None:
         """Append ``other``'s rows after this drafter's."""
-        rows = (len(self.history), len(other.history))
+        rows = (self.batch_size, other.batch_size)
         lengths = (self.committed_length, other.committed_length)
         slots = max(lengths)
         present = [t for t in (self.counts, other.counts, self.valid, other.valid) if t is not None]
@@ -172,8 +78,7 @@ class EagleDrafter:
         if self.counts is not None or other.counts is not None:
             self.counts = torch.cat([c.to(device) if c is not None else torch.zeros(n, dtype=torch.long, device=device)
                                      for c, n in zip((self.counts, other.counts), rows)])
-        for name in ROW_LISTS:
-            setattr(self, name, getattr(self, name) + getattr(other, name))
+        self.batch_size += other.batch_size
         self._compact()
 
     def _compact(self) -> None:
@@ -190,44 +95,31 @@ class EagleDrafter:
         self.committed_kv = [(_gather_slots(k, order), _gather_slots(v, order)) for k, v in self.committed_kv]
         self.valid = torch.arange(longest, device=self.valid.device)[None] < self.counts.to(self.valid.device)[:, None]
 
+    def max_nodes(self, batch_size: int) -> int:
+        return max(self.plan.for_batch(size).total_token for size in range(1, batch_size + 1))
+
     @property
     def committed_length(self) -> int:
         return self.committed_kv[0][0].shape[2] if self.committed_kv else 0
 
-    def draft(self, features: torch.Tensor, next_tokens: torch.Tensor) -> DraftTree:
-        """One row: features (1, m, F), next_tokens (1, m). See :meth:`draft_batch`."""
-        return self.draft_batch(features, next_tokens)[0]
+    @torch.no_grad()
+    def observe(self, features: torch.Tensor, next_tokens: torch.Tensor, valid: torch.Tensor | None = None) -> None:
+        """Run the head over the new pairs (features (B, m, F), next_tokens (B, m), valid (B, m) bool, a contiguous
+        run per row; None = all) into its committed cache; each row's root is its last valid next token."""
+        hidden, last = self._commit(features, next_tokens, valid)
+        rows = torch.arange(next_tokens.shape[0], device=next_tokens.device)
+        self._roots = (hidden[rows, last][:, None], next_tokens[rows, last])
 
     @torch.no_grad()
-    def draft_batch(self, features: torch.Tensor, next_tokens: torch.Tensor,
-                    valid: torch.Tensor | None = None) -> list[DraftTree]:
-        """features: (B, m, F) target features of the m newly committed positions; next_tokens: (B, m) the token
-        after each; valid: (B, m) bool, which of them are a row's (a contiguous run; None = all). The root of row
-        b is its last valid next token. Returns B trees of the tree for B rows (``batch_trees``): each row gets
-        ``total_token`` nodes plus a grafted lookup chain, or with ``shared_budget`` B > 1 rows share one budget
-        of ``B x (total_token - 1)`` draft nodes, chains included (:mod:`eagle.model.batch_budget`)."""
-        self.settings = tree_for_batch(self.batch1_settings, self.batch_trees, next_tokens.shape[0])
-        head, k = self.head, self.settings.top_k
-        hidden, last = self._commit(features, next_tokens, valid)
-        batch = next_tokens.shape[0]
-        rows = torch.arange(batch, device=next_tokens.device)
-        roots = next_tokens[rows, last]
-        # Level 0: the K best continuations of each root, from its last committed position.
-        logp = torch.log_softmax(head.compute_logits(hidden[rows, last][:, None])[:, 0].float(), dim=-1)  # (B, Vd)
-        scores, draft_ids = logp.topk(k, dim=-1)
-        candidates = self._expand(hidden[rows, last][:, None], head.draft_to_target(draft_ids), scores)
-        chains = [None] * batch
-        if any(tree.lookup_tokens for tree in (self.batch1_settings, *self.batch_trees.values())):
-            chains = [self._lookup_chain(b, next_tokens[b] if valid is None else next_tokens[b][valid[b]])
-                      for b in range(batch)]
-        if batch == 1 or not self.shared_budget:
-            trees = select_trees(roots, *candidates, self.settings.total_token - 1)
-            self.grafted = [0 if chain is None else chain.numel() for chain in chains]
-            return [graft_chain(tree, chain) if chain is not None else tree for tree, chain in zip(trees, chains)]
-        rates = [self.lookup_rate.log_rate(match) for match in self.matches]
-        trees, self.grafted = select_batch_trees(roots, *candidates, batch * (self.settings.total_token - 1), chains,
-                                                 rates)
-        return trees
+    def propose(self) -> list[DraftTree]:
+        """B trees of the plan's tree for B rows, each of ``total_token`` nodes: the root's K best continuations
+        from its last committed position, grown ``depth`` levels, the best-scored kept (EAGLE-2)."""
+        state, roots = self._roots
+        self.settings = self.plan.for_batch(roots.shape[0])
+        logp = torch.log_softmax(self.head.compute_logits(state)[:, 0].float(), dim=-1)  # (B, Vd)
+        scores, draft_ids = logp.topk(self.settings.top_k, dim=-1)
+        candidates = self._expand(state, self.head.draft_to_target(draft_ids), scores)
+        return select_trees(roots, *candidates, self.settings.total_token - 1)
 
     def _commit(self, features, next_tokens, valid):
         """Run the head over the new pairs into its committed cache. Returns its states (B, m, H) and the index of
@@ -301,23 +193,6 @@ class EagleDrafter:
         if self.valid is None:
             return torch.ones(batch, k, self.committed_length, dtype=torch.bool, device=device)
         return self.valid[:, None, :].expand(batch, k, -1)
-
-    def _lookup_chain(self, row: int, new_tokens: torch.Tensor) -> torch.Tensor | None:
-        """Extend the row's history (kept whenever some batch size's tree looks up, so that a batch whose rows
-        leave can switch to one), with ``shared_budget`` score its last chain against what the row committed since
-        (:class:`~eagle.model.batch_budget.LookupRate`), and return its lookup continuation, or None when there is
-        none or the tree in use does not look up."""
-        history = self.history[row]
-        self.history[row] = history = new_tokens if history is None else torch.cat([history, new_tokens])
-        if self.shared_budget and self.chains[row] is not None:  # the estimate scores chains in a shared budget only
-            self.lookup_rate.observe(self.chains[row], self.matches[row], self.grafted[row], new_tokens)
-        self.chains[row], self.matches[row] = None, 0
-        if not self.settings.lookup_tokens:
-            return None
-        chain, match = find_match(history, self.settings.lookup_tokens)
-        if chain.numel():
-            self.chains[row], self.matches[row] = chain, match
-        return self.chains[row]
 
 
 def _stack_rows(first, second, rows: tuple[int, int], slots: int) -> torch.Tensor:

@@ -7,69 +7,13 @@ eager) works.
 
 from __future__ import annotations
 
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
-from .cpu_linear import real_rows_only
-from .kv_cache import TreeKVCache
-
-SUPPORTED_ATTENTION = ("sdpa", "eager")
-# Name under which tree_sdpa_attention is registered with transformers' AttentionInterface (when a Target is built,
-# not on import).
-TREE_SDPA = "eagle_tree_sdpa"
-
-
-def tree_sdpa_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None,
-                        **kwargs):
-    """transformers' SDPA attention, except for several queries under a mask with grouped key/value heads on a CPU.
-
-    There transformers repeats every key and value head for its query heads before calling SDPA (``repeat_kv``: a
-    copy of the layer's whole cache, each layer, each verification), because on CUDA a masked grouped call would
-    fall back to a slow kernel. On a CPU, SDPA's own ``enable_gqa`` computes the same numbers (bitwise, checked in
-    the tests) without the copy (timings: docs/PERFORMANCE.md). Everything else goes to transformers' function
-    unchanged.
-    """
-    grouped = getattr(module, "num_key_value_groups", 1) > 1
-    plain = not any(kwargs.get(name) is not None for name in ("position_bias", "s_aux", "softcap"))
-    if (grouped and plain and attention_mask is not None and query.shape[2] > 1 and query.device.type == "cpu"
-            and not module.training):
-        out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, scale=scaling,
-                                             enable_gqa=True)
-        return out.transpose(1, 2).contiguous(), None
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                  is_causal=is_causal, **kwargs)
-
-
-def register_tree_sdpa() -> None:
-    """Register :func:`tree_sdpa_attention` with transformers under :data:`TREE_SDPA` (once), with SDPA's own mask
-    builder, so that masks built meanwhile by another caller of the same model (a thread) are what they were."""
-    from transformers import AttentionInterface, AttentionMaskInterface
-    from transformers.masking_utils import sdpa_mask
-
-    if TREE_SDPA not in AttentionInterface._global_mapping:
-        AttentionInterface.register(TREE_SDPA, tree_sdpa_attention)
-        AttentionMaskInterface.register(TREE_SDPA, sdpa_mask)
-
-
-@contextmanager
-def tree_attention(config):
-    """While the target runs a forward pass for us (always with a prepared 4-D mask, which transformers passes
-    through as it is), its SDPA layers use :func:`tree_sdpa_attention` (registered by :class:`Target`); the model
-    is left as it was afterwards."""
-    if getattr(config, "_attn_implementation_internal", None) != "sdpa":
-        yield
-        return
-    config._attn_implementation_internal = TREE_SDPA
-    try:
-        yield
-    finally:
-        config._attn_implementation_internal = "sdpa"
-
+from eagle.model.target.backends.attention import check_attention_implementation, our_attention, prepare_attention
+from eagle.model.target.backends.linear import real_rows_only
+from eagle.model.target.kv_cache import TreeKVCache
 
 def eagle3_layer_ids(num_layers: int) -> list[int]:
     """Indices into HF ``output_hidden_states`` (entry i = input of layer i) that feed an EAGLE-3 head:
@@ -86,12 +30,7 @@ def check_target_model(model) -> None:
         )
     if model.get_output_embeddings() is None:
         raise ValueError(f"{type(model).__name__} has no causal LM head; load the model with AutoModelForCausalLM.")
-    attention = getattr(config, "_attn_implementation", None)
-    if attention not in SUPPORTED_ATTENTION:
-        raise ValueError(
-            f"The base model uses attn_implementation={attention!r}, which ignores custom 4-D (tree) attention masks. "
-            f"Load it with attn_implementation='sdpa' or 'eager'."
-        )
+    check_attention_implementation(model)
 
 
 # Config fields of families whose logits are not just the LM head applied to the last hidden state.
@@ -178,8 +117,7 @@ class Target:
         check_target_model(model)
         self.model = model
         self.config = model.config.get_text_config()
-        if getattr(self.config, "_attn_implementation_internal", None) == "sdpa":
-            register_tree_sdpa()
+        prepare_attention(self.config)
         self.feature_layers = feature_layers
         self.num_layers = self.config.num_hidden_layers
         self.window = getattr(self.config, "sliding_window", None)
@@ -254,18 +192,21 @@ class Target:
         first_rows: list[int] | list[list[int]] | None = None,
         valid: torch.Tensor | None = None,
         key_positions: torch.Tensor | None = None,
+        features: bool = True,
     ) -> TargetOutput:
         """input_ids: (B, T) new tokens, written to the cache after its ``cache.length`` slots; position_ids:
         (B, T) or (T,) their RoPE positions (tree depth + prefix length for a tree); ``tree_mask``, ``valid`` and
         ``key_positions`` as in :meth:`attention_mask`. A new token that ``valid`` marks False is padding (a tree
         node beyond its row's tree, a left-padded prompt slot): no real token sees it, and packed linear layers skip
-        its row (:func:`~eagle.model.cpu_linear.real_rows_only`), so its logits and features are meaningless.
+        its row (:func:`~eagle.model.target.backends.linear.real_rows_only`), so its logits and features are meaningless.
 
         ``lazy_logits``: the caller reads only some rows (tree verification); when this target allows it, the
         logits come back as :class:`LazyLogits`, with the positions ``first_rows`` (one list per batch row, or one
         list for a single row; default: position 0; position 0 first) projected in this forward pass and the
-        others when read."""
+        others when read. ``features``: False when the caller reads no features (plain decoding): none are
+        gathered."""
         past = cache.length
+        features = features and self.feature_layers is not None
         lazy = lazy_logits and self._lazy_logits is True  # only ever True for a target that returns features
         if lazy:
             first_rows = _first_rows(first_rows, input_ids.shape[0])
@@ -279,27 +220,27 @@ class Target:
         real = None if valid is None else valid[:, past:].to(self.device)  # (B, T): which new tokens are real
         if lazy and len(first_rows) == 1:
             real = None  # the LM head reads chosen positions, in any order: it must not take them for every token
-        with tree_attention(self.config), real_rows_only(real):
+        with our_attention(self.config), real_rows_only(real):
             outputs = self.model(
                 input_ids=input_ids.to(self.device),
                 attention_mask=mask,
                 position_ids=position_ids if position_ids.dim() == 2 else position_ids[None],
                 cache=cache,
                 use_cache=True,
-                output_hidden_states=self.feature_layers is not None,
+                output_hidden_states=features or lazy,
                 logits_to_keep=logits_to_keep,
             )
-        features = None
-        if self.feature_layers is not None:
+        gathered = None
+        if features:
             states = outputs.hidden_states
             home = states[self.feature_layers[0]].device  # layers may live on several devices
-            features = torch.cat([states[i].to(home) for i in self.feature_layers], dim=-1)
+            gathered = torch.cat([states[i].to(home) for i in self.feature_layers], dim=-1)
         if lazy:
-            return TargetOutput(logits=self._lazy(first_rows, outputs), features=features)
+            return TargetOutput(logits=self._lazy(first_rows, outputs), features=gathered)
         logits = outputs.logits.float()
-        if self._lazy_logits is None and self.feature_layers is not None:
+        if self._lazy_logits is None and features:
             self._lazy_logits = self._projection_matches(outputs.hidden_states[-1][0, -logits.shape[1]:], logits[0])
-        return TargetOutput(logits=logits, features=features)
+        return TargetOutput(logits=logits, features=gathered)
 
     def _lazy(self, first_rows: list[list[int]], outputs) -> LazyLogits:
         hidden = outputs.hidden_states[-1]

@@ -5,7 +5,7 @@ that continuation is known the target is no longer needed to say what a tree wou
 runs plain decoding once per prompt and one target forward over prompt + answer (the features the head reads);
 :func:`replay` then runs the real drafter (head, tree selection, lookup branch) step by step and accepts what
 matches the recorded answer. The simulator (``python -m eagle.evaluation.simulate``) and the tree tuner
-(:mod:`eagle.model.autotune`) are built on it.
+(:mod:`eagle.model.tuning.autotune`) are built on it.
 """
 
 from __future__ import annotations
@@ -14,8 +14,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .drafter import EagleDrafter, TreeSettings
-from .verify import greedy_path
+from eagle.model.drafting.protocol import drafter_for_head
+from eagle.model.drafting.settings import TreeSettings
+from eagle.model.engine.acceptance import greedy_path
 
 
 @dataclass
@@ -47,7 +48,7 @@ class Replay:
 def record(model, input_ids: torch.Tensor, max_new_tokens: int) -> Recording:
     """Greedy answer to ``input_ids`` (1, S) by plain decoding, and the features of every position."""
     tokens = model.naivegenerate(input_ids, max_new_tokens=max_new_tokens)[0]
-    target = model._eagle_target
+    target = model.engine.target
     cache = target.new_cache(tokens.shape[0])
     out = target.forward(tokens[None], cache, torch.arange(tokens.shape[0]), last_logits_only=True)
     return Recording(input_ids.shape[1], tokens, out.features)
@@ -57,7 +58,7 @@ def record(model, input_ids: torch.Tensor, max_new_tokens: int) -> Recording:
 def replay(head, recording: Recording, settings: TreeSettings) -> Replay:
     """Run the EAGLE drafter with ``settings`` over ``recording``, accepting what greedy verification would."""
     tokens, features, total = recording.tokens, recording.features, recording.tokens.shape[0]
-    drafter = EagleDrafter(head, settings)
+    drafter = drafter_for_head(head, settings)
     drafter.reset()
     root = recording.prompt_length  # position of the tree's root: the last committed token
     new_features, next_tokens = features[:, :root], tokens[1 : root + 1][None]

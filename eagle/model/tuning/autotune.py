@@ -8,7 +8,7 @@ The best tree is the one with the most tokens per second, and that is a product 
   fastest of a few runs taken in turns, since other work on the machine only adds time and a change of load then
   hits every measurement alike;
 - the head's acceptance on a few built-in calibration prompts: their greedy answers are recorded once with plain
-  decoding (:func:`eagle.model.replay.record`), then the drafter drafts the deepest tree of each top-k at every
+  decoding (:func:`eagle.model.tuning.replay.record`), then the drafter drafts the deepest tree of each top-k at every
   position of every answer. Greedy verification accepts the longest path that spells the recorded continuation,
   and trees of smaller size and depth are prefixes of the deepest one (nodes kept by score), so one draft per
   position and top-k gives the accepted length of every size and depth, with and without a lookup branch. A
@@ -37,12 +37,14 @@ from tqdm import tqdm
 
 from eagle.utils.device import synchronize
 
-from .drafter import EagleDrafter, TreeSettings
-from .generation import commit, verify_tree
-from .head_tree import REFERENCE_TREE, TREE_KEYS, device_kind
-from .lookup import find_continuation
-from .replay import Recording, record
-from .tree import tree_from_parents
+from eagle.model.drafting.eagle import EagleDrafter
+from eagle.model.drafting.settings import TreePlan, TreeSettings
+from eagle.model.engine.commit import commit
+from eagle.model.engine.verify import verify_tree
+from eagle.model.tuning.head_tree import REFERENCE_TREE, TREE_KEYS, device_kind
+from eagle.model.drafting.lookup import find_continuation
+from eagle.model.tuning.replay import Recording, record
+from eagle.model.drafting.tree import tree_from_parents
 
 logger = logging.getLogger(__name__)
 
@@ -169,7 +171,7 @@ def _common_prefix(a: torch.Tensor, b: torch.Tensor) -> int:
 
 def position_row(tree, answer: torch.Tensor, history: torch.Tensor, max_depth: int) -> PositionRow:
     """Everything about a root position from the full tree drafted there (all candidates, node order =
-    generation order, as :func:`~eagle.model.tree.select_tree` keeps them): ``answer`` (the target's tokens after
+    generation order, as :func:`~eagle.model.drafting.tree.select_tree` keeps them): ``answer`` (the target's tokens after
     the root), ``history`` (the committed tokens the lookup branch searches, the root last)."""
     chains = [find_continuation(history, lookup) for lookup in LOOKUP_CHOICES]
     longest = max(chains, key=lambda c: c.shape[0])
@@ -192,7 +194,7 @@ def position_row(tree, answer: torch.Tensor, history: torch.Tensor, max_depth: i
 def sweep_positions(head, recording: Recording, top_k: int, max_depth: int) -> list[PositionRow]:
     """Draft the full tree of ``top_k`` and ``max_depth`` at every root position of ``recording`` (the drafter
     commits one token at a time, so every position is a root once)."""
-    drafter = EagleDrafter(head, TreeSettings(top_k + max_depth * top_k * top_k + 1, max_depth, top_k, 0))
+    drafter = EagleDrafter(head, TreePlan(TreeSettings(top_k + max_depth * top_k * top_k + 1, max_depth, top_k, 0)))
     drafter.reset()
     tokens, features, root = recording.tokens, recording.features, recording.prompt_length
     new_features, next_tokens = features[:, :root], tokens[1 : root + 1][None]
@@ -284,7 +286,7 @@ def verification_run(model, size: int, prefix: int = PREFIX, top_k: int = 4):
     """A function that verifies a ``size``-node tree after a ``prefix``-token context as a step of the loop does:
     the target forward, reading the logits rows of a 3-token path (on a CPU only the rows read go through the LM
     head) and keeping that path's KV entries (the cache compaction, a copy in every layer)."""
-    target, vocab, device = model._eagle_target, model.vocab_size, model.device
+    target, vocab, device = model.engine.target, model.vocab_size, model.device
     cache = target.new_cache(prefix + size + 1)
     generator = torch.Generator().manual_seed(0)
     context = torch.randint(0, vocab, (1, prefix), generator=generator).to(device)
@@ -313,7 +315,7 @@ def draft_run(model, top_k: int, depth: int, prefix: int = PREFIX):
     generator = torch.Generator().manual_seed(0)
     features = torch.randn(1, prefix + 1, head.feature_size, generator=generator).to(device)
     tokens = torch.randint(0, model.vocab_size, (1, prefix + 1), generator=generator).to(device)
-    drafter = EagleDrafter(head, TreeSettings(min(16, top_k + depth * top_k * top_k + 1), depth, top_k, 0))
+    drafter = EagleDrafter(head, TreePlan(TreeSettings(min(16, top_k + depth * top_k * top_k + 1), depth, top_k, 0)))
     with torch.no_grad():
         drafter.reset()
         drafter.draft(features[:, :prefix], tokens[:, :prefix])

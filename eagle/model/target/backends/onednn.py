@@ -19,15 +19,15 @@ cost is memory: the packed copy doubles the linear layers' footprint.
 
 from __future__ import annotations
 
-import contextvars
 import copy
 import functools
 import logging
-from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from eagle.model.target.backends.linear import current_real_rows
 
 logger = logging.getLogger(__name__)
 
@@ -39,72 +39,10 @@ PACKED_MAX_ROWS: int | None = None
 # The limit on a CPU without AVX-512: there, past about 64 rows the packed kernel gained nothing and on one thread
 # lost at 512 rows. With AVX-512 it wins at every row count measured, up to 3,200 (timings: docs/PERFORMANCE.md).
 AVX2_PACKED_MAX_ROWS = 64
-# real_rows_only skips padding rows when a call has at least this many: gathering the real rows and scattering their
-# outputs costs each of a forward's linear layers a few fixed microseconds, about what 8 to 12 rows of SmolLM2-135M
-# cost in all (timings: docs/PERFORMANCE.md).
-MIN_PADDING_ROWS = 12
 # The command-line choice (``--pack-cpu-weights``) -> ``EaModel.from_pretrained(pack_cpu_weights=...)``.
 PACK_FLAG_VALUES = {"auto": "auto", "on": True, "off": False}
 # ``pack="auto"`` packs models whose linear weights take at most this much memory (the packed copy doubles it).
 AUTO_PACK_LIMIT_BYTES = 2 * 1024**3
-
-
-class RealRows:
-    """Which token rows of a model call are real: ``shape`` (B, T) the call's token rows, ``index`` (R,) the flat
-    indices (``b * T + t``) of the real ones, ascending. Remembers the last input it gathered: the layers that read
-    the same input (query, key and value projections; gate and up projections) gather it once."""
-
-    def __init__(self, shape: tuple[int, int], index: torch.Tensor):
-        self.shape, self.index = shape, index
-        # for each of the B * T rows, its place among the real rows, or R (a zero row appended) for a padding row
-        self.source = torch.full((shape[0] * shape[1],), index.shape[0], dtype=torch.long, device=index.device)
-        self.source[index] = torch.arange(index.shape[0], device=index.device)
-        self._last: tuple[torch.Tensor, int, torch.Tensor] | None = None  # (input, its version, its real rows)
-
-    def matches(self, input: torch.Tensor) -> bool:  # noqa: A002
-        """Whether ``input`` holds one row per token of the call, in order: (B, T, in) or (B * T, in)."""
-        batch, length = self.shape
-        return tuple(input.shape[:-1]) in ((batch, length), (batch * length,))
-
-    def gather(self, input: torch.Tensor) -> torch.Tensor:  # noqa: A002
-        """The real rows of ``input`` (R, in)."""
-        last = self._last
-        if last is not None and last[0] is input and last[1] == input._version:
-            return last[2]
-        rows = input.reshape(-1, input.shape[-1]).index_select(0, self.index.to(input.device))
-        self._last = (input, input._version, rows)
-        return rows
-
-    def scatter(self, rows: torch.Tensor) -> torch.Tensor:
-        """(R, out) outputs of the real rows -> (B * T, out), zeros for the padding rows."""
-        # a CPU does this several times faster than index_put_ or index_copy_ into zeros
-        return torch.cat([rows, rows.new_zeros(1, rows.shape[-1])]).index_select(0, self.source.to(rows.device))
-
-
-# The real rows of the model call under way (set by :func:`real_rows_only`); a context variable, so that each thread
-# (a server's requests) sees its own.
-_REAL_ROWS: contextvars.ContextVar[RealRows | None] = contextvars.ContextVar("eagle_real_rows", default=None)
-
-
-@contextmanager
-def real_rows_only(real: torch.Tensor | None):
-    """While a model call runs over (B, T) token rows of which only some are real (``real`` (B, T) bool: a batch's
-    draft trees padded to the largest, left-padded prompts), every :class:`PackedLinear` given one input row per
-    token, in order ((B, T, in) or (B * T, in)), computes the real rows alone and returns zeros for the others.
-
-    On a CPU the linear layers cost in proportion to their rows, so this makes a padded forward cost what its real
-    rows cost. It is exact for the real rows of a model in which no real token reads a padding token (the attention
-    masks hide padding keys from real queries; everything else works row by row), and padding rows stay finite (zero
-    vectors through the norms). Does nothing when ``real`` is None or has fewer than :data:`MIN_PADDING_ROWS`
-    padding rows (gathering and scattering would cost more than the rows save)."""
-    if real is None or real.numel() - int(real.sum()) < MIN_PADDING_ROWS:
-        yield
-        return
-    token = _REAL_ROWS.set(RealRows(tuple(real.shape), real.reshape(-1).nonzero()[:, 0]))
-    try:
-        yield
-    finally:
-        _REAL_ROWS.reset(token)
 
 
 def add_pack_cpu_weights_argument(parser) -> None:
@@ -167,7 +105,7 @@ class PackedLinear(nn.Linear):
         self._packed_from = (weight.data_ptr(), self.weight._version)
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:  # noqa: A002 - nn.Linear's own argument name
-        rows = _REAL_ROWS.get()
+        rows = current_real_rows()
         if rows is None or not rows.matches(input):
             return self._linear(input)
         # the real rows alone (see real_rows_only); the padding rows' outputs are zeros

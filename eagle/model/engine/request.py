@@ -1,8 +1,8 @@
-"""A generation request: the prompts of one call, checked and left-padded, with its settings, frozen.
+"""A generation request: the prompts of one call, checked once, with its settings, frozen.
 
-``EaModel``'s generation methods build one (:func:`build_request`) before anything runs, so bad input fails with a
-``ValueError`` that says what was expected and leaves the model as it was; the generation loop then reads
-everything from it (see :meth:`GenerationRequest.steps`).
+The engine builds one (:func:`build_request`) before anything runs, so bad input fails with a ``ValueError`` that
+says what was expected and leaves the model as it was; the generation loop then reads each row's prompt from it
+(it pads the rows it prefills together itself) and the caller's output layout comes from it.
 
 Prompts come as ids (S,) or (B, S), with an optional ``attention_mask`` of the same shape (1 = token, 0 =
 padding, left padding only, as a tokenizer with ``padding_side="left"`` returns it), or as a list of 1-D id
@@ -16,24 +16,24 @@ from dataclasses import dataclass
 
 import torch
 
-from .verify import Sampler
+from eagle.model.engine.acceptance import Sampler
 
 
 @dataclass(frozen=True)
 class GenerationRequest:
-    """input_ids: (B, S) left-padded prompts as the caller gave them (padding slots hold ``pad_token_id`` when this
-    module padded them); engine_ids: the same with every padding slot replaced by a token of the vocabulary;
-    pads: padding slots before each row's first token; budgets: the most new tokens of each row (``max_new_tokens``,
-    and no row longer than ``max_length``)."""
+    """input_ids: (B, S) the prompts as the caller gave them, left-padded (padding slots hold ``pad_token_id`` when
+    this module padded them), kept for the output's layout; prompts: each row's real tokens (n_b,) on the model's
+    device, what the engine reads; budgets: the most new tokens of each row (``max_new_tokens``, and no row longer
+    than ``max_length``); drafter: what proposes the drafts (``"head"``: the model's own head, ``"none"``: plain
+    decoding, or a spec of :func:`~eagle.model.drafting.protocol.build_drafter`)."""
 
     input_ids: torch.Tensor
-    engine_ids: torch.Tensor
-    pads: tuple[int, ...]
+    prompts: tuple[torch.Tensor, ...]
     budgets: tuple[int, ...]
     temperature: float
     top_p: float
     top_k: int
-    use_eagle: bool
+    drafter: str
     stop_token_ids: frozenset[int]
     pad_token_id: int
     generator: torch.Generator | None = None
@@ -45,11 +45,11 @@ class GenerationRequest:
     @property
     def lengths(self) -> list[int]:
         """Real prompt tokens of each row."""
-        return [self.input_ids.shape[1] - pad for pad in self.pads]
+        return [prompt.shape[0] for prompt in self.prompts]
 
     def sampler(self) -> Sampler | None:
         """The sampler of this request, or None for greedy decoding (temperature <= 1e-5)."""
-        return Sampler(self.temperature, self.top_p, self.top_k, self.generator) if self.temperature > 1e-5 else None
+        return make_sampler(self.temperature, self.top_p, self.top_k, self.generator)
 
     def output_ids(self, new_tokens: list[list[int]]) -> torch.Tensor:
         """(B, S + T): each row's prompt then its new tokens, rows with fewer than T filled with ``pad_token_id``
@@ -61,8 +61,13 @@ class GenerationRequest:
         return torch.cat([self.input_ids, new.to(self.input_ids.device)], dim=1)
 
 
+def make_sampler(temperature: float, top_p: float, top_k: int, generator=None) -> Sampler | None:
+    """The sampler of these settings, or None for greedy decoding (temperature <= 1e-5)."""
+    return Sampler(temperature, top_p, top_k, generator) if temperature > 1e-5 else None
+
+
 def build_request(input_ids, attention_mask=None, *, vocab_size: int, device, temperature=0.0, top_p=0.0, top_k=0,
-                  max_new_tokens=512, max_length: int | None = 2048, use_eagle=True, stop_token_ids=frozenset(),
+                  max_new_tokens=512, max_length: int | None = 2048, drafter: str = "head", stop_token_ids=frozenset(),
                   pad_token_id: int = 0, generator=None) -> GenerationRequest:
     """Check and pad a call's prompts and settings (see the module docstring). ``max_length=None``: the longest
     prompt plus ``max_new_tokens`` plus one."""
@@ -82,12 +87,11 @@ def build_request(input_ids, attention_mask=None, *, vocab_size: int, device, te
             f"The prompt{f' of row {row}' if len(lengths) > 1 else ''} has {lengths[row]} tokens, which does not fit "
             f"max_length={max_length} (prompt plus new tokens); shorten the prompt or raise max_length."
         )
-    filler = int(real[0])
+    on_device = ids.to(device)
     return GenerationRequest(
-        input_ids=ids.to(device), engine_ids=ids.masked_fill(~mask, filler).to(device),
-        pads=tuple(ids.shape[1] - n for n in lengths),
+        input_ids=on_device, prompts=tuple(row[row.shape[0] - n:] for row, n in zip(on_device, lengths)),
         budgets=tuple(min(max_new_tokens, max_length - n) for n in lengths),
-        temperature=float(temperature), top_p=float(top_p), top_k=int(top_k), use_eagle=bool(use_eagle),
+        temperature=float(temperature), top_p=float(top_p), top_k=int(top_k), drafter=drafter,
         stop_token_ids=frozenset(stop_token_ids), pad_token_id=int(pad_token_id), generator=generator,
     )
 

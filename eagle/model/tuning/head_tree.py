@@ -25,7 +25,7 @@ from dataclasses import replace
 
 import torch
 
-from .drafter import TreeSettings
+from eagle.model.drafting.settings import TreeSettings
 
 logger = logging.getLogger(__name__)
 
@@ -133,3 +133,14 @@ def write_head_tree(head_dir: str, kind: str, settings: TreeSettings) -> str:
     os.replace(path + ".tmp", path)
     logger.info("Wrote the %s tree %s into %s", kind, trees[kind], path)
     return path
+
+
+def embedded_tree_settings(kind: str = "cpu") -> dict:
+    """``{"total_token", "depth", "top_k", "lookup_tokens"}`` the embedded default head carries for ``kind`` of
+    device (its config.json's ``eagle_tree``; the reference's defaults for a kind it has no tree for): what
+    ``from_pretrained`` uses there when no tree argument is given."""
+    from dataclasses import asdict
+
+    from eagle.defaults import default_ea_model_path
+
+    return asdict(resolve_tree({}, read_head_trees(default_ea_model_path()).get(kind))[0])

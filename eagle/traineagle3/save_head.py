@@ -3,12 +3,12 @@ by the trainer after every epoch (:func:`save_head`), and the command that expor
 checkpoint of ``eagle.traineagle3.main`` (an epoch end, or a ``--checkpoint_every`` point within an epoch) as such a
 loadable head directory, e.g. to try a run's head before its epoch ends::
 
-    python -m eagle.traineagle3.export --savedir runs/head --output runs/head/export
-    python -m eagle.traineagle3.export --savedir runs/head --tag epoch_0_batch_400 --output out --dtype float32
+    python -m eagle.traineagle3.save_head --savedir runs/head --output runs/head/export
+    python -m eagle.traineagle3.save_head --savedir runs/head --tag epoch_0_batch_400 --output out --dtype float32
 
 ZeRO stage 0-2 checkpoints hold the full module weights (``mp_rank_00_model_states.pt``); ZeRO-3 ones
 (``ds_config_zero3.json``) are joined from their partitions with DeepSpeed's ``zero_to_fp32``. Heads are written in
-the layout vLLM, SGLang, llama.cpp and SpecForge read (:func:`eagle.model.draft_config.to_engine_layout`).
+the layout vLLM, SGLang, llama.cpp and SpecForge read (:func:`eagle.model.heads.draft_config.to_engine_layout`).
 """
 
 from __future__ import annotations
@@ -21,11 +21,11 @@ import sys
 
 import torch
 
-logger = logging.getLogger("eagle.traineagle3.export")
+logger = logging.getLogger("eagle.traineagle3.save_head")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m eagle.traineagle3.export", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m eagle.traineagle3.save_head", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--savedir", required=True, help="The trainer's --savedir (holds checkpoints/).")
     parser.add_argument("--tag", default=None, help="Checkpoint tag (default: the one named in checkpoints/latest).")
@@ -43,7 +43,7 @@ HEAD_KEYS_EXCLUDED = ("embed_tokens.weight",)  # the target's embedding: loaded 
 def head_config(target, draft_vocab_size: int, layer_ids: list[int]):
     """The head's EConfig from the target's config: same hidden size, heads, KV heads, intermediate size,
     vocabulary, RMS eps and RoPE base; one layer; in the layout the serving engines read."""
-    from eagle.model.draft_config import EConfig, to_engine_layout
+    from eagle.model.heads.draft_config import EConfig, to_engine_layout
     from eagle.traineagle3.frozen_target import text_config
 
     tc = text_config(target)
@@ -85,7 +85,7 @@ def write_head_config(config, directory: str, dtype: torch.dtype | None = None) 
     """``directory/config.json`` of a head (the one place the trainer and the export write it); ``dtype``, when
     given, is recorded as the weights' precision. An EAGLE-3 config is written in the serving engines' layout (one
     in this project's older layout, ``eagle_layer_ids``, is converted)."""
-    from eagle.model.draft_config import head_layer_ids, to_engine_layout
+    from eagle.model.heads.draft_config import head_layer_ids, to_engine_layout
 
     if getattr(config, "draft_vocab_size", None) is not None:
         layer_ids = head_layer_ids(config)
@@ -99,7 +99,7 @@ def write_head_config(config, directory: str, dtype: torch.dtype | None = None) 
 
 def read_head_config(path: str):
     """The EConfig of a ``config.json`` written by :func:`write_head_config`."""
-    from eagle.model.draft_config import EConfig
+    from eagle.model.heads.draft_config import EConfig
 
     with open(path) as f:
         return EConfig(**json.load(f))

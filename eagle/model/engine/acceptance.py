@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-from .tree import DraftTree
+from eagle.model.drafting.tree import DraftTree, children_by_token
 
 
 def prepare_logits_processor(temperature: float = 0.0, repetition_penalty: float = 0.0, top_p: float = 0.0,
@@ -52,16 +52,6 @@ class Sampler:
         return float(torch.rand((), generator=self.generator, device=self.generator.device if self.generator else device))
 
 
-def children_by_token(tree: DraftTree) -> dict[int, dict[int, int]]:
-    """node -> {draft token: child node}. Siblings carry distinct tokens (each level is a top-k); were two equal,
-    the first (smaller node id) would be kept."""
-    children: dict[int, dict[int, int]] = {}
-    for node, (parent, token) in enumerate(zip(tree.parents.tolist(), tree.tokens.tolist())):
-        if parent >= 0:
-            children.setdefault(parent, {}).setdefault(token, node)
-    return children
-
-
 def greedy_path(tree: DraftTree, next_token) -> tuple[list[int], object]:
     """Walk down from the root while the node has a child carrying ``next_token(node)`` (the token the target
     puts after that node). Returns the node ids walked, root first, and ``next_token`` of the last one."""
@@ -78,7 +68,7 @@ def greedy_path(tree: DraftTree, next_token) -> tuple[list[int], object]:
 
 def verify_greedy(tree: DraftTree, logits) -> tuple[torch.Tensor, torch.Tensor]:
     """logits: target logits after each node, indexable by node id (a (N+1, V) tensor, or
-    :class:`~eagle.model.target.LazyLogits`, which projects only the rows read here). Returns the accepted node ids
+    :class:`~eagle.model.target.target.LazyLogits`, which projects only the rows read here). Returns the accepted node ids
     (acc+1,), root first, and the bonus token: the target's argmax after the last accepted node.
 
     Walks down from the root: a child is accepted when its token is the target's argmax after its parent. Only the
@@ -89,7 +79,7 @@ def verify_greedy(tree: DraftTree, logits) -> tuple[torch.Tensor, torch.Tensor]:
 def verify_greedy_batch(trees: list[DraftTree], logits: list, fetch=None) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """:func:`verify_greedy` for B trees walked in lockstep: at each depth the rows still walking read their
     current node's logits together (``fetch([(row, node), ...])``, when given, projects the unread ones in one
-    call; see :meth:`~eagle.model.target.LazyLogits.fetch`). logits: one indexable per tree."""
+    call; see :meth:`~eagle.model.target.target.LazyLogits.fetch`). logits: one indexable per tree."""
     children = [children_by_token(tree) for tree in trees]
     nodes = [0] * len(trees)
     paths: list[list[int]] = [[0] for _ in trees]

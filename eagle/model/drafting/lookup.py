@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import torch
 
-from .tree import DraftTree, tree_from_parents
-from .verify import children_by_token
+from eagle.model.drafting.protocol import StepDrafter
+from eagle.model.drafting.tree import DraftTree, children_by_token, tree_from_parents
 
 MAX_NGRAM = 3
 MIN_NGRAM = 1
@@ -73,3 +73,61 @@ def graft_chain(tree: DraftTree, chain: torch.Tensor) -> DraftTree:
         torch.cat([tree.parents, parents]),
         torch.cat([tree.scores, tree.scores[node] + GRAFT_LOG_PROB * steps]),
     )
+
+
+# Tokens a prompt-lookup drafter alone (``"lookup"``, no head) grafts per step at most: transformers' default
+# ``prompt_lookup_num_tokens``.
+STANDALONE_LOOKUP_TOKENS = 10
+
+
+class LookupDrafter(StepDrafter):
+    """Prompt lookup around any drafter: each row's tree from ``inner``, with the row's lookup chain grafted below
+    its root (:func:`graft_chain`) when the context's last tokens occurred before.
+
+    ``tokens_for(batch_size)``: the most chain tokens a row grafts in a batch of that many rows (0: none). Per row
+    it keeps its committed tokens (the prompt without its first token, then everything emitted), where the chain is
+    searched."""
+
+    def __init__(self, inner, tokens_for):
+        self.inner, self.tokens_for = inner, tokens_for
+        self.needs_features = inner.needs_features
+        self.history: list[torch.Tensor | None] = []
+        self._new: list[torch.Tensor] = []
+
+    @classmethod
+    def around(cls, context, inner) -> "LookupDrafter":
+        """The registry's ``+lookup``: chains as long as the plan's trees say, or
+        :data:`STANDALONE_LOOKUP_TOKENS` around a drafter that proposes nothing of its own."""
+        if not inner.needs_features and not context.plan.looks_up:
+            return cls(inner, lambda batch_size: STANDALONE_LOOKUP_TOKENS)
+        return cls(inner, lambda batch_size: context.plan.for_batch(batch_size).lookup_tokens)
+
+    def reset(self, batch_size: int = 1) -> None:
+        self.inner.reset(batch_size)
+        self.history = [None] * batch_size
+
+    def observe(self, features, next_tokens: torch.Tensor, valid: torch.Tensor | None = None) -> None:
+        self.inner.observe(features, next_tokens, valid)
+        for row in range(next_tokens.shape[0]):
+            new = next_tokens[row] if valid is None else next_tokens[row][valid[row]]
+            history = self.history[row]
+            self.history[row] = new if history is None else torch.cat([history, new])
+
+    def propose(self) -> list[DraftTree]:
+        trees = self.inner.propose()
+        limit = self.tokens_for(len(trees))
+        if not limit:
+            return trees
+        chains = [find_match(history, limit)[0] for history in self.history]
+        return [graft_chain(tree, chain) if chain.numel() else tree for tree, chain in zip(trees, chains)]
+
+    def max_nodes(self, batch_size: int) -> int:
+        return self.inner.max_nodes(batch_size) + max(self.tokens_for(size) for size in range(1, batch_size + 1))
+
+    def select_rows(self, index: torch.Tensor) -> None:
+        self.inner.select_rows(index)
+        self.history = [self.history[i] for i in index.tolist()]
+
+    def add_rows(self, features, next_tokens: torch.Tensor, valid: torch.Tensor | None = None) -> None:
+        self.inner.add_rows(features, next_tokens, valid)
+        self.history += [row if valid is None else row[valid[b]] for b, row in enumerate(next_tokens)]

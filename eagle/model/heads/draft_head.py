@@ -6,13 +6,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .draft_layers import (DraftRotary, Eagle1DecoderLayer, Eagle3DecoderLayer, KVPair, RMSNorm,
+from eagle.model.heads.draft_layers import (DraftRotary, Eagle1DecoderLayer, Eagle3DecoderLayer, KVPair, RMSNorm,
                            causal_mask_with_past)
 
 
 class DraftHead(nn.Module):
     """Base class of the EAGLE heads (:class:`Eagle3DraftHead`, :class:`Eagle1DraftHead`). A head is the network
-    alone: the tree it drafts is ``EaModel.tree_settings`` (see :mod:`eagle.model.head_tree`).
+    alone: the tree it drafts is ``EaModel.tree_settings`` (see :mod:`eagle.model.tuning.head_tree`).
 
     A head maps (target feature of position t, token t+1) pairs to a hidden state from which it predicts token
     t+2. Its contract, used by the drafter and by the trainer:
@@ -180,7 +180,7 @@ def load_embedding_from_checkpoint(path: str, vocab_size: int, hidden_size: int)
 
     Supports sharded and single-file checkpoints, safetensors or ``pytorch_model.bin`` (``weights_only``).
     """
-    from .checkpoint import read_tensor_from_model
+    from eagle.model.heads.checkpoint import read_tensor_from_model
 
     for name in ("model.embed_tokens.weight", "embed_tokens.weight", "model.language_model.embed_tokens.weight"):
         tensor = read_tensor_from_model(path, name)

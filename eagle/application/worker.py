@@ -1,0 +1,406 @@
+"""The serving worker: one thread owns the model and runs every generation the HTTP server and the web UI ask for.
+
+Jobs wait in a bounded queue (:meth:`ModelWorker.submit` refuses with a 429 :class:`APIError` when it is full).
+The worker starts a batch with the oldest waiting job and the waiting jobs that can share its generation (greedy
+ones together; sampled ones with the same temperature / top-p / top-k and no seed; the same decoding mode), up to
+``max_batch_size``, and runs it through the engine's running batch (``EaModel.continuous_batch``), handing each job
+an :class:`Update` after every step it took part in.
+
+Continuous batching: at every step boundary, jobs that wait join the running batch (from the oldest, while they can
+share its generation, up to ``max_batch_size`` rows; a seeded job runs alone, with its own random generator), and
+rows whose job ended leave it: each job ends at its own stop token or budget (the engine's ``finish_reason``), a
+stop string, or cancellation (a client that went away, a closed web UI stream), so its place is freed at once. A
+batch keeps its mode (EAGLE or plain decoding: the job's own ``mode``, else the worker's policy, see
+``eagle_max_batch_size``); when the load calls for the other mode, or the oldest waiting job needs another kind of
+batch, the running batch takes no one until it ends, and the next one starts.
+
+The worker thread owns its OpenMP pool: :meth:`ModelWorker.start` frees the starting thread's pool (the model was
+loaded there) and the worker frees its own whenever a batch ends (see :mod:`eagle.utils.openmp`).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from ..utils.openmp import release_openmp_threads
+from .metrics import Metrics
+from .openai_schema import APIError
+from .text_stream import TextStream
+
+logger = logging.getLogger(__name__)
+
+EAGLE, PLAIN = "eagle", "plain"
+
+
+@dataclass
+class GenerationParams:
+    """What one job asks for. ``top_p`` / ``top_k`` of 0 mean off; ``temperature`` 0 is greedy; ``mode``: EAGLE or
+    PLAIN decoding, None for the worker's policy."""
+
+    max_new_tokens: int
+    temperature: float = 0.0
+    top_p: float = 0.0
+    top_k: int = 0
+    stop: Sequence[str] = ()
+    seed: int | None = None
+    mode: str | None = None
+
+    def __post_init__(self):
+        if self.mode not in (None, EAGLE, PLAIN):
+            raise ValueError(f"mode must be {EAGLE!r}, {PLAIN!r} or None, not {self.mode!r}")
+
+
+@dataclass
+class Update:
+    """Sent to a job after each step it took part in: the step's ``new_tokens`` (ids), how many of them were
+    accepted drafts (``step_accepted``), the model's ``step_seconds``, and the new ``text`` (when the job decodes
+    text); at the end ``finish_reason`` ("stop" or "length") or ``error``, with the job's final counts."""
+
+    text: str = ""
+    new_tokens: list[int] = field(default_factory=list)
+    step_accepted: int = 0
+    step_seconds: float = 0.0
+    finish_reason: str | None = None
+    error: APIError | None = None
+    completion_tokens: int = 0
+    steps: int = 0
+    accepted: int = 0
+    mode: str = EAGLE
+
+    @property
+    def final(self) -> bool:
+        return self.finish_reason is not None or self.error is not None
+
+
+@dataclass(eq=False)
+class Job:
+    """One queued generation. ``deliver`` is called from the worker thread with each :class:`Update`; ``text``
+    decodes the tokens and watches stop strings (None: the consumer decodes ``new_tokens`` itself)."""
+
+    prompt_ids: list[int]
+    params: GenerationParams
+    deliver: Callable[[Update], None]
+    text: TextStream | None = None
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    completion_tokens: int = 0
+    steps: int = 0
+    accepted: int = 0
+    done: bool = False
+    mode: str = EAGLE  # how it was generated: EAGLE or PLAIN (set when its batch starts)
+
+    def finish(self, reason: str | None = None, error: APIError | None = None, text: str = "") -> None:
+        self.done = True
+        self.deliver(Update(text=text, finish_reason=reason, error=error, completion_tokens=self.completion_tokens,
+                            steps=self.steps, accepted=self.accepted, mode=self.mode))
+
+
+def position_limit(model) -> int | None:
+    """The most positions ``model`` (an ``EaModel`` or its base model) takes, from its config; None if unknown."""
+    config = getattr(getattr(model, "base_model", None), "config", None) or getattr(model, "config", None)
+    if config is None:
+        return None
+    if hasattr(config, "get_text_config"):
+        config = config.get_text_config()
+    limit = getattr(config, "max_position_embeddings", None)
+    return int(limit) if isinstance(limit, int) and limit > 0 else None
+
+
+def batch_key(params: GenerationParams) -> tuple | None:
+    """Jobs with the same key may be generated in one batch; None: this one runs alone (a seeded sampler)."""
+    if params.temperature <= 1e-5:
+        return ("greedy", params.mode)
+    if params.seed is not None:
+        return None
+    return ("sample", params.mode, params.temperature, params.top_p, params.top_k)
+
+
+class ModelWorker:
+    """Owns ``model`` (an ``EaModel``, or anything with ``continuous_batch``, ``stop_token_ids`` and ``device``) in
+    one worker thread; see the module docstring.
+
+    ``max_queue``: jobs that may wait (besides the running batch); ``max_batch_size``: rows of a running batch;
+    ``max_length``: prompt plus answer, in tokens (capped by the model's position limit); ``use_eagle``: EAGLE or plain decoding for jobs that do not say;
+    ``is_llama3``: also stop at ``<|eot_id|>``; ``eagle_max_batch_size``: when more jobs than this run or wait,
+    batches of jobs that do not say run plain decoding (the same greedy tokens and sampled distribution; EAGLE's
+    drafts stop paying in large batches on some devices); 0 = EAGLE at every batch size.
+    """
+
+    def __init__(self, model, max_queue: int = 64, max_batch_size: int = 1, max_length: int = 2048,
+                 use_eagle: bool = True, is_llama3: bool = False, eagle_max_batch_size: int = 0):
+        if max_queue < 1 or max_batch_size < 1:
+            raise ValueError(f"max_queue and max_batch_size must be >= 1, got {max_queue} and {max_batch_size}")
+        self.model, self.max_queue = model, max_queue
+        self.max_length = min(max_length, position_limit(model) or max_length)
+        self.max_batch_size = max_batch_size
+        self.use_eagle, self.is_llama3 = use_eagle, is_llama3
+        self.eagle_max_batch_size = eagle_max_batch_size  # larger batches decode plainly (0: no limit)
+        self.mode = EAGLE if use_eagle else PLAIN
+        self.metrics = Metrics()
+        self._waiting: collections.deque[Job] = collections.deque()
+        self._running: list[Job] = []
+        self._cond = threading.Condition()
+        self._closing = False
+        self._thread: threading.Thread | None = None
+
+    # ------------------------------------------------------------------------------------------- client side
+    def start(self) -> None:
+        """Start the worker thread (once); the calling thread's OpenMP pool is freed: the worker computes now."""
+        with self._cond:
+            if self._thread is not None:
+                return
+            self._thread = threading.Thread(target=self._work, name="eagle-model-worker", daemon=True)
+        release_openmp_threads()
+        self._thread.start()
+
+    @property
+    def started(self) -> bool:
+        return self._thread is not None
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Stop taking jobs, cancel those waiting or running, and wait for the worker."""
+        with self._cond:
+            self._closing = True
+            waiting, self._waiting = list(self._waiting), collections.deque()
+            for job in self._running:
+                job.cancelled.set()
+            self._cond.notify_all()
+        for job in waiting:
+            job.finish(error=APIError(503, "The server is shutting down.", type="server_error"))
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def submit(self, job: Job) -> None:
+        """Queue ``job``; :class:`APIError` 429 (with ``Retry-After``) when the queue is full."""
+        with self._cond:
+            if self._closing:
+                raise APIError(503, "The server is shutting down.", type="server_error")
+            if len(self._waiting) >= self.max_queue:
+                self.metrics.count("rejected")
+                raise APIError(429, f"The server is busy: {len(self._waiting)} requests are already waiting "
+                               f"(--max-queue {self.max_queue}). Retry later.", type="rate_limit_error",
+                               code="queue_full", headers={"Retry-After": "1"})
+            self._waiting.append(job)
+            self._cond.notify_all()
+
+    def cancel(self, job: Job) -> None:
+        """Give up ``job``: out of the queue at once, or stopped after the step in progress."""
+        job.cancelled.set()
+        with self._cond:
+            if job in self._waiting:
+                self._waiting.remove(job)
+                self.metrics.count("cancelled")
+
+    def queue_depth(self) -> int:
+        return len(self._waiting)
+
+    def running(self) -> int:
+        return len(self._running)
+
+    def render_metrics(self) -> str:
+        return self.metrics.render(self.queue_depth(), self.running(), self.mode)
+
+    # ------------------------------------------------------------------------------------------- worker side
+    def _next_batch(self) -> list[Job] | None:
+        """The jobs a new batch starts with: the oldest waiting one and those that can share its generation."""
+        with self._cond:
+            while not self._waiting and not self._closing:
+                self._cond.wait()
+            if self._closing:
+                return None
+            first = self._waiting.popleft()
+            batch, key = [first], batch_key(first.params)
+            if key is not None:
+                for job in list(self._waiting):
+                    if len(batch) >= self.max_batch_size:
+                        break
+                    if batch_key(job.params) == key:
+                        self._waiting.remove(job)
+                        batch.append(job)
+            self._running = batch
+            self.metrics.batch_size = len(batch)
+            return list(batch)
+
+    def _work(self) -> None:
+        while (batch := self._next_batch()) is not None:
+            try:
+                self.run_batch(batch)
+            finally:
+                with self._cond:
+                    self._running = []
+                    self.metrics.batch_size = 0
+                release_openmp_threads()  # this thread may wait long for the next job: its pool would spin
+
+    def run_batch(self, batch: list[Job]) -> None:
+        """Generate ``batch`` and the jobs that join it to their ends, delivering after each step; an error ends
+        the unfinished jobs with a 500 and leaves the worker serving."""
+        start = time.perf_counter()
+        try:
+            self._run_continuous(batch)
+        except Exception as err:  # noqa: BLE001 - reported to the clients, logged, and the worker goes on
+            logger.exception("generation failed")
+            with self._cond:
+                members = list(self._running)
+            for job in members:
+                if not job.done:
+                    self.metrics.count("error")
+                    job.finish(error=APIError(500, f"Internal error during generation: {err}", type="server_error"))
+        finally:
+            with self.metrics.lock:
+                self.metrics.busy_seconds += time.perf_counter() - start
+
+    def _run_continuous(self, batch: list[Job]) -> None:
+        """One running batch of the engine for ``batch``: each row ends at its stop token, its own budget, a stop
+        string or its client's cancellation (the row leaves the engine's batch at the next step); at every step
+        boundary waiting jobs of the same kind join it (see :meth:`_joiners`)."""
+        params, key = batch[0].params, batch_key(batch[0].params)
+        use_eagle = self._wants_eagle(params, len(batch))
+        generator = None
+        if params.seed is not None:
+            generator = torch.Generator(device=self.model.device).manual_seed(params.seed)
+        running = self.model.continuous_batch(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
+                                              max_length=self.max_length, is_llama3=self.is_llama3,
+                                              use_eagle=use_eagle, generator=generator)
+        rows: dict[int, Job] = {}
+        for job in batch:
+            self._join(running, rows, job, use_eagle)
+        try:
+            for update, seconds in self._timed(running, rows):
+                for row, part in update.items():
+                    job = rows.get(row)
+                    if job is None:
+                        continue
+                    if part.tokens.numel() and not job.done and not job.cancelled.is_set():
+                        self._deliver_step(job, part, seconds)
+                    if part.finished:
+                        del rows[row]
+                        self._end(job, part.finish_reason)
+                self._boundary(running, rows, key, use_eagle)
+        finally:
+            running.close()
+        for job in rows.values():  # the engine ended without a reason for them (it should not happen)
+            self._end(job, "length")
+
+    def _timed(self, running, rows: dict) -> Iterator[tuple[dict, float]]:
+        """The running batch's steps with their seconds, each timed into the metrics as a prefill (the step of
+        joining rows: their first tokens) or a decoding step."""
+        steps = iter(running)
+        while True:
+            start = time.perf_counter()
+            update = next(steps, None)
+            if update is None:
+                return
+            seconds = time.perf_counter() - start
+            joined = all(rows[row].steps == 0 for row in update if row in rows)
+            self.metrics.record_time(seconds, prefill=joined)
+            yield update, seconds
+
+    def _join(self, running, rows: dict, job: Job, use_eagle: bool) -> None:
+        """Add ``job`` to the engine's running batch (it joins at the next step)."""
+        if job.cancelled.is_set():
+            self.metrics.count("cancelled")
+            job.done = True
+            return
+        try:
+            (row,) = running.add(torch.tensor(job.prompt_ids, dtype=torch.long), max_new_tokens=job.params.max_new_tokens)
+        except Exception as err:  # noqa: BLE001 - this job fails (a cache that does not fit), the batch goes on
+            logger.exception("a request could not join the batch")
+            self.metrics.count("error")
+            job.finish(error=APIError(500, f"Internal error: {err}", type="server_error"))
+            return
+        job.mode = EAGLE if use_eagle else PLAIN
+        rows[row] = job
+
+    def _boundary(self, running, rows: dict, key, use_eagle: bool) -> None:
+        """Between two steps: rows whose job ended (stop string) or was cancelled leave; waiting jobs join."""
+        for row, job in list(rows.items()):
+            if job.done or job.cancelled.is_set():
+                running.cancel(row)
+                del rows[row]
+                self._end(job, None)
+        for job in self._joiners(key, use_eagle, len(rows)):
+            self._join(running, rows, job, use_eagle)
+        with self._cond:
+            self._running = list(rows.values())
+            self.metrics.batch_size = len(rows)
+
+    def _joiners(self, key, use_eagle: bool, active: int) -> list[Job]:
+        """Waiting jobs that join a running batch of ``active`` rows: from the oldest, while they can share its
+        generation (same :func:`batch_key`; none for a seeded job's batch), up to ``max_batch_size`` rows, and only
+        while the load (rows plus waiting jobs) still calls for the batch's mode. Otherwise the batch takes no one,
+        ends with its rows, and the next batch starts with the oldest waiting job, in the mode it calls for."""
+        with self._cond:
+            if key is None or self._closing or not self._waiting:
+                return []
+            load = min(active + len(self._waiting), self.max_batch_size)
+            if self._wants_eagle(self._waiting[0].params, load) != use_eagle:
+                return []
+            joining = []
+            while self._waiting and active + len(joining) < self.max_batch_size:
+                if batch_key(self._waiting[0].params) != key:
+                    break
+                joining.append(self._waiting.popleft())
+            return joining
+
+    def _wants_eagle(self, params: GenerationParams, rows: int) -> bool:
+        """Whether a batch of ``rows`` jobs like ``params`` runs EAGLE (else plain decoding)."""
+        if params.mode is not None:
+            return params.mode == EAGLE
+        limit = self.eagle_max_batch_size
+        return self.use_eagle and (limit <= 0 or rows <= limit)
+
+    def _deliver_step(self, job: Job, part, seconds: float) -> None:
+        tokens = part.tokens.tolist()
+        first = job.steps == 0
+        job.steps += 1
+        job.completion_tokens += len(tokens)
+        if not first:
+            job.accepted += int(part.accepted)
+        self.metrics.record_step(len(tokens), int(part.accepted), first)
+        text = "" if job.text is None else job.text.add(tokens)
+        update = Update(text=text, new_tokens=tokens, step_accepted=int(part.accepted), step_seconds=seconds,
+                        mode=job.mode)
+        if job.text is not None and job.text.stopped:
+            self._finish(job, "stop", update)
+        else:
+            job.deliver(update)
+
+    def _end(self, job: Job, reason: str | None) -> None:
+        """After the job's last step: the final text and why it ended (``reason``, the engine's; None when it left
+        the batch for another reason), unless already ended or cancelled."""
+        if job.cancelled.is_set() and not job.done:
+            self.metrics.count("cancelled")
+            job.done = True
+            return
+        if job.done:
+            return
+        text = "" if job.text is None else job.text.add([], final=True)
+        stopped = job.text is not None and job.text.stopped
+        self._finish(job, "stop" if stopped else (reason or "length"), Update(text=text, mode=job.mode))
+
+    def _finish(self, job: Job, reason: str, last: Update) -> None:
+        """End ``job`` with ``reason``: its last update carries the reason and the final counts."""
+        with self.metrics.lock:
+            self.metrics.prompt_tokens += len(job.prompt_ids)
+        self.metrics.count("ok")
+        job.done = True
+        last.finish_reason = reason
+        last.completion_tokens, last.steps, last.accepted = job.completion_tokens, job.steps, job.accepted
+        job.deliver(last)
+
+    def warm_up(self, use_eagle: bool | None = None) -> None:
+        """One short generation through the worker, so that the first client does not wait for lazy
+        initialisation (the worker must be started)."""
+        tokenizer = self.model.tokenizer
+        ids = tokenizer("Hello", add_special_tokens=True)["input_ids"]
+        mode = None if use_eagle is None else (EAGLE if use_eagle else PLAIN)
+        done = threading.Event()
+        self.submit(Job(list(ids), GenerationParams(max_new_tokens=8, mode=mode),
+                        deliver=lambda update: update.final and done.set()))
+        done.wait()

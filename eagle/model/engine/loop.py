@@ -1,0 +1,225 @@
+"""The one generation loop, for a batch of B sequences that rows join and leave between steps (one sequence is the
+batch of one; plain decoding is the same loop with a drafter that proposes nothing).
+
+Each step is four named phases over explicit inputs::
+
+    drafter.observe(features, next_tokens, valid)       # learn what the target just committed
+    trees = stack_trees(drafter.propose())              # draft: one tree per row
+    logits, fetch, features = verify_trees(...)         # verify: one target forward over every row's tree
+    results = evaluate_batch(trees, logits, ...)        # evaluate: each row's accepted path and next token
+    commit_batch(cache, rows, paths, trees.size)        # commit: keep the accepted KV entries, emit tokens
+
+Stops and budgets are per row; a row that ends leaves the batch at the next step boundary (its cache and drafter
+rows are dropped, see :func:`~eagle.model.engine.commit.drop_finished`), so it costs nothing afterwards.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+
+from eagle.model.drafting.tree import stack_trees
+from eagle.model.engine.acceptance import Sampler
+from eagle.model.engine.commit import Rows, commit_batch, drop_finished
+from eagle.model.engine.steps import CANCELLED, LENGTH, STOP, RowStep
+from eagle.model.engine.verify import evaluate_batch, next_inputs, prefill, verify_trees
+from eagle.model.target.target import Target
+
+
+class RunningBatch:
+    """The generation loop over a batch that rows join and leave between steps (continuous batching).
+
+    ``add(prompts, budgets)`` queues rows (prompts (n_b,), at most ``budgets[b]`` new tokens each) and returns their
+    row numbers (0, 1, ... in the order added); ``cancel(row)`` makes a row leave. Both take effect at the next
+    step boundary: iterating yields, after each target forward pass, a dict {row: :class:`RowStep`} of the rows
+    that pass computed for (the rows that joined, after the prefill of joining rows; every row generating, after a
+    verification), plus a ``"cancelled"`` step for each row cancelled since. A row ends after its first stop token
+    (included) or its budget, and then leaves the batch. Iteration ends when no row generates or waits; rows added
+    after that start it again.
+
+    Joining rows are prefilled together in a cache of their own (left-padded to their longest prompt), then
+    appended as batch rows of the target cache (:meth:`~eagle.model.target.kv_cache.TreeKVCache.add_rows`) and of
+    the drafter's state (``add_rows``): every row keeps its own committed slots ``start .. length - 1``
+    (:class:`~eagle.model.engine.commit.Rows`), so each computes what its prompt alone computes. All rows share the
+    sampler (one set of sampling settings). Invariant between steps: the cache holds each row's committed tokens
+    except the last emitted one (the root), which its next tree starts from. The cache must have room for every
+    row (prompt, budget and one tree: the caller grows it, see :class:`~eagle.model.engine.engine.Engine`).
+    """
+
+    def __init__(self, target: Target, drafter, cache, sampler: Sampler | None, stop_token_ids: set[int]):
+        self.target, self.drafter, self.cache, self.sampler = target, drafter, cache, sampler
+        self.stop_token_ids = set(stop_token_ids)
+        self.rows = Rows([], [], [])
+        self.carried: tuple = (None, None, None)  # the drafter's next inputs: features, next tokens, valid
+        self._pending: list[tuple[int, torch.Tensor]] = []  # (row, prompt tokens (n,))
+        self._budget: dict[int, int] = {}
+        self._emitted: dict[int, int] = {}
+        self._ended: set[int] = set()  # finished or cancelled, still in the cache until the next boundary
+        self._cancelled: list[int] = []  # cancelled since the last step: reported with the next one
+        self._next_row = 0
+        self._steps: Iterator | None = None
+
+    def add(self, prompts: list[torch.Tensor], budgets: list[int]) -> list[int]:
+        rows = list(range(self._next_row, self._next_row + len(prompts)))
+        self._next_row += len(rows)
+        for row, prompt, budget in zip(rows, prompts, budgets):
+            self._pending.append((row, prompt))
+            self._budget[row], self._emitted[row] = budget, 0
+        if self._steps is None:
+            self._steps = self._loop()
+        return rows
+
+    def cancel(self, row: int) -> None:
+        waiting = [r for r, _ in self._pending]
+        if row in waiting or (row in self.rows.index and row not in self._ended):
+            self._cancelled.append(row)
+        self._pending = [(r, ids) for r, ids in self._pending if r != row]
+        if row in self.rows.index:
+            self._ended.add(row)
+        if self._steps is None and self._cancelled:
+            self._steps = self._loop()  # the cancellation is still to be reported
+
+    @property
+    def size(self) -> int:
+        """Rows generating or waiting to join."""
+        return len(self.rows.index) - len(self._ended) + len(self._pending)
+
+    def __iter__(self) -> "RunningBatch":
+        return self
+
+    def __next__(self) -> dict[int, RowStep]:
+        if self._steps is None:
+            raise StopIteration
+        return next(self._steps)
+
+    def close(self) -> None:
+        if self._steps is not None:
+            self._steps.close()
+
+    @torch.no_grad()  # on a generator: entered around each resumption, so the caller's grad mode is left alone
+    def _loop(self) -> Iterator[dict[int, RowStep]]:
+        while True:
+            self._retire()
+            if self._pending:
+                yield self._reported(self._admit())
+            elif self.rows.index:
+                yield self._reported(self._verify_step())
+            else:
+                if self._cancelled:
+                    yield self._reported({})
+                self._steps = None  # ended: the next add starts a new loop
+                return
+
+    def _reported(self, step: dict[int, RowStep]) -> dict[int, RowStep]:
+        """``step`` with a ``"cancelled"`` step for every row cancelled since the last one."""
+        for row in self._cancelled:
+            step[row] = RowStep(torch.zeros(0, dtype=torch.long, device=self.target.device), 0, CANCELLED)
+        self._cancelled = []
+        return step
+
+    def _retire(self) -> None:
+        """Rows that ended (or were cancelled) leave the batch."""
+        keep = [i for i, row in enumerate(self.rows.index) if row not in self._ended]
+        if len(keep) == len(self.rows.index):
+            return
+        for row in self.rows.index:
+            if row in self._ended:
+                self._ended.discard(row)
+                del self._budget[row], self._emitted[row]
+        if keep:
+            self.rows, carried = drop_finished(keep, self.rows, self.cache, self.drafter, list(self.carried))
+            self.carried = tuple(carried)
+        else:
+            self.rows, self.carried = Rows([], [], []), (None, None, None)
+
+    def _admit(self) -> dict[int, RowStep]:
+        """Prefill the waiting rows and make them batch rows; emit their first tokens."""
+        pending, self._pending = self._pending, []
+        joining = [row for row, _ in pending]
+        ids, pads = left_pad([tokens for _, tokens in pending])
+        alone = not self.rows.index
+        if alone:  # the batch starts (again): straight into the cache
+            self.drafter.reset(len(joining))
+            self.cache.reset(len(joining))
+            cache = self.cache
+        else:
+            cache = self.target.new_cache(self.cache.capacity)
+        roots, features = prefill(self.target, ids, cache, self.sampler, self.drafter.needs_features, pads)
+        width = ids.shape[1]
+        rows = Rows(joining, list(pads), [width] * len(joining))
+        next_tokens = torch.cat([ids[:, 1:].to(roots.device), roots[:, None]], dim=1)
+        valid = None
+        if any(pads):  # pair j (feature j, token j + 1) is row b's when slot j holds one of its tokens
+            valid = torch.arange(width, device=roots.device)[None] >= torch.tensor(pads, device=roots.device)[:, None]
+        if alone:
+            self.rows, self.carried = rows, (features, next_tokens, valid)
+        else:  # the drafter takes their prompt pairs now; the last pair (root) goes with the batch's next step
+            self.cache.add_rows(cache)
+            self.drafter.add_rows(None if features is None else features[:, :-1], next_tokens[:, :-1],
+                                  None if valid is None else valid[:, :-1])
+            last = (None if features is None else features[:, -1:], next_tokens[:, -1:], None)
+            self.carried = join_carried(self.carried, last)
+            self.rows = Rows(self.rows.index + rows.index, self.rows.start + rows.start,
+                             self.rows.length + rows.length)
+        return self._emit(joining, [root.reshape(1) for root in roots], [0] * len(joining))
+
+    def _verify_step(self) -> dict[int, RowStep]:
+        """Draft, verify, evaluate and commit every row; emit their new tokens."""
+        self.drafter.observe(*self.carried)
+        trees = stack_trees(self.drafter.propose())  # rooted at the last emitted tokens
+        logits, fetch, tree_features = verify_trees(self.target, trees, self.cache, self.rows, lazy_logits=True,
+                                                    features=self.drafter.needs_features)
+        results = evaluate_batch(trees.trees, logits, fetch, self.sampler)
+        commit_batch(self.cache, self.rows, [path for path, _ in results], trees.size)
+        new, next_tokens, valid, features = next_inputs(trees, results, tree_features)
+        self.carried = (features, next_tokens, valid)
+        return self._emit(self.rows.index, new, [tokens.shape[0] - 1 for tokens in new])
+
+    def _emit(self, rows: list[int], new: list[torch.Tensor], accepted: list[int]) -> dict[int, RowStep]:
+        """Cut each row's new tokens at its stop token and budget; rows that end leave at the next boundary."""
+        step = {}
+        for row, tokens, count in zip(rows, new, accepted):
+            tokens, reason = truncate(tokens, self._budget[row] - self._emitted[row], self.stop_token_ids)
+            self._emitted[row] += tokens.shape[0]
+            if reason is not None:
+                self._ended.add(row)
+            step[row] = RowStep(tokens, min(count, tokens.shape[0]), reason)
+        return step
+
+
+def left_pad(prompts: list[torch.Tensor]) -> tuple[torch.Tensor, list[int]]:
+    """Prompts (n_b,) -> (ids (k, S) left-padded with each row's first token, pads)."""
+    width = max(p.shape[0] for p in prompts)
+    pads = [width - p.shape[0] for p in prompts]
+    return torch.stack([torch.cat([p[:1].expand(pad), p]) for p, pad in zip(prompts, pads)]), pads
+
+
+def join_carried(carried: tuple, joining: tuple) -> tuple:
+    """The drafter's next inputs of the batch's rows followed by those of joining rows, padded on the right to a
+    common width (the padding is not valid)."""
+    features, tokens, valid = carried
+    new_features, new_tokens, new_valid = joining
+    width = max(tokens.shape[1], new_tokens.shape[1])
+
+    def widen(t, fill=0):
+        if t is None or t.shape[1] == width:
+            return t
+        return torch.cat([t, t.new_full((t.shape[0], width - t.shape[1], *t.shape[2:]), fill)], dim=1)
+
+    def valid_of(v, t):
+        return widen(torch.ones(t.shape[:2], dtype=torch.bool, device=t.device) if v is None else v, False)
+
+    joined_features = None if features is None else torch.cat([widen(features), widen(new_features).to(features)])
+    return (joined_features, torch.cat([widen(tokens), widen(new_tokens).to(tokens.device)]),
+            torch.cat([valid_of(valid, tokens), valid_of(new_valid, new_tokens).to(tokens.device)]))
+
+
+def truncate(tokens: torch.Tensor, room: int, stop_token_ids: set[int]) -> tuple[torch.Tensor, str | None]:
+    """Cut ``tokens`` after the first stop token and to at most ``room`` tokens. Returns them and why the row ends
+    (``"stop"``, ``"length"``) or None."""
+    values = tokens.tolist()
+    for i, token in enumerate(values[:room]):
+        if token in stop_token_ids:
+            return tokens[: i + 1], STOP
+    return tokens[:room], LENGTH if len(values) >= room else None

@@ -1,0 +1,88 @@
+"""``EaModel.from_pretrained``: load a base model and its head, resolve the tree, pick the linear backend, tune.
+
+Each step is a function of its own module (the base model: :mod:`eagle.model.target.loading`; the head:
+:mod:`eagle.model.heads.loading`; the tree a head carries: :mod:`eagle.model.tuning.head_tree`; tuning:
+:mod:`eagle.model.tuning.autotune`; weight packing: :mod:`eagle.model.target.backends.linear`); this module puts
+them in order.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from eagle.model.drafting.batch_tree import head_batch_trees
+from eagle.model.heads.loading import load_ea_layer
+from eagle.model.target.backends.linear import linear_backend
+from eagle.model.target.backends.onednn import should_auto_pack
+from eagle.model.target.loading import load_base_model
+from eagle.model.tuning.head_tree import check_tree_arguments, head_tree_for, resolve_tree
+
+logger = logging.getLogger(__name__)
+
+
+def model_paths(base_model_path, ea_model_path, kwargs: dict) -> tuple[str, str]:
+    """The two paths to load: as given (``eagle_model_path`` in ``kwargs`` is another name for ``ea_model_path``),
+    or the embedded default pair when neither is given."""
+    if "eagle_model_path" in kwargs:
+        alias = kwargs.pop("eagle_model_path")
+        if ea_model_path is not None and ea_model_path != alias:
+            raise ValueError("Pass the draft head path once: ea_model_path and eagle_model_path differ.")
+        ea_model_path = alias
+    if base_model_path is None and ea_model_path is None:
+        from eagle.defaults import default_base_model_path, default_ea_model_path
+
+        base_model_path, ea_model_path = default_base_model_path(), default_ea_model_path()
+        logger.info("No model given: the embedded default pair (%s, %s)", base_model_path, ea_model_path)
+    elif base_model_path is None or ea_model_path is None:
+        raise ValueError("EaModel.from_pretrained needs both base_model_path and ea_model_path, or neither (the "
+                         "embedded default pair, SmolLM2-135M-Instruct with this project's head).")
+    return base_model_path, ea_model_path
+
+
+def load_pretrained(cls, *, use_eagle3: bool, base_model_path, ea_model_path, tree: dict, threshold: float,
+                    pack_cpu_weights, draft_dtype, **kwargs):
+    """An ``EaModel`` (``cls``) for the base model at ``base_model_path`` (a directory, a Hub id, or a ``.gguf``
+    file / directory holding one) and the head at ``ea_model_path`` (``config.json`` + ``model.safetensors`` or
+    ``pytorch_model.bin``); with neither path, the embedded default pair (nothing is downloaded). Other keyword
+    arguments go to the base model's ``from_pretrained`` (``dtype``/``torch_dtype``, ``device_map``...).
+
+    ``tree`` (``total_token`` nodes verified per step, root included; ``depth``; ``top_k``; ``lookup_tokens``):
+    each setting not given (None) comes from the tree the head carries for this kind of device (its config.json's
+    ``eagle_tree``), else from the reference's 60/7/10 without lookup; ``total_token=-1`` tunes the tree on this
+    device (the settings given stay fixed; cached). ``threshold`` is the reference's, accepted and unused.
+
+    ``pack_cpu_weights``: the oneDNN linear backend: ``"auto"`` packs float32 CPU models whose linear weights take
+    at most 2 GiB; ``True`` packs whatever can be packed; ``False`` leaves the layers alone. ``draft_dtype``: the
+    head's dtype (``"auto"``: bfloat16 for the EAGLE-3 head of a float32 model on a CPU that computes in bfloat16
+    natively, else the base model's); the output never depends on it."""
+    del threshold  # the reference's EAGLE-2 drafting never reads it either
+    if pack_cpu_weights not in (True, False, "auto"):
+        raise ValueError(f"pack_cpu_weights must be True, False or 'auto', not {pack_cpu_weights!r}.")
+    check_tree_arguments(**tree)  # invalid settings fail before loading
+    base_model_path, ea_model_path = model_paths(base_model_path, ea_model_path, kwargs)
+    base_model, tokenizer = load_base_model(base_model_path, **kwargs)
+    ea_layer = load_ea_layer(ea_model_path, base_model, use_eagle3, draft_dtype=draft_dtype)
+    device = base_model.get_input_embeddings().weight.device
+    settings, sources = resolve_tree(tree, head_tree_for(ea_layer.config, device))
+    model = cls(base_model, ea_layer, tokenizer, settings.total_token, settings.depth, settings.top_k,
+                base_model_name_or_path=base_model_path, use_eagle3=use_eagle3,
+                lookup_tokens=settings.lookup_tokens, ea_model_path=ea_model_path)
+    if pack_cpu_weights is True or (pack_cpu_weights == "auto" and should_auto_pack(base_model)):
+        backend = linear_backend("onednn")
+        count = backend.convert(base_model) + backend.convert(ea_layer)
+        logger.info("Packed the CPU weights of %d linear layers for oneDNN (pack_cpu_weights=%r)", count,
+                    pack_cpu_weights)
+    if tree.get("total_token") == -1:
+        from eagle.model.tuning.autotune import tune_tree
+
+        fixed = {key: value for key, value in tree.items() if value is not None and key != "total_token"}
+        model.tree_settings = tune_tree(model, fixed=fixed)
+    else:
+        logger.info("Tree %s (%s)", model.tree_settings.describe(),
+                    ", ".join(f"{key} from the {source}" if source != "argument" else f"{key} given"
+                              for key, source in sources.items()))
+    if all(value is None for value in tree.values()):  # an explicit tree applies to every batch size
+        model.set_batch_trees(head_batch_trees(ea_layer.config, device, model.tree_settings))
+        if model.batch_trees:
+            logger.info("Batch trees: %s", model.engine.plan.describe_batches())
+    return model

@@ -1,0 +1,80 @@
+"""The attention backend is the one place that touches transformers' attention internals; each touch it names
+(``TRANSFORMERS_TOUCHES``) still works on the pinned transformers."""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+
+from eagle.model.target.backends import attention
+from tiny_models import make_target
+
+
+def test_every_touch_is_named():
+    assert set(attention.TRANSFORMERS_TOUCHES) == {"register", "switch", "delegate"}
+
+
+def test_register_makes_our_function_and_sdpa_s_mask_builder_available(tmp_path):
+    from transformers import AttentionInterface, AttentionMaskInterface
+    from transformers.masking_utils import sdpa_mask
+
+    model = make_target(tmp_path / "base", "llama", seed=1)
+    attention.prepare_attention(model.config)
+    assert AttentionInterface()[attention.TREE_SDPA] is attention.tree_sdpa_attention
+    assert AttentionMaskInterface()[attention.TREE_SDPA] is sdpa_mask
+
+
+def test_switch_names_our_function_during_our_passes_and_restores_sdpa(tmp_path):
+    model = make_target(tmp_path / "base", "llama", seed=1)
+    config = model.config.get_text_config()
+    layer_config = model.model.layers[0].self_attn.config
+    assert layer_config is config  # what the layers read is the config the switch writes
+    assert config._attn_implementation == "sdpa"
+    with attention.our_attention(config):
+        assert layer_config._attn_implementation == attention.TREE_SDPA
+    assert config._attn_implementation == "sdpa"
+    eager = make_target(tmp_path / "eager", "llama", seed=1)
+    eager.config._attn_implementation = "eager"
+    with attention.our_attention(eager.config):  # eager attention honours 4-D masks itself: left alone
+        assert eager.config._attn_implementation == "eager"
+
+
+def test_switch_is_restored_when_the_pass_fails(tmp_path):
+    model = make_target(tmp_path / "base", "llama", seed=1)
+    config = model.config.get_text_config()
+    try:
+        with attention.our_attention(config):
+            raise RuntimeError("a forward pass failed")
+    except RuntimeError:
+        pass
+    assert config._attn_implementation == "sdpa"
+
+
+def test_delegate_takes_the_arguments_we_pass():
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    parameters = inspect.signature(sdpa_attention_forward).parameters
+    for name in ("module", "query", "key", "value", "attention_mask", "dropout", "scaling", "is_causal"):
+        assert name in parameters, name
+
+
+def test_our_function_equals_transformers_sdpa_bit_for_bit(tmp_path):
+    """Several queries under a mask with grouped heads (our path) vs transformers' own SDPA function."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    model = make_target(tmp_path / "base", "llama", seed=1)
+    module = model.model.layers[0].self_attn
+    module.eval()
+    groups = module.num_key_value_groups
+    assert groups > 1
+    generator = torch.Generator().manual_seed(0)
+    heads, dim = model.config.num_attention_heads, model.config.hidden_size // model.config.num_attention_heads
+    query = torch.randn(2, heads, 5, dim, generator=generator)
+    key, value = (torch.randn(2, heads // groups, 12, dim, generator=generator) for _ in range(2))
+    allowed = torch.rand(2, 1, 5, 12, generator=generator) > 0.3
+    allowed[..., -1] = True
+    mask = torch.zeros(allowed.shape).masked_fill_(~allowed, torch.finfo(torch.float32).min)
+    ours, _ = attention.tree_sdpa_attention(module, query, key, value, mask, scaling=module.scaling)
+    stock, _ = sdpa_attention_forward(module, query, key, value, mask, scaling=module.scaling)
+    assert torch.equal(ours, stock)
