@@ -8,11 +8,12 @@ import inspect
 import torch
 
 from eagle.model.target.backends import attention
-from tiny_models import make_target
+from tiny_models import make_remote_target, make_target, target_config
 
 
 def test_every_touch_is_named():
-    assert set(attention.TRANSFORMERS_TOUCHES) == {"register", "switch", "delegate"}
+    assert set(attention.TRANSFORMERS_TOUCHES) == {"register", "switch", "delegate", "sdpa_support",
+                                                   "query_temperature", "module_eager"}
 
 
 def test_register_makes_our_function_and_sdpa_s_mask_builder_available(tmp_path):
@@ -78,3 +79,77 @@ def test_our_function_equals_transformers_sdpa_bit_for_bit(tmp_path):
     ours, _ = attention.tree_sdpa_attention(module, query, key, value, mask, scaling=module.scaling)
     stock, _ = sdpa_attention_forward(module, query, key, value, mask, scaling=module.scaling)
     assert torch.equal(ours, stock)
+
+
+def test_sdpa_support_picks_eager_where_transformers_has_no_sdpa(tmp_path):
+    """GPT-OSS's attention sinks: transformers marks it _supports_sdpa = False, so it loads with eager attention."""
+    from transformers import GptOssForCausalLM, LlamaForCausalLM
+
+    gpt_oss, llama = target_config("gpt_oss", layers=2), target_config("llama", layers=2)
+    assert attention.model_class(gpt_oss) is GptOssForCausalLM and GptOssForCausalLM._supports_sdpa is False
+    assert attention.model_class(llama) is LlamaForCausalLM and LlamaForCausalLM._supports_sdpa is True
+    assert attention.default_attention(GptOssForCausalLM) == "eager"
+    assert attention.default_attention(LlamaForCausalLM) == "sdpa"
+    make_remote_target(tmp_path / "remote", seed=1)
+    from transformers import AutoConfig
+
+    remote = AutoConfig.from_pretrained(tmp_path / "remote", trust_remote_code=True)
+    cls = attention.model_class(remote, str(tmp_path / "remote"), trust_remote_code=True)
+    assert cls.__name__ == "MiniCPMForCausalLM" and attention.default_attention(cls) == "sdpa"
+
+
+def _llama4(tmp_path):
+    return make_target(tmp_path / "llama4", "llama4_text", seed=2, layers=4)
+
+
+def test_query_temperature_attributes_are_those_transformers_reads(tmp_path):
+    model = _llama4(tmp_path)
+    nope = [layer.self_attn for layer in model.model.layers if not layer.self_attn.use_rope]
+    assert nope and all(m.attn_temperature_tuning is True for m in nope)
+    assert all(isinstance(m.floor_scale, (int, float)) and isinstance(m.attn_scale, float) for m in nope)
+    assert attention.QueryTemperature(model).modules == nope
+
+
+def test_our_temperature_equals_transformers_own_where_slots_are_positions(tmp_path):
+    """A prompt from slot 0: our position-based scaling is transformers' cache-length-based one."""
+    from eagle.model.target.target import Target
+
+    model = _llama4(tmp_path)
+    ids = torch.tensor([[1] + list(range(40, 58))])
+    target = Target(model, feature_layers=None)
+    ours = target.forward(ids, target.new_cache(32), torch.arange(ids.shape[1]), features=False).logits
+    with torch.no_grad():
+        theirs = model(ids).logits
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+    assert all(m.attn_temperature_tuning for m in target.temperature.modules)  # restored after the pass
+
+
+def test_query_temperature_switch_is_restored_when_the_pass_fails(tmp_path):
+    model = _llama4(tmp_path)
+    temperature = attention.QueryTemperature(model)
+    try:
+        with attention.our_attention(model.config, temperature, torch.zeros(1, 3, dtype=torch.long)):
+            assert not any(m.attn_temperature_tuning for m in temperature.modules)
+            raise RuntimeError("a forward pass failed")
+    except RuntimeError:
+        pass
+    assert all(m.attn_temperature_tuning for m in temperature.modules)
+    assert model.config._attn_implementation == "sdpa" and attention._TEMPERATURE.get() is None
+
+
+def test_module_eager_is_the_family_s_own_eager_function(tmp_path):
+    """Our eager entry point calls the modeling module's eager_attention_forward (GPT-OSS's adds its sinks):
+    with no temperature active it is that function, bit for bit."""
+    import sys
+
+    model = make_target(tmp_path / "gpt_oss", "gpt_oss", seed=2, layers=2)
+    module = model.model.layers[0].self_attn
+    eager = sys.modules[type(module).__module__].eager_attention_forward
+    generator = torch.Generator().manual_seed(0)
+    query = torch.randn(1, 4, 5, 16, generator=generator)
+    key, value = (torch.randn(1, 2, 9, 16, generator=generator) for _ in range(2))
+    mask = torch.zeros(1, 1, 5, 9)
+    ours, _ = attention.tree_eager_attention(module, query, key, value, mask, scaling=module.scaling)
+    stock, _ = eager(module, query, key, value, mask, scaling=module.scaling)
+    assert torch.equal(ours, stock)
+    assert hasattr(sys.modules[type(_llama4(tmp_path).model.layers[0].self_attn).__module__], "eager_attention_forward")

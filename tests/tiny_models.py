@@ -20,6 +20,35 @@ CHATML = (
     "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "mixtral", "phi3", "gemma"]
+# The families of the checkpoints README.md's table lists, beyond FAMILIES: the transformers model type and tiny
+# settings that bring each family's attention boundaries close (Llama 4's 8-token chunks and query temperature
+# steps every 4 positions, GPT-OSS's 8-token windows), so that short contexts cross them. "minicpm" is a model
+# directory with its own code (tests/remote_code/minicpm_style), loaded with trust_remote_code=True.
+CHECKPOINT_FAMILIES = {
+    "llama-rope3": ("llama", dict(rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                                                   "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                                   "original_max_position_embeddings": 32})),
+    "qwen3-tied": ("qwen3", dict(head_dim=16, use_sliding_window=False, tie_word_embeddings=True)),
+    "qwen3_moe": ("qwen3_moe", dict(head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)),
+    "llama4_text": ("llama4_text", dict(head_dim=16, intermediate_size_mlp=128, num_local_experts=2,
+                                        num_experts_per_tok=1, attention_chunk_size=8, floor_scale=4, attn_scale=1.0,
+                                        no_rope_layer_interval=2, initializer_range=0.1)),
+    "gpt_oss": ("gpt_oss", dict(head_dim=16, sliding_window=8, num_local_experts=4, num_experts_per_tok=2,
+                                rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0,
+                                                 "original_max_position_embeddings": 16, "beta_fast": 32.0,
+                                                 "beta_slow": 1.0, "truncate": False})),
+    "glm4_moe_lite": ("glm4_moe_lite", dict(num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=32,
+                                            qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
+                                            n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                            n_shared_experts=1)),
+    "olmoe": ("olmoe", dict(num_experts=4, num_experts_per_tok=2)),
+    "granitemoe": ("granitemoe", dict(num_local_experts=4, num_experts_per_tok=2, embedding_multiplier=12.0,
+                                      residual_multiplier=0.22, logits_scaling=4.0, attention_multiplier=0.125,
+                                      tie_word_embeddings=True)),
+    "mixtral": ("mixtral", dict(num_local_experts=4, num_experts_per_tok=2)),
+    "qwen2": ("qwen2", dict(use_sliding_window=False)),
+}
+REMOTE_CODE = Path(__file__).resolve().parent / "remote_code" / "minicpm_style"
 
 
 def make_tokenizer(directory: Path):
@@ -60,8 +89,11 @@ def target_config(family: str, layers: int = 6, **overrides):
         "phi3": dict(pad_token_id=0, sliding_window=None),
         "gemma": dict(head_dim=16),
     }.get(family, {})
+    model_type = family
+    if family in CHECKPOINT_FAMILIES:
+        model_type, extra = CHECKPOINT_FAMILIES[family]
     kwargs = {**common, **extra, **overrides}
-    return AutoConfig.for_model(family, **kwargs)
+    return AutoConfig.for_model(model_type, **kwargs)
 
 
 def make_target(directory: Path, family: str = "llama", seed: int = 0, layers: int = 6, **overrides):
@@ -75,6 +107,30 @@ def make_target(directory: Path, family: str = "llama", seed: int = 0, layers: i
     model.save_pretrained(directory)
     make_tokenizer(directory)
     return model
+
+
+def make_remote_target(directory: Path, seed: int = 0, **overrides):
+    """Save a tiny MiniCPM-style model whose code lives in its directory (``auto_map``: the transformers 4 forward
+    of tests/remote_code/minicpm_style) and the tokenizer to ``directory``; return the model (loaded with
+    ``trust_remote_code=True``, as a user would only when asked)."""
+    import shutil
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    directory.mkdir(parents=True, exist_ok=True)
+    for name in ("configuration_minicpm.py", "modeling_minicpm.py"):
+        shutil.copy(REMOTE_CODE / name, directory / name)
+    config = {"model_type": "minicpm", "architectures": ["MiniCPMForCausalLM"],
+              "auto_map": {"AutoConfig": "configuration_minicpm.MiniCPMConfig",
+                           "AutoModelForCausalLM": "modeling_minicpm.MiniCPMForCausalLM"},
+              "vocab_size": VOCAB, **overrides}
+    (directory / "config.json").write_text(json.dumps(config))
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(directory, trust_remote_code=True),
+                                             trust_remote_code=True).eval()
+    model.save_pretrained(directory)
+    make_tokenizer(directory)
+    return AutoModelForCausalLM.from_pretrained(directory, trust_remote_code=True).eval()
 
 
 def head_config_dict(target_cfg, eagle3: bool, draft_vocab_size: int | None = None) -> dict:
@@ -106,12 +162,13 @@ def head_config_dict(target_cfg, eagle3: bool, draft_vocab_size: int | None = No
 
 
 def make_head(directory: Path, target_model, eagle3: bool = True, draft_vocab_size: int | None = None, seed: int = 1,
-              fmt: str = "safetensors", state_dict: dict | None = None):
-    """Save a random head for ``target_model`` in the official layout (no embedding); return its state dict."""
+              fmt: str = "safetensors", state_dict: dict | None = None, extra_config: dict | None = None):
+    """Save a random head for ``target_model`` in the official layout (no embedding); return its state dict.
+    ``extra_config``: fields added to its config.json (``qkv_bias``, ``num_hidden_layers``...)."""
     from eagle.model import cnets, cnets1
     from eagle.model.configs import EConfig
 
-    cfg = head_config_dict(target_model.config, eagle3, draft_vocab_size)
+    cfg = {**head_config_dict(target_model.config, eagle3, draft_vocab_size), **(extra_config or {})}
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "config.json").write_text(json.dumps(cfg, indent=2))
     if state_dict is None:

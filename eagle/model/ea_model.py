@@ -32,7 +32,7 @@ class EaModel(nn.Module):
 
     def __init__(self, base_model, ea_layer, tokenizer=None, total_token: int = 60, depth: int = 7, top_k: int = 10,
                  *, base_model_name_or_path: str | None = None, use_eagle3: bool | None = None, lookup_tokens: int = 0,
-                 ea_model_path: str | None = None):
+                 ea_model_path: str | None = None, allow_unknown_attention: bool = False):
         super().__init__()
         self.base_model, self.ea_layer, self.tokenizer = base_model, ea_layer, tokenizer
         self.config = base_model.config
@@ -40,10 +40,11 @@ class EaModel(nn.Module):
         self.use_eagle3 = ea_layer.eagle_version == 3 if use_eagle3 is None else use_eagle3
         self.hidden_size, self.vocab_size = base_model.get_output_embeddings().weight.shape[::-1]
         num_layers = base_model.config.get_text_config().num_hidden_layers
-        # EAGLE-3 reads three layers' inputs, EAGLE-1 the final normed hidden state
-        layers = (head_layer_ids(ea_layer.config) or eagle3_layer_ids(num_layers)) if self.use_eagle3 else [-1]
+        # EAGLE-3 reads three layers' inputs (or, without aux hidden states, the final normed hidden state as EAGLE-1)
+        fused = self.use_eagle3 and getattr(ea_layer, "reads_aux_hidden_states", True)
+        layers = (head_layer_ids(ea_layer.config) or eagle3_layer_ids(num_layers)) if fused else [-1]
         plan = TreePlan(TreeSettings(total_token, depth, top_k, lookup_tokens))
-        self.engine = Engine(base_model, ea_layer, tokenizer, plan, list(layers))
+        self.engine = Engine(base_model, ea_layer, tokenizer, plan, list(layers), allow_unknown_attention)
 
     @classmethod
     def from_pretrained(cls, use_eagle3: bool = True, base_model_path: str | None = None, ea_model_path: str | None = None,

@@ -54,8 +54,11 @@ def load_pretrained(cls, *, use_eagle3: bool, base_model_path, ea_model_path, tr
     ``pack_cpu_weights``: the oneDNN linear backend: ``"auto"`` packs float32 CPU models whose linear weights take
     at most 2 GiB; ``True`` packs whatever can be packed; ``False`` leaves the layers alone. ``draft_dtype``: the
     head's dtype (``"auto"``: bfloat16 for the EAGLE-3 head of a float32 model on a CPU that computes in bfloat16
-    natively, else the base model's); the output never depends on it."""
+    natively, else the base model's); the output never depends on it. ``allow_unknown_attention`` (default False):
+    serve a base model whose attention EAGLE's tree masks may not reproduce exactly (a layer type or feature of
+    :mod:`eagle.model.target.families`; remote code failing the mask check) instead of refusing it."""
     del threshold  # the reference's EAGLE-2 drafting never reads it either
+    allow_unknown_attention = bool(kwargs.pop("allow_unknown_attention", False))
     if pack_cpu_weights not in (True, False, "auto"):
         raise ValueError(f"pack_cpu_weights must be True, False or 'auto', not {pack_cpu_weights!r}.")
     check_tree_arguments(**tree)  # invalid settings fail before loading
@@ -66,7 +69,8 @@ def load_pretrained(cls, *, use_eagle3: bool, base_model_path, ea_model_path, tr
     settings, sources = resolve_tree(tree, head_tree_for(ea_layer.config, device))
     model = cls(base_model, ea_layer, tokenizer, settings.total_token, settings.depth, settings.top_k,
                 base_model_name_or_path=base_model_path, use_eagle3=use_eagle3,
-                lookup_tokens=settings.lookup_tokens, ea_model_path=ea_model_path)
+                lookup_tokens=settings.lookup_tokens, ea_model_path=ea_model_path,
+                allow_unknown_attention=allow_unknown_attention)
     if pack_cpu_weights is True or (pack_cpu_weights == "auto" and should_auto_pack(base_model)):
         backend = linear_backend("onednn")
         count = backend.convert(base_model) + backend.convert(ea_layer)

@@ -67,7 +67,7 @@ class EagleDrafter(StepDrafter):
         lengths = (self.committed_length, other.committed_length)
         slots = max(lengths)
         present = [t for t in (self.counts, other.counts, self.valid, other.valid) if t is not None]
-        device = present[0].device if present else self.head.fc.weight.device
+        device = present[0].device if present else self.head.weight.device
         if slots:
             layers = len(self.committed_kv or other.committed_kv)
             pairs = zip(self.committed_kv or [(None, None)] * layers, other.committed_kv or [(None, None)] * layers)
@@ -128,7 +128,7 @@ class EagleDrafter(StepDrafter):
         device = next_tokens.device
         if self.counts is None:
             self.counts = torch.zeros(batch, dtype=torch.long, device=device)
-        features = features.to(self.head.fc.weight.device)  # the head casts them to its own dtype
+        features = features.to(self.head.weight.device)  # the head casts them to its own dtype
         if valid is None or bool(valid.all()):
             valid = None
         if valid is None and self.valid is None:  # no padding so far: plain causal positions

@@ -32,11 +32,13 @@ PLAIN = "none"
 class Engine:
     """Generation for ``base_model`` with its draft ``head`` (None: plain decoding only). ``plan``: the trees the
     head drafts (replace it to change them); ``feature_layers``: what the head reads from the target (see
-    :class:`~eagle.model.target.target.Target`)."""
+    :class:`~eagle.model.target.target.Target`); ``allow_unknown_attention``: serve a model whose attention the
+    tree masks may not express (:mod:`eagle.model.target.families`) instead of refusing it."""
 
-    def __init__(self, base_model, head, tokenizer, plan: TreePlan, feature_layers: list[int] | None):
+    def __init__(self, base_model, head, tokenizer, plan: TreePlan, feature_layers: list[int] | None,
+                 allow_unknown_attention: bool = False):
         self.base_model, self.head, self.tokenizer = base_model, head, tokenizer
-        self.target = Target(base_model, feature_layers)
+        self.target = Target(base_model, feature_layers, allow_unknown_attention)
         self.plan = plan
         self.vocab_size = base_model.get_output_embeddings().weight.shape[0]
         self.cache: TreeKVCache | None = None
@@ -103,16 +105,16 @@ class Engine:
         """The shared cache, with room for ``batch_size`` rows of ``capacity`` slots (checked against the free
         memory first: a ``ValueError`` when it would not fit). ``fresh``: a generation starts, a cache too small is
         replaced; else (rows join a running batch) it grows in place, keeping its rows."""
-        config, dtype = self.base_model.config.get_text_config(), self.target.dtype
+        slot_bytes = self.target.slot_bytes()
         if self.cache is None or self.cache.capacity < capacity:
-            check_cache_fits(config, batch_size, capacity, dtype, self.device)
+            check_cache_fits(slot_bytes, batch_size, capacity, self.device)
             if self.cache is None or fresh:
                 self.cache = None  # free the old one first
                 self.cache = self.target.new_cache(capacity)  # grown for this call; reused by later ones
             else:
                 self.cache.grow(capacity)
         elif self.cache.batch_size != batch_size:  # reallocated for this batch size when first written
-            check_cache_fits(config, batch_size, self.cache.capacity, dtype, self.device)
+            check_cache_fits(slot_bytes, batch_size, self.cache.capacity, self.device)
         return self.cache
 
 

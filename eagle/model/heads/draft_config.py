@@ -23,6 +23,13 @@ class EConfig(LlamaConfig):
       project's older ``eagle_layer_ids`` (same meaning) and SGLang's ``eagle_config.eagle_aux_hidden_state_layer_ids``
       (the layers whose *output* feeds the head: one less). :func:`head_layer_ids` resolves them.
 
+    Fields of other publishers' layouts, read by :mod:`eagle.model.heads.layouts` (speculators' nested
+    ``transformer_layer_config`` is flattened first): ``norm_before_residual`` and ``norm_before_fc`` (speculators,
+    vLLM), ``eagle_config.use_aux_hidden_state`` (false: no ``fc``, the target's final hidden state is read), a
+    null ``draft_vocab_size`` (the full vocabulary), ``num_hidden_layers`` > 1 (``layers.<i>.*``); and, set from
+    the checkpoint's tensors, ``fc_bias``, ``qkv_bias``, ``o_proj_bias``, ``mlp_bias`` and
+    ``lm_head_from_target`` (no ``lm_head``: the target's is used).
+
     :func:`to_engine_layout` turns a head config into the layout vLLM, SGLang, llama.cpp and SpecForge read.
     """
 

@@ -46,6 +46,11 @@ class DraftHead(nn.Module):
     def draft_to_target(self, ids: torch.Tensor) -> torch.Tensor:
         return ids
 
+    @property
+    def weight(self) -> torch.Tensor:
+        """A floating weight of the head's own (its device and dtype are the head's)."""
+        return self.fc.weight
+
     # -- shared ---------------------------------------------------------------------------------------------
     def forward(
         self,
@@ -65,7 +70,7 @@ class DraftHead(nn.Module):
             position_ids = torch.arange(past_len, past_len + length, device=input_ids.device)[None].expand(bsz, -1)
         if attention_mask is None and past_len > 0:
             attention_mask = causal_mask_with_past(length, past_len, input_ids.device)
-        hidden_states = hidden_states.to(self.fc.weight.dtype)  # the head may run in another dtype than its target
+        hidden_states = hidden_states.to(self.weight.dtype)  # the head may run in another dtype than its target
         embeds = self.embed_tokens(input_ids).to(hidden_states.dtype)
         cos, sin = self.rotary_emb(hidden_states, position_ids)
         hidden, new_past = self.layers_forward(hidden_states, embeds, cos, sin, attention_mask, past_key_values)
@@ -83,29 +88,51 @@ class DraftHead(nn.Module):
         self.embed_tokens.weight.requires_grad_(False)
 
 
+def reads_aux_hidden_states(config) -> bool:
+    """Whether an EAGLE-3 head fuses three target layers through ``fc`` (``eagle_config.use_aux_hidden_state``,
+    default true, as vLLM and SGLang read it) rather than reading the target's final hidden state."""
+    nested = getattr(config, "eagle_config", None) or {}
+    return bool(nested.get("use_aux_hidden_state", True)) if isinstance(nested, dict) else True
+
+
 class Eagle3DraftHead(DraftHead):
-    """EAGLE-3 head (the reference's ``cnets.Model``): one decoder layer over (embedding, fused target features),
+    """EAGLE-3 head (the reference's ``cnets.Model``): a decoder layer over (embedding, fused target features),
     with its own LM head over a draft vocabulary of ``draft_vocab_size`` tokens mapped to target ids through
     ``d2t``. State-dict keys: ``fc``, ``midlayer.*``, ``norm``, ``lm_head``, ``d2t``, ``t2d`` and
-    optionally ``embed_tokens`` (see EAGLE_SPEC section 3.3)."""
+    optionally ``embed_tokens`` (see EAGLE_SPEC section 3.3).
+
+    The variants published heads use (read by :mod:`eagle.model.heads.layouts`): ``fc`` with a bias
+    (``fc_bias``); ``norm_before_fc`` (an RMSNorm ``input_norm`` over the fused features before ``fc``);
+    ``norm_before_residual``; no ``fc`` when ``eagle_config.use_aux_hidden_state`` is false (the head reads the
+    target's final hidden state); further decoder layers ``layers.1 ...`` (``num_hidden_layers`` > 1, standard
+    LLaMA layers after the first, as vLLM and speculators run them); a null ``draft_vocab_size`` (the full
+    vocabulary), with the target's LM head when the checkpoint has none (``lm_head_from_target``)."""
 
     eagle_version = 3
 
     def __init__(self, config, load_emb=False, path=None, bias=True, total_tokens=63, depth=5, top_k=8, threshold=1.0):
         super().__init__(config)  # the tree arguments: the reference's signature (cnets.Model), unused here
-        if getattr(config, "draft_vocab_size", None) is None:
-            raise ValueError("An EAGLE-3 head config needs `draft_vocab_size` (use vocab_size for a full-vocabulary head).")
         hidden = config.hidden_size
         self.target_hidden_size = getattr(config, "target_hidden_size", None) or hidden
         self.vocab_size = config.vocab_size
-        self.draft_vocab_size = config.draft_vocab_size
+        self.draft_vocab_size = getattr(config, "draft_vocab_size", None) or config.vocab_size
+        self.reads_aux_hidden_states = reads_aux_hidden_states(config)
         self.embed_tokens = nn.Embedding(config.vocab_size, hidden, config.pad_token_id)
         self.embed_tokens.weight.requires_grad_(False)
-        self.fc = nn.Linear(3 * self.target_hidden_size, hidden, bias=False)
+        fused = 3 * self.target_hidden_size
+        if getattr(config, "norm_before_fc", False):
+            self.input_norm = RMSNorm(fused, eps=config.rms_norm_eps)
+        self.fc = (nn.Linear(fused, hidden, bias=bool(getattr(config, "fc_bias", False)))
+                   if self.reads_aux_hidden_states else None)
         self.midlayer = Eagle3DecoderLayer(config)
+        layers = int(getattr(config, "num_hidden_layers", 1) or 1)
+        if layers > 1:
+            self.layers = nn.ModuleDict({str(i): Eagle1DecoderLayer(config, i) for i in range(1, layers)})
         self.norm = RMSNorm(hidden, eps=config.rms_norm_eps)
-        self.lm_head = nn.Linear(hidden, config.draft_vocab_size, bias=False)
-        self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
+        self._target_lm_head: list[nn.Module] = []  # the target's, when the checkpoint has none (not registered)
+        self.lm_head = (None if getattr(config, "lm_head_from_target", False)
+                        else nn.Linear(hidden, self.draft_vocab_size, bias=False))
+        self.register_buffer("d2t", torch.zeros(self.draft_vocab_size, dtype=torch.long))
         self.register_buffer("t2d", torch.zeros(config.vocab_size, dtype=torch.bool))
         if load_emb and path is not None:
             with torch.no_grad():
@@ -113,21 +140,47 @@ class Eagle3DraftHead(DraftHead):
 
     @property
     def feature_size(self) -> int:
-        return 3 * self.target_hidden_size
+        return 3 * self.target_hidden_size if self.reads_aux_hidden_states else self.config.hidden_size
 
     @property
     def reduced_vocab(self) -> bool:
         return self.draft_vocab_size != self.vocab_size
 
+    @property
+    def weight(self) -> torch.Tensor:
+        """A floating weight of the head's own (its device and dtype are the head's)."""
+        return self.midlayer.self_attn.q_proj.weight
+
+    def attach_target_lm_head(self, lm_head: nn.Module) -> None:
+        """The target's LM head, for a head whose checkpoint has none (``lm_head_from_target``)."""
+        self._target_lm_head[:] = [lm_head]
+
     def layers_forward(self, hidden, embeds, cos, sin, attention_mask, past_key_values):
-        if hidden.shape[-1] != embeds.shape[-1]:
-            hidden = self.fc(hidden)  # fused target features (B, T, 3Ht) -> (B, T, H); draft states pass as they are
-        past = past_key_values[0] if past_key_values else None
-        hidden, present = self.midlayer(embeds, hidden, cos, sin, attention_mask, past)
-        return hidden, [present]
+        if self.fc is not None and hidden.shape[-1] != embeds.shape[-1]:
+            hidden = self.fuse(hidden)  # target features (B, T, 3 Ht) -> (B, T, H); draft states pass as they are
+        past = past_key_values or [None] * (1 + len(getattr(self, "layers", ())))
+        hidden, present = self.midlayer(embeds, hidden, cos, sin, attention_mask, past[0])
+        presents = [present]
+        for i, layer in enumerate(getattr(self, "layers", {}).values(), 1):
+            hidden, present = layer(hidden, cos, sin, attention_mask, past[i])
+            presents.append(present)
+        return hidden, presents
+
+    def fuse(self, features: torch.Tensor) -> torch.Tensor:
+        """Target features (B, T, 3 Ht) -> (B, T, H): ``input_norm`` (``norm_before_fc``), then ``fc``."""
+        if hasattr(self, "input_norm"):
+            features = self.input_norm(features)
+        return self.fc(features)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.norm(hidden))
+        normed = self.norm(hidden)
+        if self.lm_head is not None:
+            return self.lm_head(normed)
+        if not self._target_lm_head:
+            raise RuntimeError("This EAGLE-3 head drafts with the target's LM head; none is attached "
+                               "(call attach_target_lm_head).")
+        head = self._target_lm_head[0]
+        return head(normed.to(head.weight.dtype))
 
     def draft_to_target(self, ids: torch.Tensor) -> torch.Tensor:
         if not self.reduced_vocab:

@@ -35,14 +35,22 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(dtype)
 
 
-class DraftMLP(nn.Module):
-    """SwiGLU MLP without biases: ``down(act(gate(x)) * up(x))``."""
+def bias_flags(config) -> tuple[bool, bool, bool]:
+    """(q/k/v projections, o projection, MLP) biases of a head's layers: ``qkv_bias`` (EAGLE-1 Qwen2 heads;
+    also set from a checkpoint's tensors), ``o_proj_bias`` and ``mlp_bias`` (see
+    :mod:`eagle.model.heads.layouts`); none by default."""
+    return (bool(getattr(config, "qkv_bias", False)), bool(getattr(config, "o_proj_bias", False)),
+            bool(getattr(config, "mlp_bias", False)))
 
-    def __init__(self, config):
+
+class DraftMLP(nn.Module):
+    """SwiGLU MLP: ``down(act(gate(x)) * up(x))``, without biases unless ``bias``."""
+
+    def __init__(self, config, bias: bool = False):
         super().__init__()
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
         self.act_fn = ACT2FN[config.hidden_act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -55,7 +63,7 @@ class DraftAttention(nn.Module):
     ``input_size`` is ``H`` for EAGLE-1 and ``2H`` for EAGLE-3 (embedding and feature side by side).
     """
 
-    def __init__(self, config, input_size: int, qkv_bias: bool = False):
+    def __init__(self, config, input_size: int, qkv_bias: bool = False, o_bias: bool = False):
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads or config.num_attention_heads
@@ -63,7 +71,7 @@ class DraftAttention(nn.Module):
         self.q_proj = nn.Linear(input_size, self.num_heads * self.head_dim, bias=qkv_bias)
         self.k_proj = nn.Linear(input_size, self.num_kv_heads * self.head_dim, bias=qkv_bias)
         self.v_proj = nn.Linear(input_size, self.num_kv_heads * self.head_dim, bias=qkv_bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=o_bias)
 
     def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """Queries, keys and values with RoPE applied.
@@ -107,21 +115,29 @@ class DraftAttention(nn.Module):
 
 
 class Eagle3DecoderLayer(nn.Module):
-    """``h = h + attn(cat(input_layernorm(e), hidden_norm(h)))``; ``h = h + mlp(post_attention_layernorm(h))``.
-    The attention's q/k/v projections take the 2H concatenation (embedding first)."""
+    """``h = r + attn(cat(input_layernorm(e), hidden_norm(h)))``; ``h = h + mlp(post_attention_layernorm(h))``,
+    where the residual ``r`` is ``h`` itself, or ``hidden_norm(h)`` for a head trained with
+    ``norm_before_residual`` (speculators / vLLM ``_norm_before_residual``). The attention's q/k/v projections take
+    the 2H concatenation (embedding first)."""
 
     def __init__(self, config):
         super().__init__()
         hidden = config.hidden_size
+        qkv_bias, o_bias, mlp_bias = bias_flags(config)
+        self.norm_before_residual = bool(getattr(config, "norm_before_residual", False))
         self.hidden_norm = RMSNorm(hidden, eps=config.rms_norm_eps)
         self.input_layernorm = RMSNorm(hidden, eps=config.rms_norm_eps)
-        self.self_attn = DraftAttention(config, input_size=2 * hidden)
+        self.self_attn = DraftAttention(config, input_size=2 * hidden, qkv_bias=qkv_bias, o_bias=o_bias)
         self.post_attention_layernorm = RMSNorm(hidden, eps=config.rms_norm_eps)
-        self.mlp = DraftMLP(config)
+        self.mlp = DraftMLP(config, bias=mlp_bias)
 
     def attention_input(self, embeds: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         """(B, T, H) x 2 -> (B, T, 2H)."""
         return torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)
+
+    def residual(self, hidden: torch.Tensor) -> torch.Tensor:
+        """What the attention output is added to: ``hidden``, or its ``hidden_norm`` (``norm_before_residual``)."""
+        return self.hidden_norm(hidden) if self.norm_before_residual else hidden
 
     def finish(self, residual: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
         """Residual add after attention, then the MLP block."""
@@ -130,20 +146,22 @@ class Eagle3DecoderLayer(nn.Module):
 
     def forward(self, embeds, hidden, cos, sin, attention_mask, past_key_value=None):
         attn_out, present = self.self_attn(self.attention_input(embeds, hidden), cos, sin, attention_mask, past_key_value)
-        return self.finish(hidden, attn_out), present
+        return self.finish(self.residual(hidden), attn_out), present
 
 
 class Eagle1DecoderLayer(nn.Module):
-    """A LLaMA decoder layer; layer 0 has no ``input_layernorm`` (its input is the raw fc output)."""
+    """A LLaMA decoder layer; layer 0 has no ``input_layernorm`` (its input is the raw fc output). An EAGLE-3 head
+    of several layers stacks layers of this kind (index >= 1) after its first (vLLM, speculators)."""
 
     def __init__(self, config, index: int):
         super().__init__()
         hidden = config.hidden_size
+        qkv_bias, o_bias, mlp_bias = bias_flags(config)
         if index > 0:
             self.input_layernorm = RMSNorm(hidden, eps=config.rms_norm_eps)
-        self.self_attn = DraftAttention(config, input_size=hidden, qkv_bias=bool(getattr(config, "qkv_bias", False)))
+        self.self_attn = DraftAttention(config, input_size=hidden, qkv_bias=qkv_bias, o_bias=o_bias)
         self.post_attention_layernorm = RMSNorm(hidden, eps=config.rms_norm_eps)
-        self.mlp = DraftMLP(config)
+        self.mlp = DraftMLP(config, bias=mlp_bias)
         self.index = index
 
     def forward(self, hidden, cos, sin, attention_mask, past_key_value=None):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 
@@ -9,18 +10,27 @@ import torch
 
 from eagle.model.heads.checkpoint import load_head_state_dict, resolve_file
 from eagle.model.heads.draft_config import EConfig
+from eagle.model.heads.layouts import is_eagle3_config, read_head_config, read_head_state
 from eagle.model.target.backends.onednn import native_bfloat16
 
 logger = logging.getLogger(__name__)
 
 
-def load_head_config(ea_model_path: str) -> EConfig:
-    """The head's ``config.json``: ``ea_model_path`` may be a directory, a Hub id, or the config file itself."""
-    if os.path.isfile(ea_model_path):
-        config_file = ea_model_path
-    else:
-        config_file = resolve_file(ea_model_path, "config.json")
-    return EConfig.from_json_file(config_file)
+def load_raw_head_config(ea_model_path: str) -> dict:
+    """The head's ``config.json`` as published: ``ea_model_path`` may be a directory, a Hub id, or the file."""
+    config_file = ea_model_path if os.path.isfile(ea_model_path) else resolve_file(ea_model_path, "config.json")
+    with open(config_file) as f:
+        try:
+            return json.load(f)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"The draft head's config {config_file} is not valid JSON: {err}.") from err
+
+
+def load_head_config(ea_model_path: str, use_eagle3: bool | None = None) -> EConfig:
+    """The head's ``config.json`` in this project's form, whatever layout it was published in (see
+    :mod:`eagle.model.heads.layouts`); ``use_eagle3`` None: as its fields say."""
+    raw = load_raw_head_config(ea_model_path)
+    return read_head_config(raw, is_eagle3_config(raw) if use_eagle3 is None else use_eagle3)[0]
 
 
 def head_dir_of(ea_model_path: str) -> str:
@@ -32,7 +42,7 @@ def build_head(config: EConfig, use_eagle3: bool):
     from eagle.model.heads.draft_head import Eagle1DraftHead, Eagle3DraftHead
 
     if use_eagle3:
-        if getattr(config, "draft_vocab_size", None) is None:
+        if not hasattr(config, "draft_vocab_size"):
             raise ValueError(
                 "use_eagle3=True but the head's config.json has no `draft_vocab_size`: this looks like an EAGLE-1/2 "
                 "head; pass use_eagle3=False."
@@ -53,8 +63,8 @@ def check_head_matches_base(head, base_model) -> None:
             "this head was trained for another base model."
         )
     expected = getattr(head.config, "target_hidden_size", None) or head.config.hidden_size
-    if head.eagle_version == 1:
-        expected = head.config.hidden_size
+    if head.eagle_version == 1 or not getattr(head, "reads_aux_hidden_states", True):
+        expected = head.config.hidden_size  # it reads the target's final hidden state as its own
     if expected != base.hidden_size:
         raise ValueError(
             f"The draft head reads target hidden states of size {expected} but the base model's hidden_size is "
@@ -64,12 +74,16 @@ def check_head_matches_base(head, base_model) -> None:
 
 def optional_keys(head) -> set[str]:
     """Entries a published checkpoint may omit: the embedding (taken from the base model, unless the head's
-    hidden size differs from the target's), and d2t/t2d of a full-vocabulary EAGLE-3 head."""
+    hidden size differs from the target's), d2t/t2d of a full-vocabulary EAGLE-3 head, and the ``hidden_norm``
+    of a head without aux hidden states (ModelOpt exports none; vLLM and SGLang then normalise with unit weights,
+    the RMSNorm's initial value)."""
     keys = set()
     if head.eagle_version == 1 or getattr(head.config, "target_hidden_size", None) in (None, head.config.hidden_size):
         keys.add("embed_tokens.weight")
     if head.eagle_version == 3 and not head.reduced_vocab:
         keys.update({"d2t", "t2d"})
+    if head.eagle_version == 3 and not head.reads_aux_hidden_states:
+        keys.add("midlayer.hidden_norm.weight")
     return keys
 
 
@@ -86,8 +100,10 @@ def load_head_weights(head, state_dict: dict[str, torch.Tensor], source: str) ->
             parts.append(f"missing tensors: {', '.join(missing)}")
         if unexpected:
             parts.append(f"unexpected tensors: {', '.join(unexpected)}")
+        names = (" Tensor names as read here: the first decoder layer is `midlayer.*` (`layers.0.*` in vLLM, "
+                 "speculators and newer ModelOpt exports)." if any(k.startswith("midlayer.") for k in missing) else "")
         raise ValueError(f"The draft-head weights in {source} do not match the head described by its config.json "
-                         f"({'; '.join(parts)}).")
+                         f"({'; '.join(parts)}).{names}")
     for key, tensor in state_dict.items():
         if tuple(tensor.shape) != tuple(expected[key].shape):
             raise ValueError(
@@ -128,11 +144,15 @@ def resolve_draft_dtype(draft_dtype, base_dtype: torch.dtype, device: torch.devi
 def load_ea_layer(ea_model_path: str, base_model, use_eagle3: bool, draft_dtype="auto"):
     """Build the draft head for ``base_model`` from a head directory / Hub id, strictly, on the base's device,
     in the dtype :func:`resolve_draft_dtype` gives."""
-    config = load_head_config(ea_model_path)
+    raw = load_raw_head_config(ea_model_path)
+    if use_eagle3 and not is_eagle3_config(raw):
+        raise ValueError("use_eagle3=True but the head's config.json has no `draft_vocab_size`: this looks like an "
+                         "EAGLE-1/2 head; pass use_eagle3=False.")
+    config, layout = read_head_config(raw, use_eagle3)
+    state_dict = read_head_state(config, load_head_state_dict(head_dir_of(ea_model_path)), layout)
     head = build_head(config, use_eagle3)
     check_head_matches_base(head, base_model)
-    state_dict = load_head_state_dict(head_dir_of(ea_model_path))
-    has_embedding = load_head_weights(head, state_dict, ea_model_path)
+    has_embedding = load_head_weights(head, state_dict, f"{ea_model_path} ({layout} layout)")
     embedding = base_model.get_input_embeddings()
     device = embedding.weight.device
     dtype = resolve_draft_dtype(draft_dtype, embedding.weight.dtype, device, head.eagle_version)
@@ -146,7 +166,7 @@ def load_ea_layer(ea_model_path: str, base_model, use_eagle3: bool, draft_dtype=
                 param.data = param.data.to(dtype)
     if not has_embedding:
         head.tie_embedding(embedding)
-    if head.eagle_version == 1:
+    if head.eagle_version == 1 or getattr(head, "lm_head", True) is None:
         head.attach_target_lm_head(base_model.get_output_embeddings())
     head.eval()
     return head

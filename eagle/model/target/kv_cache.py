@@ -193,13 +193,26 @@ class TreeKVCache(Cache):
             layer.grow(capacity)
         self.capacity = max(self.capacity, capacity)
 
+    def get_usable_length(self, new_seq_length: int, layer_idx: int = 0) -> int:
+        """transformers 4's ``Cache.get_usable_length``, which remote code written for 4.x calls: the cached
+        positions a new input may attend (all of them: this cache has room for the whole generation)."""
+        return self.get_seq_length(layer_idx)
 
-def cache_bytes(config, batch_size: int, capacity: int, dtype: torch.dtype) -> int:
-    """Bytes of keys and values that a :class:`TreeKVCache` of ``batch_size`` rows and ``capacity`` slots holds."""
-    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    element = torch.empty((), dtype=dtype).element_size()
-    return 2 * config.num_hidden_layers * batch_size * heads * capacity * head_dim * element
+    def slot_bytes(self) -> int:
+        """Bytes one row holds per slot over all written layers: keys and values of every head, at the widths and
+        dtype the model wrote (an MLA model writes its compressed latent; a layer never written holds nothing)."""
+        total = 0
+        for layer in self.layers:
+            if layer.is_initialized:
+                for tensor in (layer.keys, layer.values):
+                    total += tensor.shape[1] * tensor.shape[3] * tensor.element_size()
+        return total
+
+
+def cache_bytes(slot_bytes: int, batch_size: int, capacity: int) -> int:
+    """Bytes of keys and values that a :class:`TreeKVCache` of ``batch_size`` rows and ``capacity`` slots holds,
+    for a model writing ``slot_bytes`` per row and slot (:meth:`TreeKVCache.slot_bytes`)."""
+    return slot_bytes * batch_size * capacity
 
 
 def free_memory(device: torch.device) -> int | None:
@@ -215,10 +228,10 @@ def free_memory(device: torch.device) -> int | None:
     return None
 
 
-def check_cache_fits(config, batch_size: int, capacity: int, dtype: torch.dtype, device: torch.device) -> None:
-    """Refuse, before anything runs, a cache of ``batch_size`` rows x ``capacity`` slots that would not fit in the
-    free memory of ``device`` (with a quarter of it left for the activations)."""
-    needed, free = cache_bytes(config, batch_size, capacity, dtype), free_memory(torch.device(device))
+def check_cache_fits(slot_bytes: int, batch_size: int, capacity: int, device: torch.device) -> None:
+    """Refuse, before anything runs, a cache of ``batch_size`` rows x ``capacity`` slots of ``slot_bytes`` each
+    that would not fit in the free memory of ``device`` (with a quarter of it left for the activations)."""
+    needed, free = cache_bytes(slot_bytes, batch_size, capacity), free_memory(torch.device(device))
     if free is not None and needed > 0.75 * free:
         gib = 1024 ** 3
         raise ValueError(

@@ -2,7 +2,9 @@
 mask (tree attention) and our preallocated cache, returning logits and the hidden states EAGLE reads.
 
 Nothing here is specific to a model family: any decoder-only model whose attention honours a 4-D mask (SDPA or
-eager) works.
+eager) works, with full, sliding-window or chunked attention layers (:mod:`eagle.model.target.families` refuses
+what a tree mask cannot express), called the transformers 5 way or, for remote code, the transformers 4 way
+(:mod:`eagle.model.target.model_call`).
 """
 
 from __future__ import annotations
@@ -11,14 +13,27 @@ from dataclasses import dataclass
 
 import torch
 
-from eagle.model.target.backends.attention import check_attention_implementation, our_attention, prepare_attention
+from eagle.model.target.backends.attention import (QueryTemperature, check_attention_implementation, our_attention,
+                                                   prepare_attention)
 from eagle.model.target.backends.linear import real_rows_only
+from eagle.model.target.families import check_attention_known
 from eagle.model.target.kv_cache import TreeKVCache
+from eagle.model.target.model_call import ModelCall, check_tree_attention
 
 def eagle3_layer_ids(num_layers: int) -> list[int]:
     """Indices into HF ``output_hidden_states`` (entry i = input of layer i) that feed an EAGLE-3 head:
     ``[2, L // 2, L - 3]``, clamped to valid entries for tiny models (always three features)."""
     return [min(max(i, 0), num_layers) for i in (2, num_layers // 2, num_layers - 3)]
+
+
+def layer_types(config) -> list[str]:
+    """Each layer's attention type (transformers' ``config.layer_types`` names); a config without them has full
+    attention everywhere, or sliding-window attention everywhere when it sets ``sliding_window`` (Mistral)."""
+    types = getattr(config, "layer_types", None)
+    if types:
+        return list(types)
+    kind = "sliding_attention" if getattr(config, "sliding_window", None) is not None else "full_attention"
+    return [kind] * config.num_hidden_layers
 
 
 def check_target_model(model) -> None:
@@ -113,20 +128,20 @@ class Target:
     ``[-1]``, the final normed state), or None when no draft head reads them.
     """
 
-    def __init__(self, model, feature_layers: list[int] | None):
+    def __init__(self, model, feature_layers: list[int] | None, allow_unknown_attention: bool = False):
         check_target_model(model)
+        check_attention_known(model, allow_unknown_attention)
         self.model = model
         self.config = model.config.get_text_config()
         prepare_attention(self.config)
         self.feature_layers = feature_layers
         self.num_layers = self.config.num_hidden_layers
         self.window = getattr(self.config, "sliding_window", None)
-        layer_types = getattr(self.config, "layer_types", None) or []
-        self.mixed_layer_types = "sliding_attention" in layer_types and "full_attention" in layer_types
-        if layer_types:
-            self.all_sliding = all(t == "sliding_attention" for t in layer_types)
-        else:
-            self.all_sliding = self.window is not None
+        self.chunk = getattr(self.config, "attention_chunk_size", None)
+        self.layer_types = layer_types(self.config)
+        self.temperature = QueryTemperature(model)  # Llama 4's NoPE layers: query scales of the position
+        self.call = ModelCall(model)
+        self._slot_bytes: int | None = None
         self.device = model.get_input_embeddings().weight.device
         self.dtype = model.get_input_embeddings().weight.dtype
         # Lazy tree logits (see LazyLogits): on a CPU only (on an accelerator the whole tree's rows cost no more than
@@ -134,9 +149,22 @@ class Target:
         # out, and the first prefill checks it numerically (None until then).
         postprocessed = any(getattr(self.config, name, None) not in (None, 1, 1.0) for name in LOGIT_POSTPROCESSING)
         self._lazy_logits: bool | None = None if self.device.type == "cpu" and not postprocessed else False
+        if self.call.legacy and not allow_unknown_attention:
+            check_tree_attention(self)  # remote code of transformers 4: its 4-D mask convention is its own
+        self.slot_bytes()  # measured now, so that the first generation's memory check runs nothing
 
     def new_cache(self, capacity: int) -> TreeKVCache:
         return TreeKVCache(self.num_layers, capacity)
+
+    def slot_bytes(self) -> int:
+        """Bytes one row's cache holds per slot, over all layers: measured once, when the target is built, from
+        what the model writes for one token (MLA models cache a compressed latent, not heads x head_dim keys and
+        values)."""
+        if self._slot_bytes is None:
+            cache = self.new_cache(1)
+            self.forward(torch.zeros(1, 1, dtype=torch.long), cache, torch.zeros(1, dtype=torch.long), features=False)
+            self._slot_bytes = cache.slot_bytes()
+        return self._slot_bytes
 
     def attention_mask(self, past: int, position_ids: torch.Tensor, tree_mask: torch.Tensor | None,
                        valid: torch.Tensor | None = None, key_positions: torch.Tensor | None = None):
@@ -146,8 +174,9 @@ class Target:
         (``valid`` (B, past + T) bool says which slots, the new ones included, hold a row's real tokens; None = all
         of them); among new tokens it sees what ``tree_mask`` ((B, T, T) or (T, T)) allows (ancestors and itself),
         or causally when there is no tree, and always itself (so that a padding query attends to something).
-        Sliding-window layers also hide keys more than ``window`` positions back (``key_positions`` (B, past):
-        the positions of the committed slots, default ``0 .. past - 1``).
+        Sliding-window layers also hide keys ``window`` or more positions back, chunked layers keys of another
+        ``attention_chunk_size`` chunk of positions (``key_positions`` (B, past): the positions of the committed
+        slots, default ``0 .. past - 1``); when the layers differ, a dict {layer type: mask}.
         """
         position_ids = position_ids.to(self.device)
         if position_ids.dim() == 1:
@@ -163,17 +192,27 @@ class Target:
         if valid is not None:
             allowed = allowed & valid.to(device)[:, None, :]
             allowed[:, :, past:] |= torch.eye(length, dtype=torch.bool, device=device)
-        full = self._additive(allowed)
-        if self.window is None or not (self.all_sliding or self.mixed_layer_types):
-            return full
+        kinds = list(dict.fromkeys(self.layer_types))
+        if kinds == ["full_attention"]:
+            return self._additive(allowed)
         if key_positions is None:
             key_positions = torch.arange(past, device=device).expand(batch, past)
         key_positions = torch.cat([key_positions.to(device), position_ids], dim=1)
-        in_window = (position_ids[:, :, None] - key_positions[:, None, :]) < self.window
-        sliding = self._additive(allowed & in_window)
-        if self.mixed_layer_types:
-            return {"full_attention": full, "sliding_attention": sliding}
-        return sliding
+        masks = {kind: self._additive(self._within_reach(kind, allowed, position_ids, key_positions))
+                 for kind in kinds}
+        return masks[kinds[0]] if len(kinds) == 1 else masks
+
+    def _within_reach(self, kind: str, allowed: torch.Tensor, queries: torch.Tensor, keys: torch.Tensor):
+        """``allowed`` (B, T, K) narrowed to the keys (positions (B, K)) a query (positions (B, T)) of a ``kind``
+        layer reaches, as transformers' mask functions say: sliding windows ``q - k < window``, chunks
+        ``q // chunk == k // chunk`` (positions count from a row's first real token, as transformers counts them
+        past a left padding); full attention reaches every key."""
+        if kind == "sliding_attention" and self.window is not None:
+            return allowed & ((queries[:, :, None] - keys[:, None, :]) < self.window)
+        if kind == "chunked_attention" and self.chunk is not None:
+            return allowed & (torch.div(queries, self.chunk, rounding_mode="floor")[:, :, None]
+                              == torch.div(keys, self.chunk, rounding_mode="floor")[:, None, :])
+        return allowed
 
     def _additive(self, allowed: torch.Tensor) -> torch.Tensor:
         mask = torch.zeros(allowed.shape, dtype=self.dtype, device=allowed.device)
@@ -220,16 +259,11 @@ class Target:
         real = None if valid is None else valid[:, past:].to(self.device)  # (B, T): which new tokens are real
         if lazy and len(first_rows) == 1:
             real = None  # the LM head reads chosen positions, in any order: it must not take them for every token
-        with our_attention(self.config), real_rows_only(real):
-            outputs = self.model(
-                input_ids=input_ids.to(self.device),
-                attention_mask=mask,
-                position_ids=position_ids if position_ids.dim() == 2 else position_ids[None],
-                cache=cache,
-                use_cache=True,
-                output_hidden_states=features or lazy,
-                logits_to_keep=logits_to_keep,
-            )
+        position_ids = position_ids if position_ids.dim() == 2 else position_ids[None]
+        with our_attention(self.config, self.temperature, position_ids), real_rows_only(real):
+            outputs = self.call(self.model, input_ids=input_ids.to(self.device), attention_mask=mask,
+                                position_ids=position_ids, cache=cache, output_hidden_states=features or lazy,
+                                logits_to_keep=logits_to_keep)
         gathered = None
         if features:
             states = outputs.hidden_states

@@ -393,7 +393,7 @@ def device_name(device: torch.device) -> str:
 def cache_key(model, fixed: dict) -> str:
     paths = [os.path.abspath(p) if p and os.path.exists(p) else str(p)
              for p in (model.base_model_name_or_path, getattr(model, "ea_model_path", None))]
-    dtypes = (model.base_model.get_input_embeddings().weight.dtype, model.ea_layer.fc.weight.dtype)
+    dtypes = (model.base_model.get_input_embeddings().weight.dtype, model.ea_layer.weight.dtype)
     fixed_text = ",".join(f"{key}={fixed[key]}" for key in sorted(fixed))
     return (f"v{CACHE_VERSION} | {device_name(model.device)} | base {paths[0]} | head {paths[1]} | "
             f"{dtypes[0]}/{dtypes[1]} | fixed {fixed_text or '-'}")

@@ -12,19 +12,36 @@ in :data:`TRANSFORMERS_TOUCHES` and tested against the pinned transformers (``te
   ``set_attn_implementation`` walks every submodule, too slow around each forward) names :data:`TREE_SDPA` during
   our passes and ``"sdpa"`` again after them, so that the model's own ``generate`` and other callers see it as it was;
 - ``delegate``: ``transformers.integrations.sdpa_attention.sdpa_attention_forward`` (module path) computes
-  everything :func:`tree_sdpa_attention` does not handle itself.
+  everything :func:`tree_sdpa_attention` does not handle itself;
+- ``sdpa_support``: a model class's ``_supports_sdpa`` (private class attribute), read through
+  ``MODEL_FOR_CAUSAL_LM_MAPPING`` (or the config's ``auto_map`` for remote code) before loading, so that a family
+  transformers marks as not supporting SDPA (GPT-OSS: its attention sinks) loads with eager attention by default
+  (:func:`default_attention`);
+- ``query_temperature``: Llama-4's NoPE layers scale their queries by a temperature of the query position, which
+  the attention module computes from the cache length (``attn_temperature_tuning``, ``use_rope``,
+  ``floor_scale``, ``attn_scale``, attributes of ``Llama4TextAttention``). A tree node's cache slot is not its
+  position, so during our passes the module's own scaling is switched off and our attention function applies the
+  same formula to the positions the engine passes (:class:`QueryTemperature`);
+- ``module_eager``: the modeling module's own ``eager_attention_forward`` (module attribute), which our eager
+  entry point calls after that scaling (a family's eager function may differ from the generic one).
 """
 
 from __future__ import annotations
 
+import sys
 from contextlib import contextmanager
+from contextvars import ContextVar
 
+import torch
 import torch.nn.functional as F
 
 SUPPORTED_ATTENTION = ("sdpa", "eager")
-# Name under which tree_sdpa_attention is registered with transformers' AttentionInterface (when a Target is built,
-# not on import).
+# Names under which our attention functions are registered with transformers' AttentionInterface (when a Target is
+# built, not on import).
 TREE_SDPA = "eagle_tree_sdpa"
+TREE_EAGER = "eagle_tree_eager"
+# During one of our passes: (ids of the attention modules whose query temperature we apply, query positions (B, T)).
+_TEMPERATURE: ContextVar = ContextVar("eagle_query_temperature", default=None)
 
 
 def tree_sdpa_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None,
@@ -37,6 +54,7 @@ def tree_sdpa_attention(module, query, key, value, attention_mask, dropout=0.0, 
     the tests) without the copy (timings: docs/PERFORMANCE.md). Everything else goes to transformers' function
     unchanged.
     """
+    query = _tempered(module, query)
     grouped = getattr(module, "num_key_value_groups", 1) > 1
     plain = not any(kwargs.get(name) is not None for name in ("position_bias", "s_aux", "softcap"))
     if (grouped and plain and attention_mask is not None and query.shape[2] > 1 and query.device.type == "cpu"
@@ -50,11 +68,72 @@ def tree_sdpa_attention(module, query, key, value, attention_mask, dropout=0.0, 
                                   is_causal=is_causal, **kwargs)
 
 
+def tree_eager_attention(module, query, key, value, attention_mask, **kwargs):
+    """The model's own eager attention (its modeling module's ``eager_attention_forward``), after the query
+    temperature of :class:`QueryTemperature`; used only for eager models that need that temperature."""
+    eager = getattr(sys.modules[type(module).__module__], "eager_attention_forward")
+    return eager(module, _tempered(module, query), key, value, attention_mask, **kwargs)
+
+
 TRANSFORMERS_TOUCHES = {
     "register": "transformers.AttentionInterface.register / AttentionMaskInterface.register",
     "switch": "PretrainedConfig._attn_implementation_internal",
     "delegate": "transformers.integrations.sdpa_attention.sdpa_attention_forward",
+    "sdpa_support": "PreTrainedModel._supports_sdpa via MODEL_FOR_CAUSAL_LM_MAPPING / auto_map",
+    "query_temperature": "Llama4TextAttention.attn_temperature_tuning / use_rope / floor_scale / attn_scale",
+    "module_eager": "<modeling module>.eager_attention_forward",
 }
+
+
+def model_class(config, location: str | None = None, trust_remote_code: bool = False):
+    """The class ``AutoModelForCausalLM`` builds for ``config`` (remote code only when trusted), or None."""
+    from transformers import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    auto_map = getattr(config, "auto_map", None) or {}
+    if trust_remote_code and location is not None and "AutoModelForCausalLM" in auto_map:
+        from transformers.dynamic_module_utils import get_class_from_dynamic_module
+
+        return get_class_from_dynamic_module(auto_map["AutoModelForCausalLM"], location)
+    try:
+        return MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+    except KeyError:
+        return None
+
+
+def default_attention(model_cls) -> str:
+    """The attention implementation a model of ``model_cls`` gets by default: SDPA where transformers supports it
+    for the class, else eager (both honour our 4-D tree masks)."""
+    return "sdpa" if model_cls is None or getattr(model_cls, "_supports_sdpa", False) else "eager"
+
+
+class QueryTemperature:
+    """The attention modules of a model whose queries are scaled by a temperature of the query position (Llama-4's
+    NoPE layers: ``1 + attn_scale * log1p(floor((position + 1) / floor_scale))``). transformers computes the
+    position from the cache length, which for a draft-tree node or a left-padded row is its cache slot, not its
+    position; during our passes the modules' own scaling is off and :func:`tree_sdpa_attention` /
+    :func:`tree_eager_attention` apply the formula to the positions the engine passes."""
+
+    def __init__(self, model):
+        self.modules = [m for m in model.modules() if getattr(m, "attn_temperature_tuning", False)
+                        and not getattr(m, "use_rope", True) and hasattr(m, "floor_scale")]
+
+    def __bool__(self) -> bool:
+        return bool(self.modules)
+
+    @staticmethod
+    def scales(module, positions: torch.Tensor) -> torch.Tensor:
+        """positions (B, T) -> (B, 1, T, 1) float32 query scales, the formula of ``Llama4TextAttention``."""
+        scales = torch.log1p(torch.floor((positions.float() + 1.0) / module.floor_scale)) * module.attn_scale + 1.0
+        return scales[:, None, :, None]
+
+
+def _tempered(module, query):
+    """query (B, heads, T, head_dim), scaled by its position's temperature when ``module`` is one of the active
+    :class:`QueryTemperature` modules (as transformers does: in float32, cast back)."""
+    active = _TEMPERATURE.get()
+    if active is None or id(module) not in active[0]:
+        return query
+    return (query * QueryTemperature.scales(module, active[1].to(query.device))).to(query.dtype)
 
 
 def check_attention_implementation(model) -> None:
@@ -69,7 +148,7 @@ def check_attention_implementation(model) -> None:
 
 def prepare_attention(config) -> None:
     """Make our attention usable by a model of ``config`` (registered once, when a target is built)."""
-    if getattr(config, "_attn_implementation_internal", None) == "sdpa":
+    if getattr(config, "_attn_implementation_internal", None) in SUPPORTED_ATTENTION:
         register_tree_sdpa()
 
 
@@ -82,20 +161,34 @@ def register_tree_sdpa() -> None:
     if TREE_SDPA not in AttentionInterface():
         AttentionInterface.register(TREE_SDPA, tree_sdpa_attention)
         AttentionMaskInterface.register(TREE_SDPA, sdpa_mask)
+    if TREE_EAGER not in AttentionInterface():
+        from transformers.masking_utils import eager_mask
+
+        AttentionInterface.register(TREE_EAGER, tree_eager_attention)
+        AttentionMaskInterface.register(TREE_EAGER, eager_mask)
 
 
 @contextmanager
-def our_attention(config):
+def our_attention(config, temperature: QueryTemperature | None = None, positions: torch.Tensor | None = None):
     """While the target runs a forward pass for us (always with a prepared 4-D mask, which transformers passes
-    through as it is), its SDPA layers use :func:`tree_sdpa_attention` (registered by :class:`Target`); the model
-    is left as it was afterwards."""
-    if getattr(config, "_attn_implementation_internal", None) != "sdpa":
+    through as it is), its SDPA layers use :func:`tree_sdpa_attention` (registered by :class:`Target`), and the
+    modules of ``temperature`` (if any) scale their queries by ``positions`` ((B, T) query positions) instead of
+    their cache slots, under SDPA or eager attention; the model is left as it was afterwards."""
+    implementation = getattr(config, "_attn_implementation_internal", None)
+    ours = {"sdpa": TREE_SDPA, "eager": TREE_EAGER if temperature else None}.get(implementation)
+    if ours is None:
         yield
         return
-    config._attn_implementation_internal = TREE_SDPA
+    token = _TEMPERATURE.set((frozenset(map(id, temperature.modules)), positions) if temperature else None)
+    for module in temperature.modules if temperature else ():
+        module.attn_temperature_tuning = False
+    config._attn_implementation_internal = ours
     try:
         yield
     finally:
-        config._attn_implementation_internal = "sdpa"
+        config._attn_implementation_internal = implementation
+        for module in temperature.modules if temperature else ():
+            module.attn_temperature_tuning = True
+        _TEMPERATURE.reset(token)
 
 
