@@ -80,11 +80,18 @@ class GenerationRequest:
     accepted: int = 0
     done: bool = False
     mode: str = EAGLE  # how it was generated: EAGLE or PLAIN (set when its batch starts)
+    _finishing: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
-    def finish(self, reason: str | None = None, error: APIError | None = None, text: str = "") -> None:
-        self.done = True
+    def finish(self, reason: str | None = None, error: APIError | None = None, text: str = "") -> bool:
+        """Deliver the final update, once: False when the request had ended already (the worker and
+        :meth:`Scheduler.close` may both end it)."""
+        with self._finishing:
+            if self.done:
+                return False
+            self.done = True
         self.deliver(Update(text=text, finish_reason=reason, error=error, completion_tokens=self.completion_tokens,
                             steps=self.steps, accepted=self.accepted, mode=self.mode))
+        return True
 
 
 def _batch_key(params: GenerationParams) -> tuple | None:
@@ -188,18 +195,23 @@ class Scheduler:
         self._thread = threading.Thread(target=self._work, name="eagle-model-worker", daemon=True)
         self._thread.start()
 
-    def close(self, timeout: float = 30.0) -> None:
-        """Stop taking requests, cancel those waiting or running, and wait for the worker."""
+    def close(self, timeout: float = 30.0, message: str = "The server is shutting down.") -> bool:
+        """Stop taking requests, end those waiting or running at once with a 503 saying ``message`` (the running
+        ones are cancelled: their rows stop after the step in progress), and wait up to ``timeout`` seconds for
+        the worker; whether it has stopped."""
         with self._cond:
             self._closing = True
             waiting, self._waiting = list(self._waiting), collections.deque()
-            for request in self._running:
-                request.cancelled.set()
+            running = list(self._running)
             self._cond.notify_all()
-        for request in waiting:
-            request.finish(error=APIError(503, "The server is shutting down.", type="server_error"))
+        for request in waiting + running:
+            if request.finish(error=APIError(503, message, type="server_error")):  # before the cancellation, which
+                self.metrics.count("error")  # the worker would take for the client's and end without a word
+            request.cancelled.set()
         if self._thread is not None:
             self._thread.join(timeout)
+            return not self._thread.is_alive()
+        return True
 
     def submit(self, request: GenerationRequest) -> None:
         """Queue ``request``; :class:`APIError` 429 (with ``Retry-After``) when the queue is full."""
@@ -276,10 +288,9 @@ class Scheduler:
             with self._cond:
                 members = list(self._running)
             for request in members:
-                if not request.done:
+                if request.finish(error=APIError(500, f"Internal error during generation: {err}",
+                                                 type="server_error")):
                     self.metrics.count("error")
-                    request.finish(error=APIError(500, f"Internal error during generation: {err}",
-                                                  type="server_error"))
         finally:
             with self.metrics.lock:
                 self.metrics.busy_seconds += time.perf_counter() - start
@@ -331,17 +342,18 @@ class Scheduler:
 
     def _join(self, running, rows: dict, request: GenerationRequest, use_eagle: bool) -> None:
         """Add ``request`` to the engine's running batch (it joins at the next step)."""
-        if request.cancelled.is_set():
-            self.metrics.count("cancelled")
-            request.done = True
+        if request.done or request.cancelled.is_set():
+            if not request.done:
+                self.metrics.count("cancelled")
+                request.done = True
             return
         try:
             (row,) = running.add(torch.tensor(request.prompt_ids, dtype=torch.long),
                                  max_new_tokens=request.params.max_new_tokens)
         except Exception as err:  # noqa: BLE001 - this request fails (a cache that does not fit), the batch goes on
             logger.exception("a request could not join the batch")
-            self.metrics.count("error")
-            request.finish(error=APIError(500, f"Internal error: {err}", type="server_error"))
+            if request.finish(error=APIError(500, f"Internal error: {err}", type="server_error")):
+                self.metrics.count("error")
             return
         request.mode = EAGLE if use_eagle else PLAIN
         rows[row] = request
@@ -377,6 +389,7 @@ class Scheduler:
                 if _batch_key(self._waiting[0].params) != key:
                     break
                 joining.append(self._waiting.popleft())
+            self._running.extend(joining)  # running from now on, for close() to end them too
             return joining
 
     def _one_request_steps(self, request: GenerationRequest) -> Iterator[tuple[GenerationRequest, object]]:
@@ -441,7 +454,7 @@ class Scheduler:
         self._finish(request, "stop" if ended_by_stop_token or request.text.stopped else "length", text)
 
     def _finish(self, request: GenerationRequest, reason: str, text: str) -> None:
-        with self.metrics.lock:
-            self.metrics.prompt_tokens += len(request.prompt_ids)
-        self.metrics.count("ok")
-        request.finish(reason, text=text)
+        if request.finish(reason, text=text):
+            with self.metrics.lock:
+                self.metrics.prompt_tokens += len(request.prompt_ids)
+            self.metrics.count("ok")
