@@ -32,8 +32,8 @@ WAIT_S = 60  # upper bound of any single wait in these tests
 
 
 class ControlledModel:
-    """The wrapped ``EaModel`` with hooks in its running batches (``continuous_batch``; ``generate_steps`` for an
-    engine of one sequence at a time): while ``gate`` is cleared the worker waits before each step; a prompt
+    """The wrapped ``EaModel`` with hooks in its running batches (``continuous_batch``): while ``gate`` is cleared
+    the worker waits before each step; a prompt
     containing ``fail_token`` makes the engine raise at its next step. Counts the steps run and records, for each
     running batch, how many requests were added at each step boundary (``batches``)."""
 
@@ -51,20 +51,6 @@ class ControlledModel:
 
     def continuous_batch(self, **kwargs):
         return ControlledBatch(self, self._model.continuous_batch(**kwargs))
-
-    def generate_steps(self, input_ids, **kwargs):
-        if self.fail_token is not None and self.fail_token in input_ids[0].tolist():
-            raise RuntimeError("simulated engine failure")
-        return self._gated(self._model.generate_steps(input_ids, **kwargs))
-
-    def _gated(self, inner):
-        try:
-            for step in inner:
-                assert self.gate.wait(WAIT_S), "the test never opened the gate"
-                self.steps_run += 1
-                yield step
-        finally:
-            inner.close()
 
 
 class ControlledBatch:
@@ -95,7 +81,7 @@ class ControlledBatch:
             if self.failing:
                 raise RuntimeError("simulated engine failure")
             self.owner.steps_run += 1
-            self.owner.rows_per_step.append(len(step))
+            self.owner.rows_per_step.append(sum(part.finish_reason != "cancelled" for part in step.values()))
             self.steps += 1
             yield step
 

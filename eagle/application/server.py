@@ -28,7 +28,7 @@ import uvicorn
 from .. import cli
 from .prompts import MODEL_TYPES
 from .request_guard import ANY_HOST, WILDCARD_HOSTS, allowed_hosts
-from .scheduler import Scheduler
+from .worker import ModelWorker
 from .server_app import DEFAULT_MAX_BODY_BYTES, ServerSettings, build_app
 
 logger = logging.getLogger(__name__)
@@ -59,22 +59,19 @@ def create_app(model, served_model_name: str = "eagle", api_key: str | None = No
     ``max_body_bytes``: larger request bodies get 413; ``api_docs``: serve ``/openapi.json``, ``/docs`` and
     ``/redoc`` (behind ``api_key``). The model worker starts when the app starts (uvicorn's lifespan) and stops with
     it."""
-    from .streaming import _position_limit
-
-    max_length = min(max_length, _position_limit(model) or max_length)
-    scheduler = Scheduler(model, max_queue=max_queue, max_batch_size=max_batch_size, max_length=max_length,
-                          use_eagle=use_eagle, eagle_max_batch_size=eagle_max_batch_size,
-                          is_llama3=MODEL_TYPES[model_type].is_llama3 if model_type else False)
+    worker = ModelWorker(model, max_queue=max_queue, max_batch_size=max_batch_size, max_length=max_length,
+                         use_eagle=use_eagle, eagle_max_batch_size=eagle_max_batch_size,
+                         is_llama3=MODEL_TYPES[model_type].is_llama3 if model_type else False)
     settings = ServerSettings(served_model_name=served_model_name, api_key=api_key, model_type=model_type,
                               default_max_tokens=default_max_tokens,
                               allowed_hosts=allowed_hosts(bind_host, extra_allowed_hosts),
                               max_body_bytes=max_body_bytes, api_docs=api_docs)
-    return build_app(model, scheduler, settings)
+    return build_app(model, worker, settings)
 
 
 class DeadlineServer(uvicorn.Server):
     """uvicorn's server, with a deadline for its graceful shutdown: ``shutdown_timeout`` seconds after the shutdown
-    starts (a signal, or ``should_exit``), the requests the app's scheduler still has end with a 503 (streams: an
+    starts (a signal, or ``should_exit``), the requests the app's worker still has end with a 503 (streams: an
     error event); :data:`SHUTDOWN_WRITE_MARGIN_S` later uvicorn closes the connections left. (uvicorn's own
     ``timeout_graceful_shutdown`` only cancels the request tasks: the model would go on generating, and the
     clients would get a closed connection without a word.)"""
@@ -93,11 +90,11 @@ class DeadlineServer(uvicorn.Server):
 
     def end_requests(self) -> None:
         """The deadline: end every request still waiting or running with a 503."""
-        scheduler = self.app.state.scheduler
-        if scheduler.running() or scheduler.queue_depth():
+        worker = self.app.state.worker
+        if worker.running() or worker.queue_depth():
             logger.warning("shutdown deadline (%g s) passed: ending %d running and %d waiting requests",
-                           self.shutdown_timeout, scheduler.running(), scheduler.queue_depth())
-        scheduler.close(timeout=0, message=f"The server is shutting down: the request did not finish within the "
+                           self.shutdown_timeout, worker.running(), worker.queue_depth())
+        worker.close(timeout=0, message=f"The server is shutting down: the request did not finish within the "
                         f"shutdown deadline ({self.shutdown_timeout:g} s) and was ended before its answer was "
                         "complete. Retry it on a running server.")
 
@@ -225,13 +222,6 @@ def add_safety_arguments(parser: argparse.ArgumentParser) -> None:
                         "default")
 
 
-def warm_up(model, use_eagle: bool) -> None:
-    """One short generation, so that the first client does not wait for lazy initialisation."""
-    ids = model.tokenizer("Hello", return_tensors="pt")["input_ids"]
-    for _ in model.generate_steps(ids, max_new_tokens=8, use_eagle=use_eagle):
-        pass
-
-
 def main(argv: list[str] | None = None) -> None:
     """Parse flags, load the model and serve until interrupted (SIGTERM / SIGINT: exit status 0 after the
     shutdown, see the module docstring)."""
@@ -239,14 +229,15 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     name = args.served_model_name or default_served_name(args.base_model_path)  # before the paths are filled in
     model = load_model(args)  # exits with the reason when the model cannot be loaded
-    if not args.no_warmup:
-        warm_up(model, use_eagle=not args.no_eagle)
     app = create_app(model, served_model_name=name, api_key=args.api_key, model_type=args.model_type,
                      use_eagle=not args.no_eagle, max_length=args.max_length, default_max_tokens=args.max_new_tokens,
                      max_queue=args.max_queue, max_batch_size=args.max_batch_size,
                      eagle_max_batch_size=args.eagle_max_batch_size, bind_host=args.host,
                      extra_allowed_hosts=args.allowed_host, max_body_bytes=args.max_body_bytes,
                      api_docs=args.api_docs)
+    if not args.no_warmup:  # through the worker, on the thread that will serve (the app's lifespan keeps it)
+        app.state.worker.start()
+        app.state.worker.warm_up()
     if args.host not in ("127.0.0.1", "localhost", "::1"):
         logger.warning("serving on %s: anyone who can reach this address can use the model%s", args.host,
                        "" if args.api_key else " (no --api-key set)")

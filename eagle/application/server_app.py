@@ -5,7 +5,7 @@ Endpoints: ``GET /v1/models``, ``POST /v1/chat/completions``, ``POST /v1/complet
 ``/v1``). Every request first passes :class:`~eagle.application.request_guard.RequestGuard` (its ``Host``, its
 ``Content-Type``, its size). A body is parsed, validated and its prompt tokenized in a worker thread, off the event
 loop, so that a large one does not stall the other clients. Generation runs in the
-:class:`~eagle.application.scheduler.Scheduler`'s worker thread; each request gets its text through an asyncio
+:class:`~eagle.application.worker.ModelWorker`'s thread; each request gets its text through an asyncio
 queue fed from that thread. Requests, answers and errors follow the OpenAI API (see
 :mod:`eagle.application.openai_schema`).
 """
@@ -32,7 +32,7 @@ from . import openai_schema as schema
 from .openai_schema import APIError, ChatCompletionRequest, CompletionRequest
 from .request_guard import RequestGuard, allowed_hosts
 from .request_prompts import PromptEncoder, chat_prompt_ids  # noqa: F401  (chat_prompt_ids: this module's name)
-from .scheduler import GenerationParams, GenerationRequest, Scheduler, Update
+from .worker import GenerationParams, Job, ModelWorker, Update
 from .text_stream import TextStream
 
 logger = logging.getLogger(__name__)
@@ -109,28 +109,28 @@ def _mailbox(state) -> _Mailbox:
     return mailbox
 
 
-def build_app(model, scheduler: Scheduler, settings: ServerSettings) -> FastAPI:
-    """The app. The scheduler's worker starts with the app (lifespan) and stops with it."""
+def build_app(model, worker: ModelWorker, settings: ServerSettings) -> FastAPI:
+    """The app. The serving worker starts with the app (lifespan; already started is fine) and stops with it."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         app.state.prepare_pool = ThreadPoolExecutor(PREPARE_THREADS, thread_name_prefix="eagle-prepare")
         app.state.worker_stopped = False
-        scheduler.start()
+        worker.start()
         try:
             yield
         finally:
             app.state.prepare_pool.shutdown(wait=False, cancel_futures=True)
-            app.state.worker_stopped = scheduler.close(timeout=WORKER_EXIT_WAIT_S)
+            app.state.worker_stopped = worker.close(timeout=WORKER_EXIT_WAIT_S)
             if not app.state.worker_stopped:
                 logger.warning("the model worker is still inside a step; not waiting for it")
 
     app = FastAPI(title="eagle OpenAI-compatible server", lifespan=lifespan, docs_url=None, redoc_url=None,
                   openapi_url=None)
-    app.state.scheduler, app.state.settings, app.state.model = scheduler, settings, model
+    app.state.worker, app.state.settings, app.state.model = worker, settings, model
     app.add_middleware(RequestGuard, allowed=settings.allowed_hosts, max_body_bytes=settings.max_body_bytes)
     _add_error_handlers(app)
-    _add_routes(app, model, scheduler, settings)
+    _add_routes(app, model, worker, settings)
     return app
 
 
@@ -160,9 +160,9 @@ def _bearer_token(header: str) -> str | None:
     return token.strip()
 
 
-def _add_routes(app: FastAPI, model, scheduler: Scheduler, settings: ServerSettings) -> None:
+def _add_routes(app: FastAPI, model, worker: ModelWorker, settings: ServerSettings) -> None:
     name = settings.served_model_name
-    prompts = PromptEncoder(model, settings.model_type, scheduler.max_length)
+    prompts = PromptEncoder(model, settings.model_type, worker.max_length)
 
     async def authenticate(request: Request) -> None:
         if settings.api_key:
@@ -179,12 +179,12 @@ def _add_routes(app: FastAPI, model, scheduler: Scheduler, settings: ServerSetti
 
     @app.get("/health")
     async def health():
-        return {"status": "ok", "model": name, "mode": scheduler.mode, "queue_depth": scheduler.queue_depth(),
-                "running": scheduler.running()}
+        return {"status": "ok", "model": name, "mode": worker.mode, "queue_depth": worker.queue_depth(),
+                "running": worker.running()}
 
     @app.get("/metrics")
     async def metrics():
-        return PlainTextResponse(scheduler.render_metrics(), media_type="text/plain; version=0.0.4")
+        return PlainTextResponse(worker.render_metrics(), media_type="text/plain; version=0.0.4")
 
     def prepare_chat(raw: bytes) -> tuple[ChatCompletionRequest, list[int]]:
         body = schema.parse_request(ChatCompletionRequest, raw)
@@ -200,14 +200,14 @@ def _add_routes(app: FastAPI, model, scheduler: Scheduler, settings: ServerSetti
     async def chat_completions(request: Request):
         body, prompt_ids = await _off_loop(request, prepare_chat, await request.body())
         budget = body.max_completion_tokens or body.max_tokens
-        return await _answer(request, body, prompt_ids, budget, chat=True, model=model, scheduler=scheduler,
+        return await _answer(request, body, prompt_ids, budget, chat=True, model=model, worker=worker,
                              settings=settings)
 
     @api.post("/completions")
     async def completions(request: Request):
         body, prompt_ids = await _off_loop(request, prepare_completion, await request.body())
         return await _answer(request, body, prompt_ids, body.max_tokens, chat=False, model=model,
-                             scheduler=scheduler, settings=settings)
+                             worker=worker, settings=settings)
 
     app.include_router(api)
     if settings.api_docs:
@@ -261,19 +261,19 @@ def _params(body: schema.SamplingRequest, budget: int | None, prompt_length: int
 
 
 async def _answer(request: Request, body: schema.SamplingRequest, prompt_ids: list[int], budget: int | None,
-                  chat: bool, model, scheduler: Scheduler, settings: ServerSettings):
-    params = _params(body, budget, len(prompt_ids), scheduler.max_length, settings)
+                  chat: bool, model, worker: ModelWorker, settings: ServerSettings):
+    params = _params(body, budget, len(prompt_ids), worker.max_length, settings)
     channel = _Channel(_mailbox(request.app.state))
-    job = GenerationRequest(prompt_ids=prompt_ids, params=params, deliver=channel.deliver,
+    job = Job(prompt_ids=prompt_ids, params=params, deliver=channel.deliver,
                             text=TextStream(model.tokenizer, params.stop))
-    scheduler.submit(job)  # 429 when the queue is full, before any answer starts
+    worker.submit(job)  # 429 when the queue is full, before any answer starts
     answer = _Answer(("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex, settings.served_model_name,
                      int(time.time()), chat, len(prompt_ids))
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return StreamingResponse(_stream(answer, job, channel, scheduler, include_usage),
+        return StreamingResponse(_stream(answer, job, channel, worker, include_usage),
                                  media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-    return await _collect(request, answer, job, channel, scheduler)
+    return await _collect(request, answer, job, channel, worker)
 
 
 @dataclass
@@ -309,8 +309,8 @@ class _Answer:
         return schema.chat_chunk(self.id, self.model, self.created, delta, finish_reason, usage_, eagle)
 
 
-async def _collect(request: Request, answer: _Answer, job: GenerationRequest, channel: _Channel,
-                   scheduler: Scheduler):
+async def _collect(request: Request, answer: _Answer, job: Job, channel: _Channel,
+                   worker: ModelWorker):
     """Wait for the whole answer; cancel it if the client goes away meanwhile."""
     parts = []
     try:
@@ -329,10 +329,10 @@ async def _collect(request: Request, answer: _Answer, job: GenerationRequest, ch
                 return answer.whole("".join(parts), update)
     finally:
         if not job.done:
-            scheduler.cancel(job)
+            worker.cancel(job)
 
 
-async def _stream(answer: _Answer, job: GenerationRequest, channel: _Channel, scheduler: Scheduler,
+async def _stream(answer: _Answer, job: Job, channel: _Channel, worker: ModelWorker,
                   include_usage: bool):
     """Server-sent events: a first chunk (the role), text deltas, a last chunk with the finish reason, the usage
     chunk when asked for, then ``[DONE]``. A client that goes away cancels the generation."""
@@ -354,4 +354,4 @@ async def _stream(answer: _Answer, job: GenerationRequest, channel: _Channel, sc
     finally:
         if not job.done:
             logger.info("client of %s went away; request cancelled", answer.id)
-            scheduler.cancel(job)
+            worker.cancel(job)
