@@ -66,11 +66,9 @@ Isa pick_isa(c10::string_view requested) {
 }
 
 struct Kernels {
-  void (*scores)(const float*, int64_t, int, kern::Rows, const int32_t*, int64_t, const kern::ScoreParams&, float*,
-                 int64_t);
+  void (*scores)(const kern::QueryJob*, int, int, int64_t, kern::Rows, const kern::ScoreParams&);
   float (*weights)(float*, int64_t, const float*);
-  void (*values)(const float*, int64_t, int, const float*, kern::Rows, const int32_t*, int64_t, int64_t, float*,
-                 int64_t);
+  void (*values)(const kern::QueryJob*, int, int, kern::Rows, int64_t);
 };
 
 Kernels kernels_for(Isa isa) {
@@ -96,6 +94,7 @@ struct Problem {
   const float* sinks;  // (q_heads,) or nullptr
   kern::ScoreParams score;
   float* out;  // (batch, queries, q_heads, value_dim), contiguous
+  int64_t query_blocks;  // the queries of one (batch row, key/value head) are split into this many chunks
 };
 
 // Refuses a visible-key list that is not strictly ascending within [0, slots) before anything reads through it.
@@ -110,32 +109,62 @@ void check_visible(const int32_t* idx, int64_t n, int64_t slots, int64_t b, int6
   }
 }
 
+// The queries [t0, t1) of one chunk (queries of a block share the key rows they have in common).
+void query_range(const Problem& P, int64_t block, int64_t* t0, int64_t* t1) {
+  *t0 = block * P.queries / P.query_blocks;
+  *t1 = (block + 1) * P.queries / P.query_blocks;
+}
+
+// One chunk: a block of queries of batch row b, the query heads of key/value head g.
 void run_chunk(const Problem& P, const Kernels& K, int64_t chunk) {
-  const int64_t t = chunk % P.queries;
-  const int64_t g = (chunk / P.queries) % P.kv_heads;
-  const int64_t b = chunk / (P.queries * P.kv_heads);
-  const int64_t row = (P.mask_batch == 1 ? 0 : b) * P.queries + t;
-  const int64_t begin = P.offsets[row], n = P.offsets[row + 1] - begin;
-  const int32_t* idx = P.indices + begin;
-  check_visible(idx, n, P.slots, b, t);
+  const int64_t block = chunk % P.query_blocks;
+  const int64_t g = (chunk / P.query_blocks) % P.kv_heads;
+  const int64_t b = chunk / (P.query_blocks * P.kv_heads);
   const int group = static_cast<int>(P.q_heads / P.kv_heads);
   const int64_t head0 = g * group;
-  float* out = P.out + ((b * P.queries + t) * P.q_heads + head0) * P.value_dim;
-  if (n == 0) {  // nothing visible: zeros (the sink, if any, takes the whole weight)
-    std::fill(out, out + group * P.value_dim, 0.0f);
-    return;
+  int64_t t0, t1;
+  query_range(P, block, &t0, &t1);
+  kern::QueryJob jobs[kern::kMaxJobs];
+  int count = 0;
+  int64_t floats = 0;
+  for (int64_t t = t0; t < t1; ++t) {
+    const int64_t row = (P.mask_batch == 1 ? 0 : b) * P.queries + t;
+    const int64_t begin = P.offsets[row], n = P.offsets[row + 1] - begin;
+    check_visible(P.indices + begin, n, P.slots, b, t);
+    float* out = P.out + ((b * P.queries + t) * P.q_heads + head0) * P.value_dim;
+    if (n == 0) {  // nothing visible: zeros (the sink, if any, takes the whole weight)
+      std::fill(out, out + group * P.value_dim, 0.0f);
+      continue;
+    }
+    const int64_t stride = (n + 15) / 16 * 16;
+    const float* q = P.q + b * P.q_stride[0] + head0 * P.q_stride[1] + t * P.q_stride[2];
+    jobs[count++] = {q, P.indices + begin, n, nullptr, stride, nullptr, out};
+    floats += group * (stride + 1);
   }
-  const int64_t stride = (n + 15) / 16 * 16;
-  thread_local std::vector<float> scratch;
-  scratch.resize(static_cast<size_t>(group) * (stride + 1));
-  float* p = scratch.data();
-  float* l = p + group * stride;
+  thread_local std::vector<float> scratch;  // per job: scores (heads x stride), then l (heads)
+  scratch.resize(static_cast<size_t>(floats));
+  float* next = scratch.data();
+  for (int j = 0; j < count; ++j) {
+    jobs[j].s = next;
+    jobs[j].l = next + group * jobs[j].s_stride;
+    next += group * (jobs[j].s_stride + 1);
+  }
   const kern::Rows keys{P.k + b * P.k_stride[0] + g * P.k_stride[1], P.k_stride[2]};
   const kern::Rows vals{P.v + b * P.v_stride[0] + g * P.v_stride[1], P.v_stride[2]};
-  const float* q = P.q + b * P.q_stride[0] + head0 * P.q_stride[1] + t * P.q_stride[2];
-  K.scores(q, P.q_stride[1], group, keys, idx, n, P.score, p, stride);
-  for (int h = 0; h < group; ++h) l[h] = K.weights(p + h * stride, n, P.sinks ? P.sinks + head0 + h : nullptr);
-  K.values(p, stride, group, l, vals, idx, n, P.value_dim, out, P.value_dim);
+  K.scores(jobs, count, group, P.q_stride[1], keys, P.score);
+  for (int j = 0; j < count; ++j)
+    for (int h = 0; h < group; ++h)
+      jobs[j].l[h] = K.weights(jobs[j].s + h * jobs[j].s_stride, jobs[j].n, P.sinks ? P.sinks + head0 + h : nullptr);
+  K.values(jobs, count, group, vals, P.value_dim);
+}
+
+// How many chunks the queries of one (batch row, key/value head) form: at most kMaxJobs queries each, and enough
+// chunks to keep the threads busy. (The split never changes the bits: a query's arithmetic is the same in any.)
+int64_t query_blocks(int64_t batch, int64_t kv_heads, int64_t queries) {
+  const int64_t threads = at::get_num_threads();
+  int64_t blocks = (queries + kern::kMaxJobs - 1) / kern::kMaxJobs;
+  const int64_t wanted = (2 * threads + batch * kv_heads - 1) / (batch * kv_heads);
+  return std::min(queries, std::max(blocks, wanted));
 }
 
 void check_tensor(const at::Tensor& x, const char* name, at::ScalarType dtype, int64_t dim, const char* layout) {
@@ -206,9 +235,9 @@ at::Tensor tree_attention(const at::Tensor& q_in, const at::Tensor& k_in, const 
             mask_batch, B, T, Hq, Hkv, S, Dv,
             sinks.defined() ? sinks.data_ptr<float>() : nullptr,
             {D, static_cast<float>(scale), softcap.has_value(), static_cast<float>(softcap.value_or(1.0))},
-            out.data_ptr<float>()};
+            out.data_ptr<float>(), query_blocks(B, Hkv, T)};
   const Kernels K = kernels_for(pick_isa(isa));
-  const int64_t chunks = B * Hkv * T;
+  const int64_t chunks = B * Hkv * P.query_blocks;
   // Below ~this many multiply-adds, waking a second thread costs more than it saves (threads never change bits).
   constexpr int64_t kSerialWork = 1 << 15;
   if (indices.numel() * (B / mask_batch) * Hq * (D + Dv) < kSerialWork) {

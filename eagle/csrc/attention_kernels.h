@@ -36,6 +36,20 @@ struct ScoreParams {
   float softcap;
 };
 
+// One query of a chunk: its heads' q rows (head h at q + h * q_stride), its visible keys, where its scores go (head
+// h's at s + h * s_stride).
+struct QueryJob {
+  const float* q;
+  const int32_t* idx;
+  int64_t n;
+  float* s;         // scores, then weights
+  int64_t s_stride;
+  float* l;         // (heads,) softmax denominators
+  float* out;       // head h's output row at out + h * value_dim
+};
+
+constexpr int kMaxJobs = 16;  // queries per chunk at most
+
 // Up to this many query heads of a group accumulate their weighted values from one load of each value row.
 constexpr int kHeadsPerPass = 4;
 
@@ -63,6 +77,10 @@ inline void scores(const float* q, int64_t q_stride, int heads, Rows keys, const
       s[h * s_stride + i] = p.has_softcap ? m::scalar::softcap(score, p.softcap) : score;
     }
   }
+}
+
+inline void scores(const QueryJob* jobs, int count, int heads, int64_t q_stride, Rows keys, const ScoreParams& p) {
+  for (int j = 0; j < count; ++j) scores(jobs[j].q, q_stride, heads, keys, jobs[j].idx, jobs[j].n, p, jobs[j].s, jobs[j].s_stride);
 }
 
 // Turns s[0..n) (n >= 1) into p_i = exp(s_i - m) in place; returns l.
@@ -97,36 +115,176 @@ inline void values(const float* p, int64_t p_stride, int heads, const float* l, 
     for (int64_t d = 0; d < value_dim; ++d) out[h * out_stride + d] = acc[h * value_dim + d] / l[h];
 }
 
+inline void values(const QueryJob* jobs, int count, int heads, Rows vals, int64_t value_dim) {
+  for (int j = 0; j < count; ++j)
+    values(jobs[j].s, jobs[j].s_stride, heads, jobs[j].l, vals, jobs[j].idx, jobs[j].n, value_dim, jobs[j].out,
+           value_dim);
+}
+
 }  // namespace scalar
 
 #ifdef EAGLE_ATTENTION_X86
 namespace avx512 {
 
-// 16 visible keys at a time, every head on one block while its key rows are in L1 (a partial last block repeats
-// its last key and keeps only the real scores).
-EAGLE_TARGET_AVX512 inline void scores(const float* q, int64_t q_stride, int heads, Rows keys, const int32_t* idx,
-                                       int64_t n, const ScoreParams& p, float* s, int64_t s_stride) {
+// Scores come 16 visible keys (a block) at a time. A partial last block repeats its last key and keeps only the
+// real scores. Two ways compute a block's scores, with identical bits (the same FMAs per lane, the same tree16):
+//   - "horizontal": per (query, head), 16 accumulators (one per key, lanes l = d mod 16), reduced by
+//     tree16_transposed: best for few query heads on a block;
+//   - "transposed": the block's rows transposed once (lanes = keys), then per (query, head) 16 accumulators (one per
+//     l) and tree16 as vertical adds: no shuffles per head, best when many query heads share the block (the queries
+//     of a verification tree share the committed prefix).
+// CH > 0: head_dim is 16 CH (full vectors); CH == 0: any head_dim (the last chunk masked, zeros beyond head_dim).
+
+template <int CH>
+EAGLE_TARGET_AVX512 inline __m512 finish_block(__m512 sums, const ScoreParams& p) {
+  __m512 block = _mm512_mul_ps(sums, _mm512_set1_ps(p.scale));
+  return p.has_softcap ? attention_math::avx512::softcap(block, p.softcap) : block;
+}
+
+template <int CH>
+EAGLE_TARGET_AVX512 inline void block_horizontal(const float* q, int64_t q_stride, int heads,
+                                                 const float* const* rows, const ScoreParams& p, float* s,
+                                                 int64_t s_stride, __mmask16 store) {
   namespace m = attention_math;
-  const int64_t chunks = (p.head_dim + 15) / 16;
-  const __mmask16 tail = m::avx512::first_lanes(p.head_dim - (chunks - 1) * 16);
-  for (int64_t i0 = 0; i0 < n; i0 += 16) {
-    const float* rows[16];
-    for (int j = 0; j < 16; ++j) rows[j] = keys.row(idx[std::min<int64_t>(i0 + j, n - 1)]);
-    const __mmask16 store = m::avx512::first_lanes(n - i0);
-    for (int h = 0; h < heads; ++h) {
-      const float* qh = q + h * q_stride;
-      __m512 acc[16];
-      for (int j = 0; j < 16; ++j) acc[j] = _mm512_setzero_ps();
-      for (int64_t c = 0; c < chunks; ++c) {
+  const int64_t chunks = CH ? CH : (p.head_dim + 15) / 16;
+  const __mmask16 tail = CH ? static_cast<__mmask16>(0xFFFF) : m::avx512::first_lanes(p.head_dim - (chunks - 1) * 16);
+  for (int h = 0; h < heads; ++h) {
+    const float* qh = q + h * q_stride;
+    __m512 acc[16];
+    for (int j = 0; j < 16; ++j) acc[j] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < chunks; ++c) {
+      if (CH) {
+        const __m512 qc = _mm512_loadu_ps(qh + c * 16);
+        for (int j = 0; j < 16; ++j) acc[j] = _mm512_fmadd_ps(qc, _mm512_loadu_ps(rows[j] + c * 16), acc[j]);
+      } else {
         const __mmask16 lanes = c == chunks - 1 ? tail : static_cast<__mmask16>(0xFFFF);
         const __m512 qc = _mm512_maskz_loadu_ps(lanes, qh + c * 16);
         for (int j = 0; j < 16; ++j)
           acc[j] = _mm512_fmadd_ps(qc, _mm512_maskz_loadu_ps(lanes, rows[j] + c * 16), acc[j]);
       }
-      __m512 block = _mm512_mul_ps(m::avx512::tree16_transposed(acc), _mm512_set1_ps(p.scale));
-      if (p.has_softcap) block = m::avx512::softcap(block, p.softcap);
-      _mm512_mask_storeu_ps(s + h * s_stride + i0, store, block);
     }
+    _mm512_mask_storeu_ps(s + h * s_stride, store, finish_block<CH>(m::avx512::tree16_transposed(acc), p));
+  }
+}
+
+// r[j] = 16 floats of key j  ->  r[l] = element l of the 16 keys (lane j = key j).
+EAGLE_TARGET_AVX512 inline void transpose16(__m512* r) {
+  __m512 t[16];
+  for (int j = 0; j < 8; ++j) {
+    t[2 * j] = _mm512_unpacklo_ps(r[2 * j], r[2 * j + 1]);
+    t[2 * j + 1] = _mm512_unpackhi_ps(r[2 * j], r[2 * j + 1]);
+  }
+  for (int j = 0; j < 4; ++j) {
+    r[4 * j + 0] = _mm512_shuffle_ps(t[4 * j + 0], t[4 * j + 2], _MM_SHUFFLE(1, 0, 1, 0));
+    r[4 * j + 1] = _mm512_shuffle_ps(t[4 * j + 0], t[4 * j + 2], _MM_SHUFFLE(3, 2, 3, 2));
+    r[4 * j + 2] = _mm512_shuffle_ps(t[4 * j + 1], t[4 * j + 3], _MM_SHUFFLE(1, 0, 1, 0));
+    r[4 * j + 3] = _mm512_shuffle_ps(t[4 * j + 1], t[4 * j + 3], _MM_SHUFFLE(3, 2, 3, 2));
+  }
+  for (int j = 0; j < 4; ++j) {
+    t[j] = _mm512_shuffle_f32x4(r[j], r[4 + j], 0x88);
+    t[4 + j] = _mm512_shuffle_f32x4(r[j], r[4 + j], 0xDD);
+    t[8 + j] = _mm512_shuffle_f32x4(r[8 + j], r[12 + j], 0x88);
+    t[12 + j] = _mm512_shuffle_f32x4(r[8 + j], r[12 + j], 0xDD);
+  }
+  for (int j = 0; j < 4; ++j) {
+    r[j] = _mm512_shuffle_f32x4(t[j], t[8 + j], 0x88);
+    r[8 + j] = _mm512_shuffle_f32x4(t[j], t[8 + j], 0xDD);
+    r[4 + j] = _mm512_shuffle_f32x4(t[4 + j], t[12 + j], 0x88);
+    r[12 + j] = _mm512_shuffle_f32x4(t[4 + j], t[12 + j], 0xDD);
+  }
+}
+
+// kt[16 c + l] = element 16 c + l of the block's 16 keys (zero beyond head_dim).
+template <int CH>
+EAGLE_TARGET_AVX512 inline void transpose_block(const float* const* rows, const ScoreParams& p, __m512* kt) {
+  namespace m = attention_math;
+  const int64_t chunks = CH ? CH : (p.head_dim + 15) / 16;
+  for (int64_t c = 0; c < chunks; ++c) {
+    const __mmask16 lanes = CH ? static_cast<__mmask16>(0xFFFF) : m::avx512::first_lanes(p.head_dim - c * 16);
+    __m512* r = kt + c * 16;
+    for (int j = 0; j < 16; ++j) r[j] = _mm512_maskz_loadu_ps(lanes, rows[j] + c * 16);
+    transpose16(r);
+  }
+}
+
+template <int CH>
+EAGLE_TARGET_AVX512 inline void block_transposed(const float* q, const __m512* kt, const ScoreParams& p, float* s,
+                                                 __mmask16 store) {
+  const int64_t chunks = CH ? CH : (p.head_dim + 15) / 16;
+  __m512 x[16];
+  for (int l = 0; l < 16; ++l) x[l] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < chunks; ++c) {
+    for (int l = 0; l < 16; ++l) {
+      const int64_t d = c * 16 + l;
+      const float qd = (CH || d < p.head_dim) ? q[d] : 0.0f;
+      x[l] = _mm512_fmadd_ps(_mm512_set1_ps(qd), kt[d], x[l]);
+    }
+  }
+  for (int l = 0; l < 8; ++l) x[l] = _mm512_add_ps(x[l], x[l + 8]);  // tree16, every key at once
+  for (int l = 0; l < 4; ++l) x[l] = _mm512_add_ps(x[l], x[l + 4]);
+  const __m512 w0 = _mm512_add_ps(x[0], x[2]), w1 = _mm512_add_ps(x[1], x[3]);
+  _mm512_mask_storeu_ps(s, store, finish_block<CH>(_mm512_add_ps(w0, w1), p));
+}
+
+// At least this many (query, head) pairs on one block make transposing it worth it.
+constexpr int kTransposeMin = 6;
+
+// Block i0 of every job: the jobs whose block holds the same keys as the first one's share one transposed copy (or
+// its L1-resident rows); the others get their own rows.
+template <int CH>
+EAGLE_TARGET_AVX512 void scores_block(const QueryJob* jobs, int count, int heads, int64_t q_stride, Rows keys,
+                                      const ScoreParams& p, int64_t i0, __m512* kt) {
+  namespace m = attention_math;
+  bool done[kMaxJobs] = {};
+  for (int lead = 0; lead < count; ++lead) {
+    if (done[lead] || jobs[lead].n <= i0) continue;
+    const QueryJob& L = jobs[lead];
+    const int64_t valid = std::min<int64_t>(16, L.n - i0);
+    int members[kMaxJobs], size = 0;
+    for (int j = lead; j < count; ++j) {
+      if (done[j] || std::min<int64_t>(16, jobs[j].n - i0) != valid) continue;
+      if (j != lead && std::memcmp(jobs[j].idx + i0, L.idx + i0, valid * sizeof(int32_t)) != 0) continue;
+      members[size++] = j;
+      done[j] = true;
+    }
+    const float* rows[16];
+    for (int j = 0; j < 16; ++j) rows[j] = keys.row(L.idx[i0 + std::min<int64_t>(j, valid - 1)]);
+    const __mmask16 store = m::avx512::first_lanes(valid);
+    if (size * heads >= kTransposeMin) {
+      transpose_block<CH>(rows, p, kt);
+      for (int u = 0; u < size; ++u)
+        for (int h = 0; h < heads; ++h)
+          block_transposed<CH>(jobs[members[u]].q + h * q_stride, kt, p,
+                               jobs[members[u]].s + h * jobs[members[u]].s_stride + i0, store);
+    } else {
+      for (int u = 0; u < size; ++u)
+        block_horizontal<CH>(jobs[members[u]].q, q_stride, heads, rows, p, jobs[members[u]].s + i0,
+                             jobs[members[u]].s_stride, store);
+    }
+  }
+}
+
+template <int CH>
+EAGLE_TARGET_AVX512 void scores_jobs(const QueryJob* jobs, int count, int heads, int64_t q_stride, Rows keys,
+                                     const ScoreParams& p) {
+  int64_t longest = 0;
+  for (int j = 0; j < count; ++j) longest = std::max(longest, jobs[j].n);
+  // room for the transposed block, 64-byte aligned by hand (std::vector does not align __m512 everywhere)
+  thread_local std::vector<float> buffer;
+  buffer.resize(static_cast<size_t>((p.head_dim + 15) / 16 * 256 + 16));
+  const uintptr_t address = reinterpret_cast<uintptr_t>(buffer.data());
+  __m512* kt = reinterpret_cast<__m512*>((address + 63) & ~static_cast<uintptr_t>(63));
+  for (int64_t i0 = 0; i0 < longest; i0 += 16) scores_block<CH>(jobs, count, heads, q_stride, keys, p, i0, kt);
+}
+
+// The scores of up to kMaxJobs queries of one key/value head (their `heads` query heads each).
+EAGLE_TARGET_AVX512 inline void scores(const QueryJob* jobs, int count, int heads, int64_t q_stride, Rows keys,
+                                       const ScoreParams& p) {
+  switch (p.head_dim) {
+    case 64: scores_jobs<4>(jobs, count, heads, q_stride, keys, p); break;
+    case 128: scores_jobs<8>(jobs, count, heads, q_stride, keys, p); break;
+    case 256: scores_jobs<16>(jobs, count, heads, q_stride, keys, p); break;
+    default: scores_jobs<0>(jobs, count, heads, q_stride, keys, p); break;
   }
 }
 
@@ -210,6 +368,13 @@ EAGLE_TARGET_AVX512 inline void values(const float* p, int64_t p_stride, int hea
   }
 }
 
+EAGLE_TARGET_AVX512 inline void values(const QueryJob* jobs, int count, int heads, Rows vals,
+                                       int64_t value_dim) {
+  for (int j = 0; j < count; ++j)
+    values(jobs[j].s, jobs[j].s_stride, heads, jobs[j].l, vals, jobs[j].idx, jobs[j].n, value_dim, jobs[j].out,
+           value_dim);
+}
+
 }  // namespace avx512
 
 namespace avx2 {
@@ -254,6 +419,11 @@ EAGLE_TARGET_AVX2 inline void scores(const float* q, int64_t q_stride, int heads
       _mm256_maskstore_ps(s + h * s_stride + i0, store, block);
     }
   }
+}
+
+EAGLE_TARGET_AVX2 inline void scores(const QueryJob* jobs, int count, int heads, int64_t q_stride, Rows keys,
+                                     const ScoreParams& p) {
+  for (int j = 0; j < count; ++j) scores(jobs[j].q, q_stride, heads, keys, jobs[j].idx, jobs[j].n, p, jobs[j].s, jobs[j].s_stride);
 }
 
 EAGLE_TARGET_AVX2 inline float weights(float* s, int64_t n, const float* sink) {
@@ -341,6 +511,13 @@ EAGLE_TARGET_AVX2 inline void values(const float* p, int64_t p_stride, int heads
       }
     }
   }
+}
+
+EAGLE_TARGET_AVX2 inline void values(const QueryJob* jobs, int count, int heads, Rows vals,
+                                     int64_t value_dim) {
+  for (int j = 0; j < count; ++j)
+    values(jobs[j].s, jobs[j].s_stride, heads, jobs[j].l, vals, jobs[j].idx, jobs[j].n, value_dim, jobs[j].out,
+           value_dim);
 }
 
 }  // namespace avx2
