@@ -288,6 +288,23 @@ def test_visible_keys_lists_and_cache(ops):
     assert attention.visible_keys(four_d).indices.tolist() == [0, 2, 3, 1]
 
 
+def test_visible_keys_match_the_mask(ops):
+    """The lists hold exactly each row's visible slots, ascending, for bool and additive masks in any layout (a
+    last dimension that is not contiguous, a batch broadcast with stride 0)."""
+    g = torch.Generator().manual_seed(3)
+    visible = torch.rand(3, 7, 50, generator=g) < 0.5
+    visible[1, 2] = False
+    visible[2, 3] = True
+    layouts = [visible, visible.transpose(1, 2).contiguous().transpose(1, 2), visible[:1].expand(3, 7, 50)]
+    for layout in layouts:
+        additive = torch.zeros(layout.shape).masked_fill(~layout, float("-inf"))
+        for mask in (layout, additive, additive.transpose(1, 2).contiguous().transpose(1, 2)):
+            lists = attention.visible_keys(mask[:, None])
+            for r, row in enumerate(layout.reshape(-1, 50)):
+                got = lists.indices[lists.offsets[r]:lists.offsets[r + 1]]
+                assert got.tolist() == row.nonzero().flatten().tolist(), r
+
+
 def test_reference_fallback_agrees(ops):
     """Where the op cannot run (float64 inputs, autograd), tree_attention computes the same math in PyTorch."""
     q, k, v = random_qkv(2, 6, 3, 5, 29, 64, seed=13)

@@ -17,6 +17,7 @@
 
 #include <cmath>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "attention_kernels.h"
@@ -248,13 +249,59 @@ at::Tensor tree_attention(const at::Tensor& q_in, const at::Tensor& k_in, const 
   return out;
 }
 
-// Whether mask entry x marks a visible key: 0 visible; masked_value or -inf masked; anything else is refused.
-bool additive_visible(float x, float masked_value, int64_t b, int64_t t, int64_t j) {
-  if (x == 0.0f) return true;
-  TORCH_CHECK(x == masked_value || x == -INFINITY, "visible_keys: an additive mask may hold only 0 (visible) and ",
-              masked_value, " or -inf (masked); entry [", b, ", ", t, ", ", j, "] is ", x,
-              " (masks that add a bias to the scores are not supported)");
-  return false;
+// Mask entries: bool (nonzero = visible) or additive float32 (0 visible; masked_value or -inf masked).
+inline bool entry_visible(uint8_t x) { return x != 0; }
+inline bool entry_visible(float x) { return x == 0.0f; }
+
+// The number of visible slots of row p[0], p[stride], ..., p[(slots - 1) stride]; refuses an additive entry that is
+// neither 0 nor masked.
+template <typename E>
+int64_t count_visible(const E* p, int64_t stride, int64_t slots, float masked_value, int64_t b, int64_t t) {
+  int64_t count = 0;
+  bool ok = true;
+  for (int64_t j = 0; j < slots; ++j) {
+    const E x = p[j * stride];
+    count += entry_visible(x);
+    if constexpr (std::is_same_v<E, float>) ok &= (x == 0.0f) | (x == masked_value) | (x == -INFINITY);
+  }
+  for (int64_t j = 0; !ok && j < slots; ++j) {
+    const float x = static_cast<float>(p[j * stride]);
+    TORCH_CHECK(x == 0.0f || x == masked_value || x == -INFINITY, "visible_keys: an additive mask may hold only 0 "
+                "(visible) and ", masked_value, " or -inf (masked); entry [", b, ", ", t, ", ", j, "] is ", x,
+                " (masks that add a bias to the scores are not supported)");
+  }
+  return count;
+}
+
+// Writes the visible slots of a row, ascending, to out (branch-free up to the last visible slot: each slot is
+// written at the current count, which advances on the visible ones, so no write lands past the row's count).
+template <typename E>
+void fill_visible(const E* p, int64_t stride, int64_t slots, int32_t* out) {
+  int64_t last = slots - 1;
+  while (last >= 0 && !entry_visible(p[last * stride])) --last;
+  int64_t c = 0;
+  for (int64_t j = 0; j <= last; ++j) {
+    out[c] = static_cast<int32_t>(j);
+    c += entry_visible(p[j * stride]);
+  }
+}
+
+template <typename E>
+void mask_to_lists(const at::Tensor& mask, float masked_value, int64_t* o, at::Tensor* indices) {
+  const int64_t T = mask.size(1), S = mask.size(2), rows = mask.size(0) * T, stride = mask.stride(2);
+  const E* base = static_cast<const E*>(mask.data_ptr());
+  auto row = [&](int64_t r) { return base + (r / T) * mask.stride(0) + (r % T) * mask.stride(1); };
+  o[0] = 0;
+  dynamic_for(rows, [&](int64_t r) {  // (a unit stride spelled out, so that the compiler vectorises the scan)
+    o[r + 1] = stride == 1 ? count_visible(row(r), 1, S, masked_value, r / T, r % T)
+                           : count_visible(row(r), stride, S, masked_value, r / T, r % T);
+  });
+  for (int64_t r = 0; r < rows; ++r) o[r + 1] += o[r];
+  *indices = at::empty({o[rows]}, mask.options().dtype(at::kInt));
+  int32_t* idx = indices->data_ptr<int32_t>();
+  dynamic_for(rows, [&](int64_t r) {
+    if (o[r + 1] > o[r]) stride == 1 ? fill_visible(row(r), 1, S, idx + o[r]) : fill_visible(row(r), stride, S, idx + o[r]);
+  });
 }
 
 // For every (mask row b, query t): the visible slots j of mask[b, t, :], ascending, as CSR lists.
@@ -263,32 +310,14 @@ std::tuple<at::Tensor, at::Tensor> visible_keys(const at::Tensor& mask, double m
   TORCH_CHECK(mask.dim() == 3, "visible_keys: the mask must be (B, T, S), got shape ", mask.sizes());
   TORCH_CHECK(mask.scalar_type() == at::kBool || mask.scalar_type() == at::kFloat,
               "visible_keys: the mask must be bool (True = visible) or float32 (additive), got ", mask.scalar_type());
-  const int64_t Bm = mask.size(0), T = mask.size(1), S = mask.size(2);
-  TORCH_CHECK(S <= INT32_MAX, "visible_keys: at most 2^31 - 1 key slots, got ", S);
-  const bool is_bool = mask.scalar_type() == at::kBool;
-  const float masked = static_cast<float>(masked_value);
-  const int64_t s0 = mask.stride(0), s1 = mask.stride(1), s2 = mask.stride(2);
-  const uint8_t* bytes = is_bool ? static_cast<const uint8_t*>(mask.data_ptr()) : nullptr;
-  const float* floats = is_bool ? nullptr : mask.data_ptr<float>();
-  auto visible = [&](int64_t b, int64_t t, int64_t j) {
-    const int64_t at = b * s0 + t * s1 + j * s2;
-    return is_bool ? bytes[at] != 0 : additive_visible(floats[at], masked, b, t, j);
-  };
-  at::Tensor offsets = at::empty({Bm * T + 1}, mask.options().dtype(at::kLong));
-  int64_t* o = offsets.data_ptr<int64_t>();
-  o[0] = 0;
-  for (int64_t b = 0; b < Bm; ++b)
-    for (int64_t t = 0; t < T; ++t) {
-      int64_t count = 0;
-      for (int64_t j = 0; j < S; ++j) count += visible(b, t, j);
-      o[b * T + t + 1] = o[b * T + t] + count;
-    }
-  at::Tensor indices = at::empty({o[Bm * T]}, mask.options().dtype(at::kInt));
-  int32_t* idx = indices.data_ptr<int32_t>();
-  for (int64_t b = 0; b < Bm; ++b)
-    for (int64_t t = 0; t < T; ++t)
-      for (int64_t j = 0; j < S; ++j)
-        if (visible(b, t, j)) *idx++ = static_cast<int32_t>(j);
+  TORCH_CHECK(mask.size(2) <= INT32_MAX, "visible_keys: at most 2^31 - 1 key slots, got ", mask.size(2));
+  at::Tensor offsets = at::empty({mask.size(0) * mask.size(1) + 1}, mask.options().dtype(at::kLong));
+  at::Tensor indices;
+  if (mask.scalar_type() == at::kBool) {
+    mask_to_lists<uint8_t>(mask, 0.0f, offsets.data_ptr<int64_t>(), &indices);
+  } else {
+    mask_to_lists<float>(mask, static_cast<float>(masked_value), offsets.data_ptr<int64_t>(), &indices);
+  }
   return {offsets, indices};
 }
 
