@@ -180,7 +180,8 @@ int64_t check_lists(const at::Tensor& offsets, const at::Tensor& indices, int64_
                     int64_t slots) {
   check_tensor(offsets, "offsets", at::kLong, 1, "1-D (mask_batch * T + 1,)");
   check_tensor(indices, "indices", at::kInt, 1, "1-D (number of visible entries,)");
-  TORCH_CHECK(offsets.is_contiguous() && indices.is_contiguous(), "tree_attention: offsets and indices must be contiguous");
+  TORCH_CHECK(offsets.is_contiguous() && indices.is_contiguous(),
+              "tree_attention: offsets and indices must be contiguous");
   const int64_t rows = offsets.numel() - 1;
   const int64_t mask_batch = rows / queries;
   TORCH_CHECK(rows >= 0 && rows % queries == 0 && (mask_batch == 1 || mask_batch == batch),
@@ -189,8 +190,8 @@ int64_t check_lists(const at::Tensor& offsets, const at::Tensor& indices, int64_
   const int64_t* o = offsets.data_ptr<int64_t>();
   TORCH_CHECK(o[0] == 0, "tree_attention: offsets[0] must be 0, got ", o[0]);
   for (int64_t r = 0; r < rows; ++r)
-    TORCH_CHECK(o[r + 1] >= o[r] && o[r + 1] - o[r] <= slots, "tree_attention: offsets must be non-decreasing with at most S = ",
-                slots, " keys per query; row ", r, " spans [", o[r], ", ", o[r + 1], ")");
+    TORCH_CHECK(o[r + 1] >= o[r] && o[r + 1] - o[r] <= slots, "tree_attention: offsets must be non-decreasing with "
+                "at most S = ", slots, " keys per query; row ", r, " spans [", o[r], ", ", o[r + 1], ")");
   TORCH_CHECK(o[rows] == indices.numel(), "tree_attention: offsets[-1] = ", o[rows], " but indices holds ",
               indices.numel(), " entries");
   return mask_batch;
@@ -225,7 +226,8 @@ at::Tensor tree_attention(const at::Tensor& q_in, const at::Tensor& k_in, const 
   at::Tensor sinks;
   if (sinks_in && sinks_in->defined()) {
     check_tensor(*sinks_in, "sinks", at::kFloat, 1, "(Hq,)");
-    TORCH_CHECK(sinks_in->numel() == Hq, "tree_attention: sinks must have Hq = ", Hq, " entries, got ", sinks_in->numel());
+    TORCH_CHECK(sinks_in->numel() == Hq, "tree_attention: sinks must have Hq = ", Hq, " entries, got ",
+                sinks_in->numel());
     sinks = sinks_in->contiguous();
   }
   const at::Tensor q = last_dim_contiguous(q_in), k = last_dim_contiguous(k_in), v = last_dim_contiguous(v_in);
@@ -300,7 +302,8 @@ void mask_to_lists(const at::Tensor& mask, float masked_value, int64_t* o, at::T
   *indices = at::empty({o[rows]}, mask.options().dtype(at::kInt));
   int32_t* idx = indices->data_ptr<int32_t>();
   dynamic_for(rows, [&](int64_t r) {
-    if (o[r + 1] > o[r]) stride == 1 ? fill_visible(row(r), 1, S, idx + o[r]) : fill_visible(row(r), stride, S, idx + o[r]);
+    if (o[r + 1] == o[r]) return;
+    stride == 1 ? fill_visible(row(r), 1, S, idx + o[r]) : fill_visible(row(r), stride, S, idx + o[r]);
   });
 }
 

@@ -11,6 +11,8 @@
 //   - each output element accumulates p_i v_{idx_i}[d] by one FMA per visible key in increasing i.
 // What a query computes thus depends on its q row, its list of visible keys and their rows only: never on the other
 // queries of the call, on the masked slots between its keys, on which lanes of a vector it landed in, or on threads.
+// Where an implementation differs (AVX-512 scores a key block shared by many queries from a transposed copy), it
+// performs the same operations on the same operands in the same order.
 #pragma once
 
 #include <algorithm>
@@ -80,7 +82,8 @@ inline void scores(const float* q, int64_t q_stride, int heads, Rows keys, const
 }
 
 inline void scores(const QueryJob* jobs, int count, int heads, int64_t q_stride, Rows keys, const ScoreParams& p) {
-  for (int j = 0; j < count; ++j) scores(jobs[j].q, q_stride, heads, keys, jobs[j].idx, jobs[j].n, p, jobs[j].s, jobs[j].s_stride);
+  for (int j = 0; j < count; ++j)
+    scores(jobs[j].q, q_stride, heads, keys, jobs[j].idx, jobs[j].n, p, jobs[j].s, jobs[j].s_stride);
 }
 
 // Turns s[0..n) (n >= 1) into p_i = exp(s_i - m) in place; returns l.
@@ -423,7 +426,8 @@ EAGLE_TARGET_AVX2 inline void scores(const float* q, int64_t q_stride, int heads
 
 EAGLE_TARGET_AVX2 inline void scores(const QueryJob* jobs, int count, int heads, int64_t q_stride, Rows keys,
                                      const ScoreParams& p) {
-  for (int j = 0; j < count; ++j) scores(jobs[j].q, q_stride, heads, keys, jobs[j].idx, jobs[j].n, p, jobs[j].s, jobs[j].s_stride);
+  for (int j = 0; j < count; ++j)
+    scores(jobs[j].q, q_stride, heads, keys, jobs[j].idx, jobs[j].n, p, jobs[j].s, jobs[j].s_stride);
 }
 
 EAGLE_TARGET_AVX2 inline float weights(float* s, int64_t n, const float* sink) {

@@ -14,7 +14,8 @@
 #include <cstdint>
 #include <cstring>
 
-#if defined(__x86_64__) || defined(__i386__)
+// EAGLE_ATTENTION_PORTABLE_ONLY builds the portable path alone (what a non-x86 CPU gets), for testing it on x86.
+#if (defined(__x86_64__) || defined(__i386__)) && !defined(EAGLE_ATTENTION_PORTABLE_ONLY)
 #define EAGLE_ATTENTION_X86 1
 #include <immintrin.h>
 #define EAGLE_TARGET_AVX2 __attribute__((target("avx2,fma")))
