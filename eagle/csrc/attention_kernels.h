@@ -314,20 +314,23 @@ EAGLE_TARGET_AVX512 inline float weights(float* s, int64_t n, const float* sink)
 }
 
 // NH heads (<= kHeadsPerPass) over output elements [0, width) of a tile of NV vectors (width > 16 (NV - 1)).
-template <int NH, int NV>
+// FULL: width == 16 NV (plain loads; the compiler keeps the sums in registers), else the last vector is masked.
+template <int NH, int NV, bool FULL>
 EAGLE_TARGET_AVX512 inline void values_tile(const float* p, int64_t p_stride, const float* l, Rows vals,
                                             const int32_t* idx, int64_t n, int64_t width, float* out,
                                             int64_t out_stride) {
   namespace m = attention_math;
   __mmask16 lanes[NV];
-  for (int c = 0; c < NV; ++c) lanes[c] = m::avx512::first_lanes(width - 16 * c);
+  for (int c = 0; c < NV; ++c)
+    lanes[c] = FULL ? static_cast<__mmask16>(0xFFFF) : m::avx512::first_lanes(width - 16 * c);
   __m512 acc[NH][NV];
   for (int h = 0; h < NH; ++h)
     for (int c = 0; c < NV; ++c) acc[h][c] = _mm512_setzero_ps();
   for (int64_t i = 0; i < n; ++i) {
     const float* v = vals.row(idx[i]);
     __m512 x[NV];
-    for (int c = 0; c < NV; ++c) x[c] = _mm512_maskz_loadu_ps(lanes[c], v + 16 * c);
+    for (int c = 0; c < NV; ++c)
+      x[c] = FULL ? _mm512_loadu_ps(v + 16 * c) : _mm512_maskz_loadu_ps(lanes[c], v + 16 * c);
     for (int h = 0; h < NH; ++h) {
       const __m512 w = _mm512_set1_ps(p[h * p_stride + i]);
       for (int c = 0; c < NV; ++c) acc[h][c] = _mm512_fmadd_ps(w, x[c], acc[h][c]);
@@ -344,11 +347,13 @@ template <int NH>
 EAGLE_TARGET_AVX512 inline void values_heads(const float* p, int64_t p_stride, const float* l, Rows vals,
                                              const int32_t* idx, int64_t n, int64_t width, float* out,
                                              int64_t out_stride) {
+  if (width == 64) return values_tile<NH, 4, true>(p, p_stride, l, vals, idx, n, width, out, out_stride);
+  if (width == 32) return values_tile<NH, 2, true>(p, p_stride, l, vals, idx, n, width, out, out_stride);
   switch ((width + 15) / 16) {
-    case 1: values_tile<NH, 1>(p, p_stride, l, vals, idx, n, width, out, out_stride); break;
-    case 2: values_tile<NH, 2>(p, p_stride, l, vals, idx, n, width, out, out_stride); break;
-    case 3: values_tile<NH, 3>(p, p_stride, l, vals, idx, n, width, out, out_stride); break;
-    default: values_tile<NH, 4>(p, p_stride, l, vals, idx, n, width, out, out_stride); break;
+    case 1: values_tile<NH, 1, false>(p, p_stride, l, vals, idx, n, width, out, out_stride); break;
+    case 2: values_tile<NH, 2, false>(p, p_stride, l, vals, idx, n, width, out, out_stride); break;
+    case 3: values_tile<NH, 3, false>(p, p_stride, l, vals, idx, n, width, out, out_stride); break;
+    default: values_tile<NH, 4, false>(p, p_stride, l, vals, idx, n, width, out, out_stride); break;
   }
 }
 
@@ -460,7 +465,7 @@ EAGLE_TARGET_AVX2 inline float weights(float* s, int64_t n, const float* sink) {
 }
 
 // NH heads (<= kHeadsPerPass) over output elements [0, width) of a tile of NV vectors (width > 8 (NV - 1)).
-template <int NH, int NV>
+template <int NH, int NV, bool FULL>
 EAGLE_TARGET_AVX2 inline void values_tile(const float* p, int64_t p_stride, const float* l, Rows vals,
                                           const int32_t* idx, int64_t n, int64_t width, float* out,
                                           int64_t out_stride) {
@@ -473,7 +478,7 @@ EAGLE_TARGET_AVX2 inline void values_tile(const float* p, int64_t p_stride, cons
   for (int64_t i = 0; i < n; ++i) {
     const float* v = vals.row(idx[i]);
     __m256 x[NV];
-    for (int c = 0; c < NV; ++c) x[c] = _mm256_maskload_ps(v + 8 * c, lanes[c]);
+    for (int c = 0; c < NV; ++c) x[c] = FULL ? _mm256_loadu_ps(v + 8 * c) : _mm256_maskload_ps(v + 8 * c, lanes[c]);
     for (int h = 0; h < NH; ++h) {
       const __m256 w = _mm256_set1_ps(p[h * p_stride + i]);
       for (int c = 0; c < NV; ++c) acc[h][c] = _mm256_fmadd_ps(w, x[c], acc[h][c]);
@@ -490,11 +495,12 @@ template <int NH>
 EAGLE_TARGET_AVX2 inline void values_heads(const float* p, int64_t p_stride, const float* l, Rows vals,
                                            const int32_t* idx, int64_t n, int64_t width, float* out,
                                            int64_t out_stride) {
+  if (width == 32) return values_tile<NH, 4, true>(p, p_stride, l, vals, idx, n, width, out, out_stride);
   switch ((width + 7) / 8) {
-    case 1: values_tile<NH, 1>(p, p_stride, l, vals, idx, n, width, out, out_stride); break;
-    case 2: values_tile<NH, 2>(p, p_stride, l, vals, idx, n, width, out, out_stride); break;
-    case 3: values_tile<NH, 3>(p, p_stride, l, vals, idx, n, width, out, out_stride); break;
-    default: values_tile<NH, 4>(p, p_stride, l, vals, idx, n, width, out, out_stride); break;
+    case 1: values_tile<NH, 1, false>(p, p_stride, l, vals, idx, n, width, out, out_stride); break;
+    case 2: values_tile<NH, 2, false>(p, p_stride, l, vals, idx, n, width, out, out_stride); break;
+    case 3: values_tile<NH, 3, false>(p, p_stride, l, vals, idx, n, width, out, out_stride); break;
+    default: values_tile<NH, 4, false>(p, p_stride, l, vals, idx, n, width, out, out_stride); break;
   }
 }
 
