@@ -299,6 +299,13 @@ def causal_mask(queries: int, slots: int, device: torch.device, sliding_window: 
     return mask
 
 
+def _refuse_unknown(kwargs: dict) -> None:
+    unknown = sorted(name for name, val in kwargs.items() if val is not None and name not in IGNORED_KWARGS)
+    if unknown:
+        raise ValueError(f"attention_forward does not support the attention argument(s) {', '.join(unknown)} "
+                         f"(they would change the result); use attn_implementation='sdpa' or 'eager' for this model")
+
+
 def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                       attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
                       sliding_window: int | None = None, s_aux: torch.Tensor | None = None,
@@ -314,10 +321,8 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     if dropout and getattr(module, "training", False):
         raise ValueError(f"attention_forward cannot apply attention dropout ({dropout}) in training; put the model "
                          f"in eval() mode or use attn_implementation='sdpa' for training")
-    unknown = sorted(name for name, val in kwargs.items() if val is not None and name not in IGNORED_KWARGS)
-    if unknown:
-        raise ValueError(f"attention_forward does not support the attention argument(s) {', '.join(unknown)} "
-                         f"(they would change the result); use attn_implementation='sdpa' or 'eager' for this model")
+    if not IGNORED_KWARGS.issuperset(kwargs):
+        _refuse_unknown(kwargs)
     if kwargs.get("output_attentions"):
         logger.warning("attention_forward returns no attention weights (output_attentions=True is ignored)")
     if attention_mask is None:
