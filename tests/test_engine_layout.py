@@ -123,7 +123,7 @@ def test_trainer_writes_the_engine_layout(target, tmp_path):
     save_head(head, config, str(tmp_path / "head"), torch.float16)
     assert engine_problems(tmp_path / "head", [1, 3, 4]) == []
     loaded = EaModel.from_pretrained(base_model_path=str(root / "base"), ea_model_path=str(tmp_path / "head"))
-    assert loaded._eagle_target.feature_layers == [1, 3, 4]
+    assert loaded.engine.target.feature_layers == [1, 3, 4]
 
 
 def test_export_converts_a_config_in_the_older_layout(target, tmp_path):
@@ -156,7 +156,7 @@ def test_every_layout_loads_with_the_same_layers_and_output(target, tmp_path, la
     (tmp_path / "head" / "config.json").write_text(json.dumps(LAYOUTS[layout](config)))
     loaded = EaModel.from_pretrained(base_model_path=str(root / "base"), ea_model_path=str(tmp_path / "head"),
                                      draft_dtype=torch.float32)
-    assert loaded._eagle_target.feature_layers == [1, 3, 5]
+    assert loaded.engine.target.feature_layers == [1, 3, 5]
     assert head_layer_ids(loaded.ea_layer.config) == [1, 3, 5]
     prompt = torch.tensor([[1, 50, 51, 52]])
     plain = model.generate(prompt, max_new_tokens=12, do_sample=False)
@@ -170,7 +170,7 @@ def test_official_hub_layout_without_layer_ids_uses_the_default_layers(target, t
     config = json.loads((tmp_path / "head" / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLM"] and head_layer_ids(EConfig(**config)) is None
     loaded = EaModel.from_pretrained(base_model_path=str(root / "base"), ea_model_path=str(tmp_path / "head"))
-    assert loaded._eagle_target.feature_layers == [2, 3, 3]  # [2, L//2, L-3] for 6 layers
+    assert loaded.engine.target.feature_layers == [2, 3, 3]  # [2, L//2, L-3] for 6 layers
 
 
 def test_layout_refuses_a_wrong_number_of_layers():
