@@ -25,10 +25,10 @@ QUANT_TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"]
 FLOAT_TYPES = ["F32", "F16", "BF16"]
 ALL_TYPES = FLOAT_TYPES + QUANT_TYPES
 K_QUANTS = {"Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208]}  # byte offsets of each block's fp16 scales
-# (N, K) per type: N = 40 pads the int8 layout's last 16-column group; K = 96 leaves an odd 32-input group;
-# K = 70 leaves partial vectors of the float weights
-SHAPES = {**{t: (40, 96) for t in ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"]}, **{t: (40, 512) for t in K_QUANTS},
-          **{t: (40, 70) for t in FLOAT_TYPES}}
+# (N, K) per type: N = 43 leaves columns outside the float32 kernels' 4-column tiles and pads the int8 layout's
+# last 16-column group; K = 96 leaves an odd 32-input group; K = 70 leaves partial vectors of the float weights
+SHAPES = {**{t: (43, 96) for t in ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"]}, **{t: (43, 512) for t in K_QUANTS},
+          **{t: (43, 70) for t in FLOAT_TYPES}}
 
 needs_kernels = pytest.mark.skipif(not kernels.available(), reason=f"kernels unavailable: "
                                    f"{kernels.unavailable_reason()}")
@@ -121,7 +121,7 @@ def test_kernel_dequantization_and_embedding_rows_are_gguf_py_bit_for_bit(type_n
         expected = bits(gguf_dequantize(type_name, blocks, shape))
         weight = packed(type_name, blocks, shape, numerics)
         assert torch.equal(bits(kernels.ops().dequantize(weight, type_name, *shape)), expected)
-        ids = torch.tensor([[3, 0], [39, 3]])
+        ids = torch.tensor([[3, 0], [42, 3]])
         rows = kernels.ops().quant_embedding(ids, weight, type_name, *shape)
         assert rows.shape == (2, 2, shape[1]) and torch.equal(bits(rows), expected[ids])
 
@@ -248,9 +248,9 @@ def test_malformed_packed_weights_are_refused_with_a_clear_error():
     blocks = gguf_bytes("Q4_1", *shape)
     weight = packed("Q4_1", blocks, shape)
     x = torch.randn(2, shape[1])
-    with pytest.raises(ValueError, match="must hold 64 \\+ 2400 bytes, it holds 2463"):
+    with pytest.raises(ValueError, match="must hold 64 \\+ 2580 bytes, it holds 2643"):
         linear(x, weight[:-1].clone(), "Q4_1", shape)
-    with pytest.raises(ValueError, match="must hold 64 \\+ 2400 bytes, it holds 2465"):
+    with pytest.raises(ValueError, match="must hold 64 \\+ 2580 bytes, it holds 2645"):
         linear(x, torch.cat([weight, torch.zeros(1, dtype=torch.uint8)]), "Q4_1", shape)
     with pytest.raises(ValueError, match="less than its 64-byte header"):
         linear(x, weight[:10].clone(), "Q4_1", shape)
@@ -258,8 +258,8 @@ def test_malformed_packed_weights_are_refused_with_a_clear_error():
         linear(x, torch.zeros_like(weight), "Q4_1", shape)
     with pytest.raises(ValueError, match="holds type Q4_1, not Q4_0"):
         linear(x, weight, "Q4_0", shape)
-    with pytest.raises(ValueError, match="is N=40, K=96, not N=41, K=96"):
-        linear(x, weight, "Q4_1", (41, 96))
+    with pytest.raises(ValueError, match="is N=43, K=96, not N=44, K=96"):
+        linear(x, weight, "Q4_1", (44, 96))
     with pytest.raises(ValueError, match="packed for float32 numerics, the call asks for int8"):
         linear(x, weight, "Q4_1", shape, "int8")
     with pytest.raises(TypeError, match="must be a uint8 tensor"):
@@ -283,12 +283,12 @@ def test_malformed_activations_shapes_and_blocks_are_refused_with_a_clear_error(
         linear(torch.randn(2, 96), weight, "Q4_1", shape, bias=torch.randn(39))
     with pytest.raises(ValueError, match="K=100 is not a multiple of the Q4_1 block size"):
         kernels.ops().repack(torch.zeros(40 * 100, dtype=torch.uint8), "Q4_1", 40, 100, "float32")
-    with pytest.raises(ValueError, match="take 2400 bytes .* the tensor holds 2399"):
+    with pytest.raises(ValueError, match="take 2580 bytes .* the tensor holds 2579"):
         kernels.ops().repack(blocks.reshape(-1)[:-1].clone(), "Q4_1", *shape, "float32")
     with pytest.raises(ValueError, match="numerics must be 'float32' or 'int8'"):
         kernels.ops().repack(blocks.reshape(-1), "Q4_1", *shape, "bf16")
-    with pytest.raises(IndexError, match="token id 40 is out of range for a table of 40 rows"):
-        kernels.ops().quant_embedding(torch.tensor([1, 40]), weight, "Q4_1", *shape)
+    with pytest.raises(IndexError, match="token id 43 is out of range for a table of 43 rows"):
+        kernels.ops().quant_embedding(torch.tensor([1, 43]), weight, "Q4_1", *shape)
     with pytest.raises(IndexError, match="token id -1"):
         kernels.ops().quant_embedding(torch.tensor([-1]), weight, "Q4_1", *shape)
 
@@ -337,16 +337,29 @@ def test_permute_rows_moves_whole_rows_and_matches_transformers_llama_order():
 
 @needs_kernels
 @pytest.mark.parametrize("numerics", ["float32", "int8"])
+def test_a_fused_projection_gives_each_output_the_bits_of_its_own_layer(numerics):
+    parts = [GGUFWeight(f"w{i}", "Q4_1", (rows, 96), gguf_bytes("Q4_1", rows, 96, seed=i))
+             for i, rows in enumerate((48, 16, 21))]
+    fused = QuantLinear(GGUFWeight.concat_rows(parts, "qkv"), numerics=numerics)
+    x = torch.randn(5, 96)
+    separate = torch.cat([QuantLinear(part, numerics=numerics)(x) for part in parts], dim=1)
+    assert fused.out_features == 85 and torch.equal(fused(x), separate)
+    with pytest.raises(ValueError, match="one type and in_features"):
+        GGUFWeight.concat_rows([parts[0], GGUFWeight("v", "Q8_0", (16, 96), gguf_bytes("Q8_0", 16, 96))], "bad")
+
+
+@needs_kernels
+@pytest.mark.parametrize("numerics", ["float32", "int8"])
 def test_quant_linear_module(numerics):
     shape = SHAPES["Q8_0"]
     blocks = gguf_bytes("Q8_0", *shape)
     bias = torch.randn(shape[0])
     layer = QuantLinear(GGUFWeight("w", "Q8_0", shape, blocks), bias, numerics=numerics)
-    assert layer.uses_kernels and (layer.in_features, layer.out_features) == (96, 40)
+    assert layer.uses_kernels and (layer.in_features, layer.out_features) == (96, 43)
     x = torch.randn(2, 3, 96)
     y = layer(x)
-    assert y.shape == (2, 3, 40)
-    assert torch.equal(y.reshape(6, 40), linear(x.reshape(6, 96), packed("Q8_0", blocks, shape, numerics), "Q8_0",
+    assert y.shape == (2, 3, 43)
+    assert torch.equal(y.reshape(6, 43), linear(x.reshape(6, 96), packed("Q8_0", blocks, shape, numerics), "Q8_0",
                                                 shape, numerics, bias))
     assert torch.equal(layer.dequantized_weight(), gguf_dequantize("Q8_0", blocks, shape))
     with pytest.raises(TypeError, match="float32 CPU tensor"):
@@ -364,10 +377,10 @@ def test_quant_embedding_shares_a_tied_lm_head():
     head = QuantLinear(GGUFWeight("token_embd.weight", "Q8_0", shape, blocks))
     embedding = QuantEmbedding(head)
     assert embedding.weight is head.weight
-    ids = torch.tensor([[1, 2, 39]])
+    ids = torch.tensor([[1, 2, 42]])
     assert torch.equal(embedding(ids), gguf_dequantize("Q8_0", blocks, shape)[ids])
     with pytest.raises(IndexError):
-        embedding(torch.tensor([40]))
+        embedding(torch.tensor([43]))
 
 
 def test_the_fallback_runs_the_same_weights_through_pytorch():

@@ -137,9 +137,10 @@ float* thread_scratch(int64_t floats) {
 }
 
 // columns per work chunk: results never depend on it, only the split of work over threads does
+// (1 or 2 rows: wide chunks, whose 4-column (LAYOUT_N: 4-group) tiles keep more independent work in flight)
 int64_t chunk_columns(Layout layout, int64_t n, int64_t m) {
   const int64_t wide = layout == quant::LAYOUT_N ? 64 : 32;
-  return (m <= 2 && n >= wide * 16) ? wide : 16;
+  return (m <= 2 && n >= 4 * wide) ? wide : 16;
 }
 
 // Calls below this many multiply-adds run on the calling thread: waking torch's other threads costs more than they

@@ -21,7 +21,6 @@
 
 #include <immintrin.h>
 
-#include <cstdlib>
 #include <cstring>
 #include <type_traits>
 
@@ -51,34 +50,47 @@ inline float h2f(uint16_t h) { return _cvtsh_ss(h); }
 
 // ============================================================================================ float32 numerics
 // Per-group a and b of one LAYOUT_K column (quant.h), exactly as column_params computes them.
+inline __mmask16 first_lanes(int64_t count) {
+  return count >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << count) - 1);
+}
+
+inline __m512 load_halves(const uint8_t* p, __mmask16 mask) {
+  return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, p));
+}
+
+// Per-group a and b of one LAYOUT_K column (quant.h), exactly as column_params computes them, 16 groups at a time.
 template <int TYPE>
-void k_params(const TypeInfo& t, const uint8_t* col, const Offsets& o, int64_t k, float* a, float* b) {
+__attribute__((always_inline)) inline void k_params(const TypeInfo& t, const uint8_t* col, const Offsets& o,
+                                                    int64_t k, float* a, float* b) {
   const int64_t groups = k / t.group;
-  if constexpr (TYPE == Q4_0 || TYPE == Q4_1 || TYPE == Q5_0 || TYPE == Q5_1 || TYPE == Q8_0) {
-    int64_t g = 0;
-    for (; g + 16 <= groups; g += 16) {
-      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(col + o.d + 2 * g)));
-      _mm512_storeu_ps(a + g, d);
-      if constexpr (TYPE == Q4_1 || TYPE == Q5_1) {
-        _mm512_storeu_ps(b + g, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(col + o.m + 2 * g))));
+  for (int64_t g = 0; g < groups; g += 16) {
+    const __mmask16 mask = first_lanes(groups - g);
+    __m512 av, bv = _mm512_setzero_ps();
+    if constexpr (TYPE == Q4_0 || TYPE == Q4_1 || TYPE == Q5_0 || TYPE == Q5_1 || TYPE == Q8_0) {
+      av = load_halves(col + o.d + 2 * g, mask);
+      if constexpr (TYPE == Q4_1 || TYPE == Q5_1) bv = load_halves(col + o.m + 2 * g, mask);
+    } else {
+      // the unit (super-block) of each group: its fp16 d (and dmin) gathered per lane
+      constexpr int kPerUnit = TYPE == Q6_K ? 16 : 8;
+      const __m512i unit = _mm512_srli_epi32(_mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(g)),
+                                                              _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10,
+                                                                                11, 12, 13, 14, 15)),
+                                             kPerUnit == 16 ? 4 : 3);
+      const __m512 d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(
+          _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), mask, unit, col + o.d, 2)));
+      const __m128i sc = _mm_maskz_loadu_epi8(mask, col + o.sc + g);
+      if constexpr (TYPE == Q6_K) {
+        av = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sc)));
       } else {
-        _mm512_storeu_ps(b + g, _mm512_setzero_ps());
+        const __m512 dmin = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(
+            _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), mask, unit, col + o.m, 2)));
+        av = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(sc)));
+        const __m128i mn = _mm_maskz_loadu_epi8(mask, col + o.mn + g);
+        bv = _mm512_sub_ps(_mm512_setzero_ps(), _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(mn))));
       }
     }
-    for (; g < groups; ++g) {
-      a[g] = h2f(ld16(col + o.d + 2 * g));
-      b[g] = (TYPE == Q4_1 || TYPE == Q5_1) ? h2f(ld16(col + o.m + 2 * g)) : 0.0f;
-    }
-  } else if constexpr (TYPE == Q6_K) {
-    for (int64_t g = 0; g < groups; ++g) {
-      a[g] = h2f(ld16(col + o.d + 2 * (g / 16))) * static_cast<float>(static_cast<int8_t>(col[o.sc + g]));
-      b[g] = 0.0f;
-    }
-  } else {  // Q4_K, Q5_K
-    for (int64_t g = 0; g < groups; ++g) {
-      a[g] = h2f(ld16(col + o.d + 2 * (g / 8))) * static_cast<float>(col[o.sc + g]);
-      b[g] = -(h2f(ld16(col + o.m + 2 * (g / 8))) * static_cast<float>(col[o.mn + g]));
-    }
+    _mm512_mask_storeu_ps(a + g, mask, av);
+    _mm512_mask_storeu_ps(b + g, mask, bv);
   }
 }
 
@@ -166,15 +178,57 @@ struct Tile {
   const float* bias;  // bias + col0 or nullptr
 };
 
+// The horizontal sum of each output's 16 lanes, by one fixed tree for every output: lanes (l, l + 8) first, then
+// (l, l + 4), (l, l + 2), (l, l + 1) (the order of _mm512_reduce_add_ps). reduce4 runs that tree on 4 outputs at
+// once (a transposed reduction, a third of the instructions); both give the same bits, addition being commutative.
+inline float reduce1(__m512 v) {
+  const __m256 t8 = _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+  const __m128 t4 = _mm_add_ps(_mm256_castps256_ps128(t8), _mm256_extractf128_ps(t8, 1));
+  const __m128 t2 = _mm_add_ps(t4, _mm_permute_ps(t4, _MM_SHUFFLE(1, 0, 3, 2)));
+  return _mm_cvtss_f32(_mm_add_ss(t2, _mm_movehdup_ps(t2)));
+}
+
+inline __m128 reduce4(__m512 a, __m512 b, __m512 c, __m512 d) {
+  const __m512 ab = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(1, 0, 1, 0)),
+                                  _mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(3, 2, 3, 2)));  // (l, l + 8)
+  const __m512 cd = _mm512_add_ps(_mm512_shuffle_f32x4(c, d, _MM_SHUFFLE(1, 0, 1, 0)),
+                                  _mm512_shuffle_f32x4(c, d, _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m512 u = _mm512_add_ps(_mm512_shuffle_f32x4(ab, cd, _MM_SHUFFLE(2, 0, 2, 0)),
+                                 _mm512_shuffle_f32x4(ab, cd, _MM_SHUFFLE(3, 1, 3, 1)));  // (l, l + 4)
+  const __m512 v = _mm512_add_ps(u, _mm512_permute_ps(u, _MM_SHUFFLE(1, 0, 3, 2)));     // (l, l + 2)
+  const __m512 w = _mm512_add_ps(v, _mm512_permute_ps(v, _MM_SHUFFLE(2, 3, 0, 1)));     // (l, l + 1)
+  return _mm512_castps512_ps128(_mm512_maskz_compress_ps(0x1111, w));
+}
+
+inline void store4(float* y, const float* bias, __m128 sums) {
+  _mm_storeu_ps(y, bias ? _mm_add_ps(sums, _mm_loadu_ps(bias)) : sums);
+}
+
 template <int R, int C>
 __attribute__((always_inline)) inline void store_tile(const Tile& tile, __m512 (&acc)[R][C]) {
+  if constexpr (C == 4) {
 #pragma GCC unroll 16
-  for (int r = 0; r < R; ++r)
+    for (int r = 0; r < R; ++r)
+      store4(tile.y + r * tile.n, tile.bias, reduce4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]));
+  } else if constexpr (C == 2 && R % 2 == 0) {
 #pragma GCC unroll 16
-    for (int c = 0; c < C; ++c) {
-      const float sum = _mm512_reduce_add_ps(acc[r][c]);
-      tile.y[r * tile.n + c] = tile.bias ? sum + tile.bias[c] : sum;
+    for (int r = 0; r < R; r += 2) {
+      float sums[4];
+      _mm_storeu_ps(sums, reduce4(acc[r][0], acc[r][1], acc[r + 1][0], acc[r + 1][1]));
+      for (int i = 0; i < 4; ++i) {
+        const int c = i % 2;
+        tile.y[(r + i / 2) * tile.n + c] = tile.bias ? sums[i] + tile.bias[c] : sums[i];
+      }
     }
+  } else {
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 16
+      for (int c = 0; c < C; ++c) {
+        const float sum = reduce1(acc[r][c]);
+        tile.y[r * tile.n + c] = tile.bias ? sum + tile.bias[c] : sum;
+      }
+  }
 }
 
 // Keeps v in a register: the compiler would otherwise fold the same load into each of the C multiply-adds.
@@ -291,25 +345,6 @@ struct Rows {
 
 constexpr int kMaxChunkColumns = 64;
 
-template <int TYPE>
-void k_decode_column(const KDecoder<TYPE>& dec, int64_t k, float* w) {
-  const int64_t pairs = k / 64;
-  for (int64_t p = 0; p < pairs; ++p) {
-    typename KDecoder<TYPE>::State st;
-    dec.template load<4>(4 * p, st);
-    for (int h = 0; h < 2; ++h) {
-      dec.group(4 * p, h, st);
-      for (int s = 2 * h; s < 2 * h + 2; ++s) _mm512_storeu_ps(w + 16 * (4 * p + s), dec.vec(4 * p, s, st));
-    }
-  }
-  if (k % 64) {
-    typename KDecoder<TYPE>::State st;
-    dec.template load<2>(4 * pairs, st);
-    dec.group(4 * pairs, 0, st);
-    for (int s = 0; s < 2; ++s) _mm512_storeu_ps(w + 16 * (4 * pairs + s), dec.vec(4 * pairs, s, st));
-  }
-}
-
 inline Tile at_column(const Tile& tile, int64_t c) {
   Tile shifted = tile;
   shifted.y += c;
@@ -340,28 +375,6 @@ void k_run(const LinearArgs& args, int64_t n_begin, int64_t n_end, float* scratc
       float* a = scratch + 2 * c * groups;
       k_params<TYPE>(t, cols[c], o, args.k, a, a + groups);
       dec[c] = KDecoder<TYPE>{cols[c], &o, a, a + groups};
-    }
-    static const bool buffered = std::getenv("EAGLE_KBUF") != nullptr;
-    if (buffered) {
-      float* wbuf = scratch + 2 * columns * groups;
-      int64_t c = 0;
-      for (; c < columns; c += 4) {
-        const int cc = columns - c >= 4 ? 4 : static_cast<int>(columns - c);
-        const uint8_t* bcols[4];
-        for (int j = 0; j < cc; ++j) {
-          k_decode_column<TYPE>(dec[c + j], args.k, wbuf + j * args.k);
-          bcols[j] = reinterpret_cast<const uint8_t*>(wbuf + j * args.k);
-        }
-        const Tile ct = at_column(base, c);
-        Rows::each<4>(args, ct, [&](const Tile& tile, auto rows) {
-          if (cc == 4) {
-            k_tile_float<F32, rows.value, 4>(tile, bcols);
-          } else {
-            for (int j = 0; j < cc; ++j) k_tile_float<F32, rows.value, 1>(at_column(tile, j), bcols + j);
-          }
-        });
-      }
-      return;
     }
     if (args.m >= 8) {  // many rows: tiles of 8 rows by 2 columns decode each weight once for 8 rows
       Rows::each<8>(args, base, [&](const Tile& tile, auto rows) {
@@ -415,37 +428,32 @@ __attribute__((always_inline)) inline void n_codes(const uint8_t* rec, const Off
   constexpr int bits = NTraits<TYPE>::kBits;
   const int h0 = gi * G / 4;  // first 4-input step of the group inside the unit
   if constexpr (bits == 8) {
-    #pragma GCC unroll 16
+#pragma GCC unroll 16
     for (int h = 0; h < G / 4; ++h) codes[h] = _mm512_loadu_si512(rec + o.codes + 64 * (h0 + h));
     return;
   }
   const __m512i low = _mm512_set1_epi8(0x0F);
-  #pragma GCC unroll 16
+#pragma GCC unroll 16
   for (int t = 0; t < G / 8; ++t) {
     const __m512i v = _mm512_loadu_si512(rec + o.codes + 64 * (h0 / 2 + t));
     codes[2 * t] = _mm512_and_si512(v, low);
     codes[2 * t + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
   }
   if constexpr (bits >= 5) {
-    #pragma GCC unroll 16
+#pragma GCC unroll 16
     for (int h = 0; h < G / 4; ++h) {
       const __mmask64 m = ld64(rec + o.plane + 8 * (h0 + h));
       codes[h] = _mm512_mask_add_epi8(codes[h], m, codes[h], _mm512_set1_epi8(16));
     }
   }
   if constexpr (bits == 6) {
-    #pragma GCC unroll 16
+#pragma GCC unroll 16
     for (int h = 0; h < G / 4; ++h) {
       const __mmask64 m = ld64(rec + o.plane2 + 8 * (h0 + h));
       codes[h] = _mm512_mask_add_epi8(codes[h], m, codes[h], _mm512_set1_epi8(32));
     }
   }
 }
-
-struct NRows {
-  const QuantizedRows* xq;
-  int64_t row0;
-};
 
 template <int TYPE, int R, int CG>
 __attribute__((noinline)) void n_tile(const LinearArgs& args, const uint8_t* const* groups, int64_t row0, int64_t n0) {
@@ -455,23 +463,22 @@ __attribute__((noinline)) void n_tile(const LinearArgs& args, const uint8_t* con
   const int64_t k = args.k;
   const Offsets o = offsets(*args.type, LAYOUT_N, k);
   __m512 acc[R][CG], accb[R][CG];
-  #pragma GCC unroll 16
+#pragma GCC unroll 16
   for (int r = 0; r < R; ++r)
-    #pragma GCC unroll 16
+#pragma GCC unroll 16
     for (int c = 0; c < CG; ++c) acc[r][c] = accb[r][c] = _mm512_setzero_ps();
   const int64_t units = k / T::kUnit;
   for (int64_t unit = 0; unit < units; ++unit) {
-    #pragma GCC unroll 16
     for (int gi = 0; gi < T::kUnit / G; ++gi) {
       const int64_t kbase = unit * T::kUnit + gi * G;  // first input of the group
-      #pragma GCC unroll 16
+#pragma GCC unroll 16
       for (int c = 0; c < CG; ++c) {
         const uint8_t* rec = groups[c] + unit * o.total;
         __m512 a, b = _mm512_setzero_ps();
         n_params<TYPE>(rec, o, gi, a, b);
         __m512i codes[G / 4];
         n_codes<TYPE>(rec, o, gi, codes);
-        #pragma GCC unroll 16
+#pragma GCC unroll 16
         for (int r = 0; r < R; ++r) {
           const int64_t row = row0 + r;
           const int8_t* q = xq.q + row * k + kbase;
@@ -483,7 +490,7 @@ __attribute__((noinline)) void n_tile(const LinearArgs& args, const uint8_t* con
           } else {
             isum0 = _mm512_setzero_si512();
           }
-          #pragma GCC unroll 16
+#pragma GCC unroll 16
           for (int h = 0; h < G / 4; h += 2) {
             isum0 = _mm512_dpbusd_epi32(isum0, codes[h], _mm512_set1_epi32(static_cast<int>(ld32(reinterpret_cast<const uint8_t*>(q) + 4 * h))));
             isum1 = _mm512_dpbusd_epi32(isum1, codes[h + 1], _mm512_set1_epi32(static_cast<int>(ld32(reinterpret_cast<const uint8_t*>(q) + 4 * h + 4))));
@@ -497,13 +504,13 @@ __attribute__((noinline)) void n_tile(const LinearArgs& args, const uint8_t* con
       }
     }
   }
-  #pragma GCC unroll 16
+#pragma GCC unroll 16
   for (int c = 0; c < CG; ++c) {
     const int64_t col = n0 + 16 * c;
     const int64_t live = args.n - col < 16 ? args.n - col : 16;
     const __mmask16 mask = live >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << live) - 1);
     const __m512 bias = args.bias ? _mm512_maskz_loadu_ps(mask, args.bias + col) : _mm512_setzero_ps();
-    #pragma GCC unroll 16
+#pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
       __m512 out = T::kAsym ? _mm512_add_ps(acc[r][c], accb[r][c]) : acc[r][c];
       if (args.bias) out = _mm512_add_ps(out, bias);

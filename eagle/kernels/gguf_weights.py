@@ -53,6 +53,19 @@ class GGUFWeight:
                              f"of shape {tuple(order.shape)} that is not one")
         return GGUFWeight(self.name, self.type_name, self.shape, self.blocks.index_select(0, order).contiguous())
 
+    @staticmethod
+    def concat_rows(weights: list[GGUFWeight], name: str) -> GGUFWeight:
+        """One weight whose rows are those of ``weights`` in order (2-D weights of one type and in_features): a
+        fused projection (query, key and value; gate and up) computed by one kernel call instead of several. Each
+        output of the fused layer has the bits it has in its own layer (an output depends only on its row)."""
+        first = weights[0]
+        if any(len(w.shape) != 2 or w.type_name != first.type_name or w.in_features != first.in_features
+               for w in weights):
+            raise ValueError(f"concat_rows({name!r}): expected 2-D weights of one type and in_features, got "
+                             f"{[(w.type_name, w.shape) for w in weights]}")
+        rows = sum(w.out_features for w in weights)
+        return GGUFWeight(name, first.type_name, (rows, first.in_features), torch.cat([w.blocks for w in weights]))
+
     def dequantize(self) -> torch.Tensor:
         """The float32 tensor of ``shape`` that gguf-py's ``dequantize`` (and transformers) builds from it."""
         from eagle.kernels.reference import dequantize
