@@ -35,8 +35,8 @@ def _kernel_extensions() -> tuple[list, dict]:
         return [], {}
     compile_args = ["-O3", "-std=c++17", "-ffp-contract=off", "-fopenmp", "-fno-math-errno"]
     link_args = ["-fopenmp"]
-    if os.environ.get("EAGLE_SANITIZE") == "1":
-        compile_args += ["-fsanitize=address,undefined", "-fno-omit-frame-pointer", "-g"]
+    if os.environ.get("EAGLE_SANITIZE") == "1":  # -O1: sanitizer builds of the unrolled kernels compile for ages at -O3
+        compile_args += ["-O1", "-fsanitize=address,undefined", "-fno-omit-frame-pointer", "-g"]
         link_args += ["-fsanitize=address,undefined"]
     extension = CppExtension("eagle._kernels", KERNEL_SOURCES, extra_compile_args=compile_args,
                              extra_link_args=link_args)

@@ -402,9 +402,13 @@ def test_the_fallback_runs_the_same_weights_through_pytorch():
         assert ((fast(x).double() - layer(x).double()).abs() <= float_tolerance(x, dense)).all()
 
 
-def test_the_environment_variable_turns_the_kernels_off(monkeypatch):
+def test_the_environment_variable_turns_the_kernels_off_and_says_so_once(monkeypatch, caplog):
     monkeypatch.setenv("EAGLE_KERNELS", "0")
-    assert not kernels.available() and kernels.unavailable_reason() == "disabled by EAGLE_KERNELS=0"
+    with caplog.at_level("WARNING", logger="eagle.kernels"):
+        assert not kernels.available() and kernels.unavailable_reason() == "disabled by EAGLE_KERNELS=0"
+        assert not kernels.available()
+    warnings = [r for r in caplog.records if "EAGLE_KERNELS=0" in r.getMessage()]
+    assert len(warnings) == 1 and "dequantized to float32" in warnings[0].getMessage()
     with pytest.raises(RuntimeError, match="unavailable"):
         kernels.ops()
 

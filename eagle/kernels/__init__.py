@@ -22,7 +22,7 @@ from contextlib import contextmanager
 logger = logging.getLogger(__name__)
 
 _lock = threading.Lock()
-_state: dict = {"loaded": False, "reason": None, "warned": False}
+_state: dict = {"loaded": False, "reason": None, "warned": set()}
 _forced_off = threading.local()  # force_fallback() of this thread
 
 
@@ -51,10 +51,10 @@ def unavailable_reason() -> str | None:
 
 
 def available() -> bool:
-    """Whether the native kernels can run here (logs once why not, and what runs instead)."""
+    """Whether the native kernels can run here (logs once per reason why not, and what runs instead)."""
     reason = unavailable_reason()
-    if reason is not None and not _state["warned"]:
-        _state["warned"] = True
+    if reason is not None and reason not in _state["warned"]:
+        _state["warned"].add(reason)
         logger.warning("eagle's native CPU kernels are unavailable: %s. GGUF weights are dequantized to float32 and "
                        "run through PyTorch instead (slower, and exact only up to float rounding between a token "
                        "computed alone and inside a batch).", reason)
