@@ -224,9 +224,9 @@ def test_a_row_gets_the_same_bits_alone_or_among_others(type_name, numerics):
 
 @needs_kernels
 @pytest.mark.parametrize("numerics", ["float32", "int8"])
-@pytest.mark.parametrize("type_name", ["F32", "Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q6_K"])
+@pytest.mark.parametrize("type_name", ALL_TYPES)
 def test_the_thread_count_does_not_change_the_bits(type_name, numerics):
-    shape = (600, SHAPES[type_name][1])  # enough columns for many work chunks
+    shape = (600, SHAPES[type_name][1])  # enough work to run on both threads, in many chunks
     blocks = gguf_bytes(type_name, *shape, seed=5)
     weight = packed(type_name, blocks, shape, numerics)
     x = torch.randn(11, shape[1])

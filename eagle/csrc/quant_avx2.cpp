@@ -126,26 +126,37 @@ void float_decode(const TypeInfo& t, const uint8_t* col, int64_t k, float* w) {
   }
 }
 
-// rows [r0, r0 + R) of column n, weights w[K]; the last partial vector of 8 is masked (zeros)
-template <int R>
-void k_rows(const LinearArgs& args, const float* w, int64_t r0, int64_t n) {
+// rows [r0, r0 + R) of columns [n, n + C), weights w[c][K]; the last partial vector of 8 is masked (zeros).
+// R x C accumulators: 2 x 4 leaves room in the 16 ymm registers for the 4 weight vectors and one x vector.
+template <int R, int C>
+void k_rows(const LinearArgs& args, const float* const* w, int64_t r0, int64_t n) {
   const int64_t k = args.k;
-  __m256 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  __m256 acc[R][C];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
   for (int64_t i = 0; i < k; i += 8) {
     const int64_t live = k - i < 8 ? k - i : 8;
     const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(live)),
                                             _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-    const __m256 wv = _mm256_maskload_ps(w + i, mask);
+    __m256 wv[C];
+#pragma GCC unroll 8
+    for (int c = 0; c < C; ++c) wv[c] = _mm256_maskload_ps(w[c] + i, mask);
+#pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
       const __m256 xv = _mm256_maskload_ps(args.x + (r0 + r) * k + i, mask);
-      acc[r] = _mm256_fmadd_ps(xv, wv, acc[r]);
+#pragma GCC unroll 8
+      for (int c = 0; c < C; ++c) acc[r][c] = _mm256_fmadd_ps(xv, wv[c], acc[r][c]);
     }
   }
-  for (int r = 0; r < R; ++r) {
-    const float sum = hsum(acc[r]);
-    args.y[(r0 + r) * args.n + n] = args.bias ? sum + args.bias[n] : sum;
-  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+    for (int c = 0; c < C; ++c) {
+      const float sum = hsum(acc[r][c]);
+      args.y[(r0 + r) * args.n + n + c] = args.bias ? sum + args.bias[n + c] : sum;
+    }
 }
 
 // ============================================================================================ int8 numerics
@@ -265,22 +276,32 @@ bool linear_k_avx2(const LinearArgs& args, int64_t n_begin, int64_t n_end, float
   const int64_t groups = t.group ? k / t.group : 0;
   float* a = scratch;
   float* b = a + groups;
-  float* w = b + groups;
   const Offsets o = offsets(t, LAYOUT_K, k);
-  for (int64_t n = n_begin; n < n_end; ++n) {
-    const uint8_t* col = args.payload + n * row_bytes;
-    const float* weights = w;
-    if (t.type == F32) {
-      weights = reinterpret_cast<const float*>(col);  // LAYOUT_K holds F32 columns as they are
-    } else if (is_float_type(t)) {
-      float_decode(t, col, k, w);
-    } else {
-      k_params(t, col, o, k, a, b);
-      k_decode(t, col, o, k, a, b, w);
+  for (int64_t n = n_begin; n < n_end; n += 4) {
+    const int columns = n_end - n < 4 ? static_cast<int>(n_end - n) : 4;
+    const float* weights[4];
+    for (int c = 0; c < columns; ++c) {  // each column decoded once per call, for every row
+      const uint8_t* col = args.payload + (n + c) * row_bytes;
+      float* w = b + groups + c * k;
+      weights[c] = w;
+      if (t.type == F32) {
+        weights[c] = reinterpret_cast<const float*>(col);  // LAYOUT_K holds F32 columns as they are
+      } else if (is_float_type(t)) {
+        float_decode(t, col, k, w);
+      } else {
+        k_params(t, col, o, k, a, b);
+        k_decode(t, col, o, k, a, b, w);
+      }
     }
-    int64_t r = 0;
-    for (; r + 4 <= args.m; r += 4) k_rows<4>(args, weights, r, n);
-    for (; r < args.m; ++r) k_rows<1>(args, weights, r, n);
+    for (int64_t r = 0; r < args.m; r += 2) {
+      const bool pair = r + 2 <= args.m;
+      if (columns == 4) {
+        pair ? k_rows<2, 4>(args, weights, r, n) : k_rows<1, 4>(args, weights, r, n);
+      } else {
+        for (int c = 0; c < columns; ++c)
+          pair ? k_rows<2, 1>(args, weights + c, r, n + c) : k_rows<1, 1>(args, weights + c, r, n + c);
+      }
+    }
   }
   return true;
 }

@@ -363,7 +363,7 @@ void quantize_rows_portable(const float* x, int64_t row_begin, int64_t row_end, 
 
 int64_t scratch_floats(const TypeInfo& t, int64_t k) {
   // portable kernels: codes (K bytes), fp16 d / m and scales (< K bytes each), a / b per group, weights K;
-  // SIMD kernels: a / b per group for a few columns at once
+  // SIMD kernels: a / b per group for up to 64 columns (AVX-512), 4 decoded columns of K floats (AVX2)
   return 12 * k + 64;
 }
 
