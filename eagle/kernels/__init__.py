@@ -32,9 +32,9 @@ def _load() -> str | None:
         if not _state["loaded"]:
             _state["loaded"] = True
             try:
-                importlib.import_module("eagle._kernels")
-                import torch
+                import torch  # first: the extension links against torch's libraries, which torch's import loads
 
+                importlib.import_module("eagle._kernels")
                 torch.ops.eagle.kernel_isa()  # the ops registered
             except Exception as err:  # noqa: BLE001 - any load failure means: run the fallback
                 _state["reason"] = f"the compiled extension eagle._kernels could not be loaded ({err})"

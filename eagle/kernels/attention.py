@@ -19,7 +19,6 @@ extension, a tensor on another device or of another dtype, autograd), the float6
 from __future__ import annotations
 
 import functools
-import importlib
 import logging
 import weakref
 from collections import OrderedDict
@@ -61,15 +60,10 @@ class VisibleKeys:
 
 
 def _load_extension() -> str | None:
-    """Load the compiled extension once; return why it is unavailable, or None when it loaded."""
-    package = importlib.import_module("eagle.kernels")
-    if hasattr(package, "available"):
-        return None if package.available() else package.unavailable_reason()
-    try:
-        importlib.import_module("eagle._kernels")
-    except ImportError as error:
-        return f"the compiled extension eagle._kernels could not be imported ({error})"
-    return None
+    """Load the compiled extension once (through :mod:`eagle.kernels`); return why it is unavailable, or None."""
+    from eagle import kernels
+
+    return None if kernels.available() else kernels.unavailable_reason()
 
 
 def _ops_registered() -> bool:
