@@ -20,10 +20,15 @@ SRC="${CACHE}/src"
 BUILD="${CACHE}/build"
 BIN="${BUILD}/bin"
 
-if [ -x "${BIN}/llama-server" ] && [ -f "${CACHE}/.built" ]; then
+# GGML_NATIVE compiles for this CPU, but not its AMX tile instructions: where the CPU lists AMX and the kernel (or a
+# sandbox) does not hand the tile state to the process, the first AMX matrix product dies of SIGILL. GCC's explicit
+# -mno-* flags win over -march=native whatever their order. A build made with other flags is not reused.
+CONFIG="native -mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+if [ -x "${BIN}/llama-server" ] && [ -f "${CACHE}/.built" ] && [ "$(cat "${CACHE}/.built")" = "${CONFIG}" ]; then
     echo "${BIN}"
     exit 0
 fi
+rm -rf "${BUILD}"
 
 mkdir -p "${CACHE}"
 cd "${CACHE}"
@@ -49,8 +54,10 @@ fi
 nice -n 10 cmake -S "${SRC}" -B "${BUILD}" -DCMAKE_BUILD_TYPE=Release \
     -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF \
     -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TOOLS=ON \
-    -DBUILD_SHARED_LIBS=OFF -DGGML_NATIVE=ON >&2
+    -DBUILD_SHARED_LIBS=OFF -DGGML_NATIVE=ON \
+    -DCMAKE_C_FLAGS="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16" \
+    -DCMAKE_CXX_FLAGS="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16" >&2
 nice -n 10 cmake --build "${BUILD}" --config Release -j "${JOBS}" --target llama-server >&2
 "${BIN}/llama-server" --version >&2
-touch "${CACHE}/.built"
+echo "${CONFIG}" > "${CACHE}/.built"
 echo "${BIN}"

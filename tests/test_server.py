@@ -32,8 +32,8 @@ WAIT_S = 60  # upper bound of any single wait in these tests
 
 
 class ControlledModel:
-    """The wrapped ``EaModel`` with hooks in its running batches (``continuous_batch``; ``generate_steps`` for an
-    engine of one sequence at a time): while ``gate`` is cleared the worker waits before each step; a prompt
+    """The wrapped ``EaModel`` with hooks in its running batches (``continuous_batch``): while ``gate`` is cleared
+    the worker waits before each step; a prompt
     containing ``fail_token`` makes the engine raise at its next step. Counts the steps run and records, for each
     running batch, how many requests were added at each step boundary (``batches``)."""
 
@@ -51,20 +51,6 @@ class ControlledModel:
 
     def continuous_batch(self, **kwargs):
         return ControlledBatch(self, self._model.continuous_batch(**kwargs))
-
-    def generate_steps(self, input_ids, **kwargs):
-        if self.fail_token is not None and self.fail_token in input_ids[0].tolist():
-            raise RuntimeError("simulated engine failure")
-        return self._gated(self._model.generate_steps(input_ids, **kwargs))
-
-    def _gated(self, inner):
-        try:
-            for step in inner:
-                assert self.gate.wait(WAIT_S), "the test never opened the gate"
-                self.steps_run += 1
-                yield step
-        finally:
-            inner.close()
 
 
 class ControlledBatch:
@@ -95,7 +81,7 @@ class ControlledBatch:
             if self.failing:
                 raise RuntimeError("simulated engine failure")
             self.owner.steps_run += 1
-            self.owner.rows_per_step.append(len(step))
+            self.owner.rows_per_step.append(sum(part.finish_reason != "cancelled" for part in step.values()))
             self.steps += 1
             yield step
 
@@ -477,6 +463,17 @@ def test_embedded_default_pair_serves_eagenerate_answers():
     text, new_tokens = reference(model, chat_ids(model, message), 24)
     assert answer.choices[0].message.content == text and answer.usage.completion_tokens == new_tokens
     assert answer.model_extra["eagle"]["accepted_tokens"] > 0  # the trained head's drafts are accepted
+    # its byte-level tokenizer bounds the tokens of a text from below: no token stands for more characters than
+    # the longest one, and only the ASCII characters its vocabulary lacks stand for none; checked against real
+    # tokenization of texts made of its longest tokens and of those characters
+    from eagle.application.prompt_bound import character_bound
+
+    bound, vocab = character_bound(model.tokenizer), model.tokenizer.get_vocab()
+    assert bound.per_token == max(len(token) for token in vocab) and bound.dropped
+    assert model.tokenizer(bound.dropped * 50, add_special_tokens=False)["input_ids"] == []
+    for token in sorted(vocab, key=len)[-30:] + ["a"]:
+        text = (model.tokenizer.convert_tokens_to_string([token]) + bound.dropped) * 40
+        assert len(model.tokenizer(text, add_special_tokens=False)["input_ids"]) >= bound.min_tokens(text) > 0
 
 
 def test_serve_benchmark_measures_both_modes_with_identical_greedy_answers(tiny_pair, tmp_path):
@@ -567,4 +564,5 @@ def test_command_line_serves_the_model_given_by_flags(tiny_pair, tiny_model):
         assert answer.choices[0].message.content == reference(tiny_model, chat_ids(tiny_model, PROMPTS[0]), 12)[0]
     finally:
         process.terminate()
-        process.wait(timeout=30)
+        status = process.wait(timeout=30)
+    assert status == 0  # SIGTERM: a clean exit

@@ -20,6 +20,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 MAX_STOP_STRINGS = 4
+#: ``seed``'s range: OpenAI's (a 64-bit signed integer).
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
 
 
 class APIError(Exception):
@@ -35,27 +37,53 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
-class StreamOptions(BaseModel):
+class _Strict(BaseModel):
+    """Values of the JSON type the field declares: ``"8"`` is not an integer, ``1`` not a boolean (an integer is
+    a number, as in JSON)."""
+
+    model_config = ConfigDict(strict=True)
+
+
+class StreamOptions(_Strict):
     include_usage: bool = False
 
 
-class TextPart(BaseModel):
+class TextPart(_Strict):
     type: Literal["text"]
     text: str
 
 
-class ChatMessage(BaseModel):
+class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[TextPart]
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_only(cls, value):
+        """A string or a list of text parts; any other part (an image...) is refused by its type."""
+        if isinstance(value, str):
+            return value
+        if not isinstance(value, list):
+            raise ValueError("content must be a string or a list of text parts ({\"type\": \"text\", \"text\": "
+                             "...})")
+        for i, part in enumerate(value):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind != "text" and isinstance(kind, str):
+                raise ValueError(f"{kind} parts are not supported: this server serves a text-only model (part {i} "
+                                 "of this message; only \"text\" parts are)")
+            if kind != "text" or not isinstance(part.get("text"), str):
+                raise ValueError(f"part {i} of this message is not a text part ({{\"type\": \"text\", \"text\": "
+                                 "a string}})")
+        return value
 
     def text(self) -> str:
         return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
 
 
-class SamplingRequest(BaseModel):
+class SamplingRequest(_Strict):
     """The fields both endpoints share. ``top_k`` is an extension (0 or -1 = off)."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
@@ -63,7 +91,7 @@ class SamplingRequest(BaseModel):
     top_p: float = Field(default=1.0, ge=0.0, le=1.0)
     top_k: int = Field(default=0, ge=-1)
     stop: list[str] = Field(default_factory=list)
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -93,15 +121,23 @@ class ChatCompletionRequest(SamplingRequest):
 
 
 class CompletionRequest(SamplingRequest):
-    prompt: str | list[str]
+    """``prompt``: a string or token ids (a list of integers), or a list of one of those (one prompt per
+    request); after validation, the string or the list of ids."""
 
-    @field_validator("prompt")
+    prompt: str | list[int]
+
+    @field_validator("prompt", mode="before")
     @classmethod
     def _one_prompt(cls, value):
-        if isinstance(value, list):
+        if isinstance(value, list) and value and all(isinstance(v, (str, list)) for v in value):
             if len(value) != 1:
-                raise ValueError("only one prompt per request is supported (a string or a list of one string)")
+                raise ValueError(f"only one prompt per request is supported, got {len(value)} (send a string, a "
+                                 "list of token ids, or a list of one of those)")
             value = value[0]
+        if isinstance(value, list) and not all(type(v) is int and v >= 0 for v in value):
+            raise ValueError("a prompt given as a list must hold token ids (integers from 0)")
+        if not isinstance(value, (str, list)):
+            raise ValueError("the prompt must be a string or a list of token ids (integers)")
         if not value:
             raise ValueError("the prompt is empty")
         return value
@@ -116,16 +152,31 @@ UNSUPPORTED_UNLESS = {
 }
 
 
+def _not_json(constant: str):
+    raise ValueError(f"{constant} is not a JSON value")
+
+
+def load_json(raw: bytes):
+    """The JSON value of a request body; :class:`APIError` 400 for invalid JSON (``NaN`` and ``Infinity``, which
+    Python's parser would take, included) or a body nested too deeply for the parser's recursion."""
+    try:
+        return json.loads(raw, parse_constant=_not_json)
+    except (json.JSONDecodeError, UnicodeDecodeError, ValueError) as err:
+        raise APIError(400, f"The request body is not valid JSON: {err}.") from None
+    except RecursionError:
+        raise APIError(400, "The request body is nested too deeply to be parsed: this API's bodies are a few "
+                       "levels deep.") from None
+
+
 def parse_request(model_cls: type[SamplingRequest], raw: bytes) -> SamplingRequest:
     """Validate a JSON body; :class:`APIError` 400 naming the field at fault."""
-    try:
-        data = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise APIError(400, f"The request body is not valid JSON: {err}.") from None
+    data = load_json(raw)
     if not isinstance(data, dict):
         raise APIError(400, "The request body must be a JSON object.")
     try:
         request = model_cls.model_validate(data)
+    except RecursionError:
+        raise APIError(400, "The request body is nested too deeply to be validated.") from None
     except ValidationError as err:
         first = err.errors()[0]
         param = ".".join(str(part) for part in first["loc"]) or None

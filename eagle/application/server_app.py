@@ -1,49 +1,67 @@
 """The OpenAI-compatible FastAPI app around a loaded ``EaModel``: :func:`build_app`.
 
 Endpoints: ``GET /v1/models``, ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /health``,
-``GET /metrics``. Generation runs in the :class:`~eagle.application.scheduler.Scheduler`'s worker thread; each
-request gets its text through an asyncio queue fed from that thread. Requests, answers and errors follow the
-OpenAI API (see :mod:`eagle.application.openai_schema`).
+``GET /metrics``, and with ``api_docs`` ``GET /openapi.json``, ``/docs`` and ``/redoc`` (behind the API key like
+``/v1``). Every request first passes :class:`~eagle.application.request_guard.RequestGuard` (its ``Host``, its
+``Content-Type``, its size). A body is parsed, validated and its prompt tokenized in a worker thread, off the event
+loop, so that a large one does not stall the other clients. Generation runs in the
+:class:`~eagle.application.worker.ModelWorker`'s thread; each request gets its text through an asyncio
+queue fed from that thread. Requests, answers and errors follow the OpenAI API (see
+:mod:`eagle.application.openai_schema`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hmac
 import logging
 import threading
 import time
 import uuid
-from dataclasses import dataclass
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 
 from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .. import templates
 from . import openai_schema as schema
 from .openai_schema import APIError, ChatCompletionRequest, CompletionRequest
-from .prompts import encode_prompt, get_model_type
-from .scheduler import GenerationParams, GenerationRequest, Scheduler, Update
+from .request_guard import RequestGuard, allowed_hosts
+from .request_prompts import PromptEncoder, chat_prompt_ids  # noqa: F401  (chat_prompt_ids: this module's name)
+from .worker import GenerationParams, Job, ModelWorker, Update
 from .text_stream import TextStream
 
 logger = logging.getLogger(__name__)
 
 #: How often a waiting non-streamed request checks that its client is still connected.
 DISCONNECT_POLL_S = 0.25
+#: Request bodies larger than this get 413 (``--max-body-bytes``).
+DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
+#: Request bodies parsed and tokenized at once (in worker threads); more wait for a free one.
+PREPARE_THREADS = 4
+#: How long the app's shutdown waits for the model worker to finish the step it is in.
+WORKER_EXIT_WAIT_S = 2.0
 
 
 @dataclass
 class ServerSettings:
-    """``served_model_name``: the one model name clients use; ``api_key``: when set, every ``/v1`` request needs
-    ``Authorization: Bearer <key>``; ``model_type``: prompt format for chat (None = the tokenizer's chat template);
-    ``default_max_tokens``: the answer budget when a request sets none."""
+    """``served_model_name``: the one model name clients use; ``api_key``: when set, every ``/v1`` request (and
+    the API docs) needs ``Authorization: Bearer <key>`` (the scheme in any case); ``model_type``: prompt format for
+    chat (None = the tokenizer's chat template); ``default_max_tokens``: the answer budget when a request sets
+    none; ``allowed_hosts``: the ``Host`` names answered (:func:`~eagle.application.request_guard.allowed_hosts`);
+    ``max_body_bytes``: larger bodies get 413; ``api_docs``: serve ``/openapi.json``, ``/docs`` and ``/redoc``."""
 
     served_model_name: str
     api_key: str | None = None
     model_type: str | None = None
     default_max_tokens: int = 512
+    allowed_hosts: frozenset[str] = field(default_factory=allowed_hosts)
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    api_docs: bool = False
 
 
 class _Mailbox:
@@ -91,21 +109,28 @@ def _mailbox(state) -> _Mailbox:
     return mailbox
 
 
-def build_app(model, scheduler: Scheduler, settings: ServerSettings) -> FastAPI:
-    """The app. The scheduler's worker starts with the app (lifespan) and stops with it."""
+def build_app(model, worker: ModelWorker, settings: ServerSettings) -> FastAPI:
+    """The app. The serving worker starts with the app (lifespan; already started is fine) and stops with it."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
-        scheduler.start()
+        app.state.prepare_pool = ThreadPoolExecutor(PREPARE_THREADS, thread_name_prefix="eagle-prepare")
+        app.state.worker_stopped = False
+        worker.start()
         try:
             yield
         finally:
-            scheduler.close()
+            app.state.prepare_pool.shutdown(wait=False, cancel_futures=True)
+            app.state.worker_stopped = worker.close(timeout=WORKER_EXIT_WAIT_S)
+            if not app.state.worker_stopped:
+                logger.warning("the model worker is still inside a step; not waiting for it")
 
-    app = FastAPI(title="eagle OpenAI-compatible server", lifespan=lifespan, docs_url=None, redoc_url=None)
-    app.state.scheduler, app.state.settings, app.state.model = scheduler, settings, model
+    app = FastAPI(title="eagle OpenAI-compatible server", lifespan=lifespan, docs_url=None, redoc_url=None,
+                  openapi_url=None)
+    app.state.worker, app.state.settings, app.state.model = worker, settings, model
+    app.add_middleware(RequestGuard, allowed=settings.allowed_hosts, max_body_bytes=settings.max_body_bytes)
     _add_error_handlers(app)
-    _add_routes(app, model, scheduler, settings)
+    _add_routes(app, model, worker, settings)
     return app
 
 
@@ -127,13 +152,22 @@ def _add_error_handlers(app: FastAPI) -> None:
                             status_code=500)
 
 
-def _add_routes(app: FastAPI, model, scheduler: Scheduler, settings: ServerSettings) -> None:
+def _bearer_token(header: str) -> str | None:
+    """The credentials of an ``Authorization: Bearer <token>`` header (the scheme in any case, RFC 7235)."""
+    scheme, _, token = header.strip().partition(" ")
+    if scheme.lower() != "bearer" or not token.strip():
+        return None
+    return token.strip()
+
+
+def _add_routes(app: FastAPI, model, worker: ModelWorker, settings: ServerSettings) -> None:
     name = settings.served_model_name
+    prompts = PromptEncoder(model, settings.model_type, worker.max_length)
 
     async def authenticate(request: Request) -> None:
         if settings.api_key:
-            given = request.headers.get("authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {settings.api_key}".encode()):
+            given = _bearer_token(request.headers.get("authorization", "")) or ""
+            if not hmac.compare_digest(given.encode(), settings.api_key.encode()):
                 raise APIError(401, "Missing or wrong API key: send the header 'Authorization: Bearer <key>'.",
                                code="invalid_api_key")
 
@@ -145,59 +179,71 @@ def _add_routes(app: FastAPI, model, scheduler: Scheduler, settings: ServerSetti
 
     @app.get("/health")
     async def health():
-        return {"status": "ok", "model": name, "mode": scheduler.mode, "queue_depth": scheduler.queue_depth(),
-                "running": scheduler.running()}
+        return {"status": "ok", "model": name, "mode": worker.mode, "queue_depth": worker.queue_depth(),
+                "running": worker.running()}
 
     @app.get("/metrics")
     async def metrics():
-        return PlainTextResponse(scheduler.render_metrics(), media_type="text/plain; version=0.0.4")
+        return PlainTextResponse(worker.render_metrics(), media_type="text/plain; version=0.0.4")
+
+    def prepare_chat(raw: bytes) -> tuple[ChatCompletionRequest, list[int]]:
+        body = schema.parse_request(ChatCompletionRequest, raw)
+        _check_model(body.model, name)
+        return body, prompts.chat(body.messages)
+
+    def prepare_completion(raw: bytes) -> tuple[CompletionRequest, list[int]]:
+        body = schema.parse_request(CompletionRequest, raw)
+        _check_model(body.model, name)
+        return body, prompts.completion(body.prompt)
 
     @api.post("/chat/completions")
     async def chat_completions(request: Request):
-        body = schema.parse_request(ChatCompletionRequest, await request.body())
-        _check_model(body.model, name)
-        prompt_ids = chat_prompt_ids(model.tokenizer, body.messages, settings.model_type)
+        body, prompt_ids = await _off_loop(request, prepare_chat, await request.body())
         budget = body.max_completion_tokens or body.max_tokens
-        return await _answer(request, body, prompt_ids, budget, chat=True, model=model, scheduler=scheduler,
+        return await _answer(request, body, prompt_ids, budget, chat=True, model=model, worker=worker,
                              settings=settings)
 
     @api.post("/completions")
     async def completions(request: Request):
-        body = schema.parse_request(CompletionRequest, await request.body())
-        _check_model(body.model, name)
-        prompt_ids = encode_prompt(model.tokenizer, body.prompt, template_has_special_tokens=False)
+        body, prompt_ids = await _off_loop(request, prepare_completion, await request.body())
         return await _answer(request, body, prompt_ids, body.max_tokens, chat=False, model=model,
-                             scheduler=scheduler, settings=settings)
+                             worker=worker, settings=settings)
 
     app.include_router(api)
+    if settings.api_docs:
+        _add_docs(app, authenticate)
+
+
+def _add_docs(app: FastAPI, authenticate) -> None:
+    """``/openapi.json``, ``/docs`` (Swagger UI) and ``/redoc``, behind the API key when one is set."""
+    docs = APIRouter(dependencies=[Depends(authenticate)], include_in_schema=False)
+
+    @docs.get("/openapi.json")
+    async def openapi():
+        return JSONResponse(app.openapi())
+
+    @docs.get("/docs")
+    async def swagger():
+        return get_swagger_ui_html(openapi_url="/openapi.json", title=f"{app.title} - docs")
+
+    @docs.get("/redoc")
+    async def redoc():
+        return get_redoc_html(openapi_url="/openapi.json", title=f"{app.title} - ReDoc")
+
+    app.include_router(docs)
+
+
+async def _off_loop(request: Request, work, *args):
+    """``work(*args)`` in a thread of the app's pool (:data:`PREPARE_THREADS`), so that the event loop goes on
+    serving the other clients meanwhile; its :class:`APIError` reaches the caller."""
+    pool = getattr(request.app.state, "prepare_pool", None)
+    return await asyncio.get_running_loop().run_in_executor(pool, functools.partial(work, *args))
 
 
 def _check_model(requested: str | None, served: str) -> None:
     if requested is not None and requested != served:
         raise APIError(404, f"The model '{requested}' does not exist; this server serves '{served}'.",
                        param="model", code="model_not_found")
-
-
-def chat_prompt_ids(tokenizer, messages: list[schema.ChatMessage], model_type: str | None) -> list[int]:
-    """Token ids of the chat prompt: the tokenizer's chat template (``model_type`` None), or one of
-    :data:`eagle.application.prompts.MODEL_TYPES`, which take user/assistant turns ending with a user message."""
-    kind = get_model_type(model_type)
-    conversation = [{"role": m.role, "content": m.text()} for m in messages]
-    if model_type is None:
-        if not getattr(tokenizer, "chat_template", None):
-            raise APIError(500, "The model's tokenizer has no chat template; start the server with --model-type.",
-                           type="server_error")
-        try:
-            text = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
-        except Exception as err:  # noqa: BLE001 - a template's own refusal (say, roles out of order) is the user's
-            raise APIError(400, f"The chat template refused these messages: {err}", param="messages") from None
-        return encode_prompt(tokenizer, text, True)
-    roles = [m["role"] for m in conversation]
-    if roles[-1] != "user" or any(r != ("user" if i % 2 == 0 else "assistant") for i, r in enumerate(roles)):
-        raise APIError(400, f"The prompt format '{model_type}' takes user and assistant messages in turn, starting "
-                       "and ending with a user message (no system message).", param="messages")
-    texts = [m["content"] for m in conversation] + [None]
-    return templates.encode_prompt(kind, tokenizer, list(zip(texts[0::2], texts[1::2])))
 
 
 def _params(body: schema.SamplingRequest, budget: int | None, prompt_length: int, max_length: int,
@@ -215,19 +261,19 @@ def _params(body: schema.SamplingRequest, budget: int | None, prompt_length: int
 
 
 async def _answer(request: Request, body: schema.SamplingRequest, prompt_ids: list[int], budget: int | None,
-                  chat: bool, model, scheduler: Scheduler, settings: ServerSettings):
-    params = _params(body, budget, len(prompt_ids), scheduler.max_length, settings)
+                  chat: bool, model, worker: ModelWorker, settings: ServerSettings):
+    params = _params(body, budget, len(prompt_ids), worker.max_length, settings)
     channel = _Channel(_mailbox(request.app.state))
-    job = GenerationRequest(prompt_ids=prompt_ids, params=params, deliver=channel.deliver,
+    job = Job(prompt_ids=prompt_ids, params=params, deliver=channel.deliver,
                             text=TextStream(model.tokenizer, params.stop))
-    scheduler.submit(job)  # 429 when the queue is full, before any answer starts
+    worker.submit(job)  # 429 when the queue is full, before any answer starts
     answer = _Answer(("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex, settings.served_model_name,
                      int(time.time()), chat, len(prompt_ids))
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return StreamingResponse(_stream(answer, job, channel, scheduler, include_usage),
+        return StreamingResponse(_stream(answer, job, channel, worker, include_usage),
                                  media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-    return await _collect(request, answer, job, channel, scheduler)
+    return await _collect(request, answer, job, channel, worker)
 
 
 @dataclass
@@ -263,8 +309,8 @@ class _Answer:
         return schema.chat_chunk(self.id, self.model, self.created, delta, finish_reason, usage_, eagle)
 
 
-async def _collect(request: Request, answer: _Answer, job: GenerationRequest, channel: _Channel,
-                   scheduler: Scheduler):
+async def _collect(request: Request, answer: _Answer, job: Job, channel: _Channel,
+                   worker: ModelWorker):
     """Wait for the whole answer; cancel it if the client goes away meanwhile."""
     parts = []
     try:
@@ -283,10 +329,10 @@ async def _collect(request: Request, answer: _Answer, job: GenerationRequest, ch
                 return answer.whole("".join(parts), update)
     finally:
         if not job.done:
-            scheduler.cancel(job)
+            worker.cancel(job)
 
 
-async def _stream(answer: _Answer, job: GenerationRequest, channel: _Channel, scheduler: Scheduler,
+async def _stream(answer: _Answer, job: Job, channel: _Channel, worker: ModelWorker,
                   include_usage: bool):
     """Server-sent events: a first chunk (the role), text deltas, a last chunk with the finish reason, the usage
     chunk when asked for, then ``[DONE]``. A client that goes away cancels the generation."""
@@ -308,4 +354,4 @@ async def _stream(answer: _Answer, job: GenerationRequest, channel: _Channel, sc
     finally:
         if not job.done:
             logger.info("client of %s went away; request cancelled", answer.id)
-            scheduler.cancel(job)
+            worker.cancel(job)

@@ -94,11 +94,21 @@ class Job:
     accepted: int = 0
     done: bool = False
     mode: str = EAGLE  # how it was generated: EAGLE or PLAIN (set when its batch starts)
+    _finishing: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
-    def finish(self, reason: str | None = None, error: APIError | None = None, text: str = "") -> None:
-        self.done = True
-        self.deliver(Update(text=text, finish_reason=reason, error=error, completion_tokens=self.completion_tokens,
-                            steps=self.steps, accepted=self.accepted, mode=self.mode))
+    def finish(self, reason: str | None = None, error: APIError | None = None, text: str = "",
+               last: Update | None = None) -> bool:
+        """Deliver the final update (``last``, or one made of ``reason``, ``error`` and ``text``), once: False when
+        the job had ended already (the worker and :meth:`ModelWorker.close` may both end it)."""
+        with self._finishing:
+            if self.done:
+                return False
+            self.done = True
+        last = last or Update(text=text, mode=self.mode)
+        last.finish_reason, last.error = reason, error
+        last.completion_tokens, last.steps, last.accepted = self.completion_tokens, self.steps, self.accepted
+        self.deliver(last)
+        return True
 
 
 def position_limit(model) -> int | None:
@@ -163,18 +173,23 @@ class ModelWorker:
     def started(self) -> bool:
         return self._thread is not None
 
-    def close(self, timeout: float = 30.0) -> None:
-        """Stop taking jobs, cancel those waiting or running, and wait for the worker."""
+    def close(self, timeout: float = 30.0, message: str = "The server is shutting down.") -> bool:
+        """Stop taking jobs, end those waiting or running at once with a 503 saying ``message`` (the running ones are
+        cancelled: their rows stop after the step in progress), and wait up to ``timeout`` seconds for the worker;
+        whether it has stopped."""
         with self._cond:
             self._closing = True
             waiting, self._waiting = list(self._waiting), collections.deque()
-            for job in self._running:
-                job.cancelled.set()
+            running = list(self._running)
             self._cond.notify_all()
-        for job in waiting:
-            job.finish(error=APIError(503, "The server is shutting down.", type="server_error"))
+        for job in waiting + running:
+            if job.finish(error=APIError(503, message, type="server_error")):  # before the cancellation, which the
+                self.metrics.count("error")  # worker would take for the client's and end without a word
+            job.cancelled.set()
         if self._thread is not None:
             self._thread.join(timeout)
+            return not self._thread.is_alive()
+        return True
 
     def submit(self, job: Job) -> None:
         """Queue ``job``; :class:`APIError` 429 (with ``Retry-After``) when the queue is full."""
@@ -248,9 +263,8 @@ class ModelWorker:
             with self._cond:
                 members = list(self._running)
             for job in members:
-                if not job.done:
+                if job.finish(error=APIError(500, f"Internal error during generation: {err}", type="server_error")):
                     self.metrics.count("error")
-                    job.finish(error=APIError(500, f"Internal error during generation: {err}", type="server_error"))
         finally:
             with self.metrics.lock:
                 self.metrics.busy_seconds += time.perf_counter() - start
@@ -303,16 +317,17 @@ class ModelWorker:
 
     def _join(self, running, rows: dict, job: Job, use_eagle: bool) -> None:
         """Add ``job`` to the engine's running batch (it joins at the next step)."""
-        if job.cancelled.is_set():
-            self.metrics.count("cancelled")
-            job.done = True
+        if job.done or job.cancelled.is_set():
+            if not job.done:
+                self.metrics.count("cancelled")
+                job.done = True
             return
         try:
             (row,) = running.add(torch.tensor(job.prompt_ids, dtype=torch.long), max_new_tokens=job.params.max_new_tokens)
         except Exception as err:  # noqa: BLE001 - this job fails (a cache that does not fit), the batch goes on
             logger.exception("a request could not join the batch")
-            self.metrics.count("error")
-            job.finish(error=APIError(500, f"Internal error: {err}", type="server_error"))
+            if job.finish(error=APIError(500, f"Internal error: {err}", type="server_error")):
+                self.metrics.count("error")
             return
         job.mode = EAGLE if use_eagle else PLAIN
         rows[row] = job
@@ -346,6 +361,7 @@ class ModelWorker:
                 if batch_key(self._waiting[0].params) != key:
                     break
                 joining.append(self._waiting.popleft())
+            self._running.extend(joining)  # running from now on, for close() to end them too
             return joining
 
     def _wants_eagle(self, params: GenerationParams, rows: int) -> bool:
@@ -386,13 +402,10 @@ class ModelWorker:
 
     def _finish(self, job: Job, reason: str, last: Update) -> None:
         """End ``job`` with ``reason``: its last update carries the reason and the final counts."""
-        with self.metrics.lock:
-            self.metrics.prompt_tokens += len(job.prompt_ids)
-        self.metrics.count("ok")
-        job.done = True
-        last.finish_reason = reason
-        last.completion_tokens, last.steps, last.accepted = job.completion_tokens, job.steps, job.accepted
-        job.deliver(last)
+        if job.finish(reason, last=last):
+            with self.metrics.lock:
+                self.metrics.prompt_tokens += len(job.prompt_ids)
+            self.metrics.count("ok")
 
     def warm_up(self, use_eagle: bool | None = None) -> None:
         """One short generation through the worker, so that the first client does not wait for lazy

@@ -121,7 +121,7 @@ DTYPES_BY_NAME = {"float32": torch.float32, "float16": torch.float16, "bfloat16"
 def resolve_draft_dtype(draft_dtype, base_dtype: torch.dtype, device: torch.device, eagle_version: int) -> torch.dtype:
     """The dtype the draft head runs in. ``"auto"`` (or None): bfloat16 for an EAGLE-3 head of a float32 model on a
     CPU that computes in bfloat16 natively (AVX512-BF16 or AMX: half the bytes to read per draft pass, and the
-    head's proposals are as good, see README "Use"), otherwise the base model's dtype. A dtype (or its
+    head's proposals are as good, see docs/USAGE.md), otherwise the base model's dtype. A dtype (or its
     name: "float32", "bfloat16", "float16") is taken as given. Verification by the target decides every emitted
     token, so the head's precision changes the speed, never the output."""
     if draft_dtype is None or draft_dtype == "auto":

@@ -69,32 +69,6 @@ class RealRows:
 _REAL_ROWS: contextvars.ContextVar[RealRows | None] = contextvars.ContextVar("eagle_real_rows", default=None)
 
 
-@contextmanager
-def real_rows_only(real: torch.Tensor | None):
-    """While a model call runs over (B, T) token rows of which only some are real (``real`` (B, T) bool: a batch's
-    draft trees padded to the largest, left-padded prompts), every :class:`PackedLinear` given one input row per
-    token, in order ((B, T, in) or (B * T, in)), computes the real rows alone and returns zeros for the others.
-
-    On a CPU the linear layers cost in proportion to their rows, so this makes a padded forward cost what its real
-    rows cost. It is exact for the real rows of a model in which no real token reads a padding token (the attention
-    masks hide padding keys from real queries; everything else works row by row), and padding rows stay finite (zero
-    vectors through the norms). Does nothing when ``real`` is None or has fewer than :data:`MIN_PADDING_ROWS`
-    padding rows (gathering and scattering would cost more than the rows save)."""
-    if real is None or real.numel() - int(real.sum()) < MIN_PADDING_ROWS:
-        yield
-        return
-    token = _REAL_ROWS.set(RealRows(tuple(real.shape), real.reshape(-1).nonzero()[:, 0]))
-    try:
-        yield
-    finally:
-        _REAL_ROWS.reset(token)
-
-
-# The real rows of the model call under way (set by :func:`real_rows_only`); a context variable, so that each thread
-# (a server's requests) sees its own.
-_REAL_ROWS: contextvars.ContextVar[RealRows | None] = contextvars.ContextVar("eagle_real_rows", default=None)
-
-
 def current_real_rows() -> RealRows | None:
     """The real rows of the model call under way on this thread, or None (every row is real)."""
     return _REAL_ROWS.get()

@@ -1,0 +1,384 @@
+// The extension's torch ops over GGUF quantized weights (namespace `eagle`; this file holds the one TORCH_LIBRARY
+// block of the extension, other files add theirs with TORCH_LIBRARY_FRAGMENT):
+//   repack(raw, type, n, k, numerics)                  GGUF blocks (N rows of K inputs) -> packed weight
+//   quant_linear(x, weight, type, n, k, bias, numerics) x (M, K) float32 -> (M, N) float32
+//   dequantize(weight, type, n, k)                     packed weight -> (N, K) float32
+//   quant_embedding(ids, weight, type, n, k)           ids (...) int64 -> (..., K) float32 rows
+//   quantize_rows(x)                                   the int8 activation quantizer: (q, d, s) of x (M, K)
+//   packed_nbytes(type, n, k, numerics), kernel_isa(), set_kernel_isa(name)
+// Every op checks its arguments (dtype, device, contiguity, shape, K a multiple of the type's block, the packed
+// weight's header and byte count) before touching memory.
+#include <Python.h>
+#include <torch/library.h>
+#include <ATen/ATen.h>
+
+#include <atomic>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "parallel.h"
+#include "quant.h"
+
+namespace eagle {
+
+namespace {
+
+using quant::Header;
+using quant::Layout;
+using quant::TypeInfo;
+
+// ------------------------------------------------------------------------------------------------ ISA choice
+std::atomic<int> g_isa{-1};
+
+int best_isa() {
+#if defined(__x86_64__) || defined(_M_X64)
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+      __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("fma") &&
+      __builtin_cpu_supports("f16c"))
+    return quant::ISA_AVX512;
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
+    return quant::ISA_AVX2;
+#endif
+  return quant::ISA_PORTABLE;
+}
+
+const char* isa_name(int isa) {
+  return isa == quant::ISA_AVX512 ? "avx512" : isa == quant::ISA_AVX2 ? "avx2" : "portable";
+}
+
+int parse_isa(const std::string& name) {
+  if (name == "avx512") return quant::ISA_AVX512;
+  if (name == "avx2") return quant::ISA_AVX2;
+  if (name == "portable") return quant::ISA_PORTABLE;
+  TORCH_CHECK(false, "unknown kernel ISA '", name, "': expected one of avx512, avx2, portable");
+  return -1;
+}
+
+int set_isa_checked(int isa) {
+  const int best = best_isa();
+  TORCH_CHECK(isa <= best, "this CPU cannot run the ", isa_name(isa), " kernels (the best it runs is ",
+              isa_name(best), ")");
+  g_isa.store(isa);
+  return isa;
+}
+
+int current_isa() {
+  int isa = g_isa.load();
+  if (isa >= 0) return isa;
+  const char* env = std::getenv("EAGLE_KERNELS_ISA");
+  return set_isa_checked(env && *env ? parse_isa(env) : best_isa());
+}
+
+// ------------------------------------------------------------------------------------------------ checks
+const TypeInfo& checked_type(const std::string& name, const char* op) {
+  const TypeInfo* t = quant::type_info_by_name(name.c_str());
+  TORCH_CHECK_VALUE(t != nullptr, op, ": weight type '", name,
+              "' is not handled by the kernels (handled: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, "
+              "Q6_K)");
+  return *t;
+}
+
+Layout layout_for(const TypeInfo& t, const std::string& numerics, const char* op) {
+  TORCH_CHECK_VALUE(numerics == "float32" || numerics == "int8", op, ": numerics must be 'float32' or 'int8', got '",
+              numerics, "'");
+  return numerics == "int8" && !quant::is_float_type(t) ? quant::LAYOUT_N : quant::LAYOUT_K;
+}
+
+void check_shape(const TypeInfo& t, int64_t n, int64_t k, const char* op) {
+  TORCH_CHECK_VALUE(n >= 1 && k >= 1, op, ": N and K must be positive, got N=", n, ", K=", k);
+  TORCH_CHECK_VALUE(n <= (int64_t{1} << 31) && k <= (int64_t{1} << 31), op, ": N=", n, ", K=", k, " is too large");
+  TORCH_CHECK_VALUE(k % t.unit == 0, op, ": K=", k, " is not a multiple of the ", t.name, " block size (", t.unit, ")");
+}
+
+void check_bytes_tensor(const at::Tensor& w, const char* what, const char* op) {
+  TORCH_CHECK_TYPE(w.device().is_cpu(), op, ": ", what, " must be a CPU tensor, got ", w.device());
+  TORCH_CHECK_TYPE(w.scalar_type() == at::kByte, op, ": ", what, " must be a uint8 tensor, got ", w.scalar_type());
+  TORCH_CHECK_VALUE(w.is_contiguous(), op, ": ", what, " must be contiguous");
+}
+
+// Validates a packed weight against (type, N, K) and returns its layout.
+Layout check_packed(const at::Tensor& w, const TypeInfo& t, int64_t n, int64_t k, const char* op) {
+  check_bytes_tensor(w, "the packed weight", op);
+  check_shape(t, n, k, op);
+  TORCH_CHECK_VALUE(w.numel() >= quant::kHeaderBytes, op, ": the packed weight holds ", w.numel(),
+              " bytes, less than its 64-byte header: pass a tensor made by eagle::repack");
+  Header h;
+  std::memcpy(&h, w.data_ptr<uint8_t>(), sizeof(h));
+  TORCH_CHECK_VALUE(h.magic == quant::kMagic && h.version == quant::kVersion, op,
+              ": the tensor is not a packed weight of this version (bad header): pass a tensor made by eagle::repack");
+  TORCH_CHECK_VALUE(h.type == t.type, op, ": the packed weight holds type ",
+              quant::type_info(h.type) ? quant::type_info(h.type)->name : "?", ", not ", t.name);
+  TORCH_CHECK_VALUE(h.n == n && h.k == k, op, ": the packed weight is N=", h.n, ", K=", h.k, ", not N=", n, ", K=", k);
+  TORCH_CHECK_VALUE(h.layout == quant::LAYOUT_K || h.layout == quant::LAYOUT_N, op, ": bad layout in the header");
+  const Layout layout = static_cast<Layout>(h.layout);
+  TORCH_CHECK_VALUE(layout == quant::LAYOUT_K || !quant::is_float_type(t), op, ": bad layout for a float weight");
+  const int64_t payload = quant::payload_bytes(t, layout, n, k);
+  TORCH_CHECK_VALUE(h.payload_bytes == payload && w.numel() == quant::kHeaderBytes + payload, op, ": the packed ", t.name,
+              " weight (N=", n, ", K=", k, ") must hold 64 + ", payload, " bytes, it holds ", w.numel());
+  return layout;
+}
+
+at::Tensor check_rows(const at::Tensor& x, int64_t k, const char* op) {
+  TORCH_CHECK_TYPE(x.device().is_cpu(), op, ": x must be a CPU tensor, got ", x.device());
+  TORCH_CHECK_TYPE(x.scalar_type() == at::kFloat, op, ": x must be float32, got ", x.scalar_type());
+  TORCH_CHECK_VALUE(x.dim() == 2 && x.size(1) == k, op, ": x must have shape (M, ", k, "), got ", x.sizes());
+  TORCH_CHECK_VALUE(x.is_contiguous(), op, ": x must be contiguous");
+  return x;
+}
+
+// ------------------------------------------------------------------------------------------------ scratch
+float* thread_scratch(int64_t floats) {
+  thread_local std::vector<float> buffer;
+  if (static_cast<int64_t>(buffer.size()) < floats) buffer.resize(floats);
+  return buffer.data();
+}
+
+// columns per work chunk: results never depend on it, only the split of work over threads does
+// (1 or 2 rows: wide chunks, whose 4-column (LAYOUT_N: 4-group) tiles keep more independent work in flight)
+int64_t chunk_columns(Layout layout, int64_t n, int64_t m) {
+  const int64_t wide = layout == quant::LAYOUT_N ? 64 : 32;
+  return (m <= 2 && n >= 4 * wide) ? wide : 16;
+}
+
+// Calls below this many multiply-adds run on the calling thread: waking torch's other threads costs more than they
+// save (and on a busy machine a descheduled thread delays the whole call).
+constexpr int64_t kParallelMacs = int64_t{1} << 17;
+
+template <typename F>
+void for_chunks(int64_t chunks, int64_t work, const F& fn) {
+  if (work < kParallelMacs) {
+    for (int64_t c = 0; c < chunks; ++c) fn(c);
+  } else {
+    dynamic_for(chunks, fn);
+  }
+}
+
+// ------------------------------------------------------------------------------------------------ ops
+at::Tensor repack(const at::Tensor& raw, const std::string& type, int64_t n, int64_t k, const std::string& numerics) {
+  const char* op = "eagle::repack";
+  const TypeInfo& t = checked_type(type, op);
+  const Layout layout = layout_for(t, numerics, op);
+  check_bytes_tensor(raw, "the GGUF blocks", op);
+  check_shape(t, n, k, op);
+  const int64_t native = quant::native_row_bytes(t, k);
+  TORCH_CHECK_VALUE(raw.numel() == n * native, op, ": ", t.name, " blocks of N=", n, ", K=", k, " take ", n * native,
+              " bytes (", native, " per row), the tensor holds ", raw.numel());
+  const int64_t payload = quant::payload_bytes(t, layout, n, k);
+  at::Tensor out = at::zeros({quant::kHeaderBytes + payload}, at::kByte);
+  Header h{};
+  h.magic = quant::kMagic;
+  h.version = quant::kVersion;
+  h.type = t.type;
+  h.layout = layout;
+  h.n = n;
+  h.k = k;
+  h.payload_bytes = payload;
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  std::memcpy(dst, &h, sizeof(h));
+  dst += quant::kHeaderBytes;
+  const uint8_t* src = raw.data_ptr<uint8_t>();
+  if (quant::is_float_type(t)) {
+    std::memcpy(dst, src, payload);
+    return out;
+  }
+  const int64_t row_bytes = quant::packed_row_bytes(t, k);
+  const int64_t lanes = layout == quant::LAYOUT_N ? quant::kColumnsPerGroup : 1;
+  const int64_t groups = (n + lanes - 1) / lanes;
+  for_chunks(groups, n * k, [&](int64_t g) {
+    // canonical columns of this group: codes (k), fp16 d / m (k / 32 each), scales / mins (k / 16 each)
+    std::vector<uint8_t> codes(lanes * k), sc(lanes * k / 16 + 1), mn(lanes * k / 16 + 1);
+    std::vector<uint16_t> d(lanes * (k / 32 + 1)), m(lanes * (k / 32 + 1));
+    std::vector<quant::Column> cols(lanes);
+    std::vector<const quant::Column*> ptrs(lanes, nullptr);
+    for (int64_t j = 0; j < lanes && g * lanes + j < n; ++j) {
+      cols[j] = {codes.data() + j * k, d.data() + j * (k / 32 + 1), m.data() + j * (k / 32 + 1),
+                 sc.data() + j * (k / 16), mn.data() + j * (k / 16)};
+      quant::native_to_column(t, src + (g * lanes + j) * native, k, cols[j]);
+      ptrs[j] = &cols[j];
+    }
+    if (layout == quant::LAYOUT_K) {
+      quant::column_to_k(t, cols[0], k, dst + g * row_bytes);
+    } else {
+      quant::columns_to_n(t, ptrs.data(), k, dst + g * lanes * row_bytes);
+    }
+  });
+  return out;
+}
+
+int64_t packed_nbytes(const std::string& type, int64_t n, int64_t k, const std::string& numerics) {
+  const TypeInfo& t = checked_type(type, "eagle::packed_nbytes");
+  check_shape(t, n, k, "eagle::packed_nbytes");
+  return quant::kHeaderBytes + quant::payload_bytes(t, layout_for(t, numerics, "eagle::packed_nbytes"), n, k);
+}
+
+std::vector<at::Tensor> quantize_rows_op(const at::Tensor& x_in) {
+  const char* op = "eagle::quantize_rows";
+  TORCH_CHECK_VALUE(x_in.dim() == 2, op, ": x must have shape (M, K), got ", x_in.sizes());
+  const at::Tensor x = check_rows(x_in, x_in.size(1), op);
+  const int64_t m = x.size(0), k = x.size(1);
+  TORCH_CHECK_VALUE(k % 32 == 0 && k > 0, op, ": K=", k, " is not a positive multiple of 32");
+  at::Tensor q = at::empty({m, k}, at::kChar), d = at::empty({m, k / 32}, at::kFloat);
+  at::Tensor s = at::empty({m, k / 32}, at::kFloat), sum16 = at::empty({m, k / 16}, at::kInt);
+  quant::QuantizedRows rows{m, k, q.data_ptr<int8_t>(), d.data_ptr<float>(), s.data_ptr<float>(),
+                            sum16.data_ptr<int32_t>()};
+  if (current_isa() == quant::ISA_AVX512) {
+    quant::quantize_rows_avx512(x.data_ptr<float>(), 0, m, rows);
+  } else {
+    quant::quantize_rows_portable(x.data_ptr<float>(), 0, m, rows);
+  }
+  return {q, d, s, sum16};
+}
+
+at::Tensor quant_linear(const at::Tensor& x_in, const at::Tensor& weight, const std::string& type, int64_t n,
+                        int64_t k, const std::optional<at::Tensor>& bias, const std::string& numerics) {
+  const char* op = "eagle::quant_linear";
+  const TypeInfo& t = checked_type(type, op);
+  const Layout wanted = layout_for(t, numerics, op);
+  const Layout layout = check_packed(weight, t, n, k, op);
+  TORCH_CHECK_VALUE(layout == wanted, op, ": the weight was packed for ",
+              layout == quant::LAYOUT_N ? "int8" : "float32", " numerics, the call asks for ", numerics,
+              ": repack it with numerics='", numerics, "'");
+  const at::Tensor x = check_rows(x_in, k, op);
+  const float* bias_ptr = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK_VALUE(bias->device().is_cpu() && bias->scalar_type() == at::kFloat && bias->dim() == 1 &&
+                    bias->size(0) == n && bias->is_contiguous(),
+                op, ": bias must be a contiguous float32 CPU tensor of shape (", n, "), got ", bias->scalar_type(),
+                " ", bias->sizes());
+    bias_ptr = bias->data_ptr<float>();
+  }
+  const int64_t m = x.size(0);
+  at::Tensor y = at::empty({m, n}, at::kFloat);
+  if (m == 0) return y;
+  const int isa = current_isa();
+  quant::LinearArgs args{&t, weight.data_ptr<uint8_t>() + quant::kHeaderBytes, n, k, m, x.data_ptr<float>(),
+                         nullptr, bias_ptr, y.data_ptr<float>()};
+  std::vector<int8_t> q;
+  std::vector<float> d, s;
+  std::vector<int32_t> sum16;
+  quant::QuantizedRows rows{};
+  if (layout == quant::LAYOUT_N) {
+    q.resize(m * k);
+    d.resize(m * k / 32);
+    s.resize(m * k / 32);
+    sum16.resize(m * k / 16);
+    rows = {m, k, q.data(), d.data(), s.data(), sum16.data()};
+    if (isa == quant::ISA_AVX512) {
+      quant::quantize_rows_avx512(args.x, 0, m, rows);
+    } else {
+      quant::quantize_rows_portable(args.x, 0, m, rows);
+    }
+    args.xq = &rows;
+  }
+  using Kernel = bool (*)(const quant::LinearArgs&, int64_t, int64_t, float*);
+  Kernel kernel;
+  if (layout == quant::LAYOUT_K) {
+    kernel = isa == quant::ISA_AVX512 ? quant::linear_k_avx512
+             : isa == quant::ISA_AVX2 ? quant::linear_k_avx2 : quant::linear_k_portable;
+  } else {
+    kernel = isa == quant::ISA_AVX512 ? quant::linear_n_avx512
+             : isa == quant::ISA_AVX2 ? quant::linear_n_avx2 : quant::linear_n_portable;
+  }
+  const int64_t width = chunk_columns(layout, n, m);
+  const int64_t chunks = (n + width - 1) / width;
+  const int64_t scratch = quant::scratch_floats(t, k);
+  std::atomic<bool> handled{true};
+  for_chunks(chunks, m * n * k, [&](int64_t c) {
+    const int64_t begin = c * width, end = std::min(n, begin + width);
+    if (!kernel(args, begin, end, thread_scratch(scratch))) handled.store(false);
+  });
+  TORCH_CHECK(handled.load(), op, ": no ", isa_name(isa), " kernel for ", t.name, " weights");
+  return y;
+}
+
+// Decodes column n of a packed weight into w[K] float32 (what the float32 model holds).
+void decode_column(const TypeInfo& t, Layout layout, const uint8_t* payload, int64_t n, int64_t k, float* scratch,
+                   float* w) {
+  const int64_t row_bytes = quant::packed_row_bytes(t, k);
+  if (quant::is_float_type(t)) {
+    quant::float_row_weights(t, payload + n * row_bytes, k, w);
+    return;
+  }
+  const int64_t groups = k / t.group;
+  float* a = scratch;
+  float* b = a + groups;
+  auto* bytes = reinterpret_cast<uint8_t*>(b + groups);
+  auto* halves = reinterpret_cast<uint16_t*>(bytes + (k + 2 * groups + 1) / 2 * 2);
+  quant::Column c{bytes, halves, halves + k / 16 + 1, bytes + k, bytes + k + groups};
+  if (layout == quant::LAYOUT_K) {
+    quant::k_to_column(t, payload + n * row_bytes, k, c);
+  } else {
+    const int64_t group_bytes = quant::kColumnsPerGroup * row_bytes;
+    quant::n_to_column(t, payload + n / quant::kColumnsPerGroup * group_bytes,
+                       static_cast<int>(n % quant::kColumnsPerGroup), k, c);
+  }
+  quant::column_params(t, c, k, a, b);
+  quant::column_weights(t, c, k, a, b, w);
+}
+
+at::Tensor dequantize(const at::Tensor& weight, const std::string& type, int64_t n, int64_t k) {
+  const char* op = "eagle::dequantize";
+  const TypeInfo& t = checked_type(type, op);
+  const Layout layout = check_packed(weight, t, n, k, op);
+  at::Tensor out = at::empty({n, k}, at::kFloat);
+  const uint8_t* payload = weight.data_ptr<uint8_t>() + quant::kHeaderBytes;
+  float* dst = out.data_ptr<float>();
+  const int64_t scratch = quant::scratch_floats(t, k);
+  for_chunks(n, n * k, [&](int64_t c) { decode_column(t, layout, payload, c, k, thread_scratch(scratch), dst + c * k); });
+  return out;
+}
+
+at::Tensor quant_embedding(const at::Tensor& ids, const at::Tensor& weight, const std::string& type, int64_t n,
+                           int64_t k) {
+  const char* op = "eagle::quant_embedding";
+  const TypeInfo& t = checked_type(type, op);
+  const Layout layout = check_packed(weight, t, n, k, op);
+  TORCH_CHECK_TYPE(ids.device().is_cpu() && ids.scalar_type() == at::kLong, op, ": ids must be an int64 CPU tensor, got ",
+              ids.scalar_type(), " on ", ids.device());
+  const at::Tensor flat = ids.contiguous().reshape({-1});
+  const int64_t* id = flat.data_ptr<int64_t>();
+  const int64_t count = flat.numel();
+  for (int64_t i = 0; i < count; ++i)
+    TORCH_CHECK_INDEX(id[i] >= 0 && id[i] < n, op, ": token id ", id[i], " is out of range for a table of ", n, " rows");
+  std::vector<int64_t> shape(ids.sizes().begin(), ids.sizes().end());
+  shape.push_back(k);
+  at::Tensor out = at::empty(shape, at::kFloat);
+  const uint8_t* payload = weight.data_ptr<uint8_t>() + quant::kHeaderBytes;
+  float* dst = out.data_ptr<float>();
+  const int64_t scratch = quant::scratch_floats(t, k);
+  for_chunks(count, count * k * 64, [&](int64_t i) {
+    decode_column(t, layout, payload, id[i], k, thread_scratch(scratch), dst + i * k);
+  });
+  return out;
+}
+
+std::string kernel_isa() { return isa_name(current_isa()); }
+
+void set_kernel_isa(const std::string& name) { set_isa_checked(name.empty() ? best_isa() : parse_isa(name)); }
+
+std::string best_kernel_isa() { return isa_name(best_isa()); }
+
+}  // namespace
+
+TORCH_LIBRARY(eagle, m) {
+  m.def("repack(Tensor raw, str type, int n, int k, str numerics='float32') -> Tensor", &repack);
+  m.def("packed_nbytes(str type, int n, int k, str numerics='float32') -> int", &packed_nbytes);
+  m.def("quant_linear(Tensor x, Tensor weight, str type, int n, int k, Tensor? bias=None, "
+        "str numerics='float32') -> Tensor", &quant_linear);
+  m.def("dequantize(Tensor weight, str type, int n, int k) -> Tensor", &dequantize);
+  m.def("quant_embedding(Tensor ids, Tensor weight, str type, int n, int k) -> Tensor", &quant_embedding);
+  m.def("quantize_rows(Tensor x) -> Tensor[]", &quantize_rows_op);
+  m.def("kernel_isa() -> str", &kernel_isa);
+  m.def("best_kernel_isa() -> str", &best_kernel_isa);
+  m.def("set_kernel_isa(str name) -> ()", &set_kernel_isa);
+}
+
+}  // namespace eagle
+
+// A Python module, so that `import eagle._kernels` loads the library (and registers the ops above).
+static PyModuleDef kernels_module = {PyModuleDef_HEAD_INIT, "_kernels",
+                                     "eagle's native CPU kernels; the ops live in torch.ops.eagle", -1, nullptr};
+PyMODINIT_FUNC PyInit__kernels(void) { return PyModule_Create(&kernels_module); }

@@ -1,0 +1,649 @@
+// AVX-512 kernels (F, BW, VL, DQ, VNNI), compiled for that target in this file only and called only on a CPU that
+// has it (ops.cpp checks at run time).
+//
+// float32 numerics (LAYOUT_K): vector lanes along K. For each output, one accumulator of 16 lanes takes
+// fma(x[16 inputs], w[16 inputs], acc) for the column's 16-input vectors in input order; then a fixed horizontal
+// sum and the bias. Weights are decoded exactly (gguf-py's values, see quant.h): 4-bit codes through a 16-entry
+// table of the group's weights (vpermps), 5-bit codes through two tables and the high-bit mask, 6- and 8-bit codes
+// by conversion. A tile of R rows x C columns decodes each column's vectors once and applies them to its R rows;
+// the tile shape changes how often a weight is decoded, never what an output computes.
+//
+// int8 numerics (LAYOUT_N): vector lanes along N (16 columns). Per group of G inputs, vpdpbusd multiplies 4 code
+// bytes of each column with 4 activation bytes; the exact integer sum becomes float through
+// acc = fma(float(isum), a * dx, acc) (and accb = fma(b, sx, accb) for asymmetric types), in group order.
+#include "quant.h"
+
+#if defined(__x86_64__) || defined(_M_X64)
+
+// GCC 12 warns about _mm512_undefined_* inside its own intrinsics headers (false positives)
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+
+#include <immintrin.h>
+
+#include <cstring>
+#include <type_traits>
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,fma,f16c,bmi,bmi2,lzcnt,popcnt")
+
+namespace eagle::quant {
+
+namespace {
+
+inline uint16_t ld16(const uint8_t* p) {
+  uint16_t v;
+  std::memcpy(&v, p, 2);
+  return v;
+}
+inline uint32_t ld32(const uint8_t* p) {
+  uint32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+inline uint64_t ld64(const uint8_t* p) {
+  uint64_t v;
+  std::memcpy(&v, p, 8);
+  return v;
+}
+inline float h2f(uint16_t h) { return _cvtsh_ss(h); }
+
+// ============================================================================================ float32 numerics
+// Per-group a and b of one LAYOUT_K column (quant.h), exactly as column_params computes them.
+inline __mmask16 first_lanes(int64_t count) {
+  return count >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << count) - 1);
+}
+
+inline __m512 load_halves(const uint8_t* p, __mmask16 mask) {
+  return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, p));
+}
+
+// Per-group a and b of one LAYOUT_K column (quant.h), exactly as column_params computes them, 16 groups at a time.
+template <int TYPE>
+__attribute__((always_inline)) inline void k_params(const TypeInfo& t, const uint8_t* col, const Offsets& o,
+                                                    int64_t k, float* a, float* b) {
+  const int64_t groups = k / t.group;
+  for (int64_t g = 0; g < groups; g += 16) {
+    const __mmask16 mask = first_lanes(groups - g);
+    __m512 av, bv = _mm512_setzero_ps();
+    if constexpr (TYPE == Q4_0 || TYPE == Q4_1 || TYPE == Q5_0 || TYPE == Q5_1 || TYPE == Q8_0) {
+      av = load_halves(col + o.d + 2 * g, mask);
+      if constexpr (TYPE == Q4_1 || TYPE == Q5_1) bv = load_halves(col + o.m + 2 * g, mask);
+    } else {
+      // the unit (super-block) of each group: its fp16 d (and dmin) gathered per lane
+      constexpr int kPerUnit = TYPE == Q6_K ? 16 : 8;
+      const __m512i unit = _mm512_srli_epi32(_mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(g)),
+                                                              _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10,
+                                                                                11, 12, 13, 14, 15)),
+                                             kPerUnit == 16 ? 4 : 3);
+      const __m512 d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(
+          _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), mask, unit, col + o.d, 2)));
+      const __m128i sc = _mm_maskz_loadu_epi8(mask, col + o.sc + g);
+      if constexpr (TYPE == Q6_K) {
+        av = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sc)));
+      } else {
+        const __m512 dmin = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(
+            _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), mask, unit, col + o.m, 2)));
+        av = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(sc)));
+        const __m128i mn = _mm_maskz_loadu_epi8(mask, col + o.mn + g);
+        bv = _mm512_sub_ps(_mm512_setzero_ps(), _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(mn))));
+      }
+    }
+    _mm512_mask_storeu_ps(a + g, mask, av);
+    _mm512_mask_storeu_ps(b + g, mask, bv);
+  }
+}
+
+inline __m512 iota16() {
+  return _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+}
+
+// table of the 16 weights of codes u = base .. base + 15: a * (u - o) (symmetric types) or fma(a, u, b)
+template <int TYPE>
+inline __m512 table(float a, float b, float base) {
+  constexpr bool kSymmetric = TYPE == Q4_0 || TYPE == Q5_0;
+  constexpr float kOffset = TYPE == Q4_0 ? 8.0f : TYPE == Q5_0 ? 16.0f : 0.0f;
+  if constexpr (kSymmetric) {
+    return _mm512_mul_ps(_mm512_set1_ps(a), _mm512_add_ps(iota16(), _mm512_set1_ps(base - kOffset)));
+  } else {
+    return _mm512_fmadd_ps(_mm512_set1_ps(a), _mm512_add_ps(iota16(), _mm512_set1_ps(base)), _mm512_set1_ps(b));
+  }
+}
+
+// The weights of a column, one group of 32 inputs (Q6_K: two groups of 16) at a time, as two 16-input vectors.
+// A chunk of codes is a pair of groups (64 inputs, 4 vectors) or a last single group (32 inputs, 2 vectors); its
+// nibbles come out of one load (`lanes`: lane j, nibble s is input 16 s + j of the chunk).
+template <int TYPE>
+struct KDecoder {
+  static constexpr int kBits = (TYPE == Q5_0 || TYPE == Q5_1 || TYPE == Q5_K) ? 5 : TYPE == Q6_K ? 6 : TYPE == Q8_0 ? 8 : 4;
+
+  const uint8_t* col;
+  const Offsets* o;
+  const float* a;
+  const float* b;
+
+  struct State {
+    __m512i lanes;
+    __m512 lo, hi;  // tables of the current group (4- and 5-bit codes)
+  };
+
+  // the chunk starting at vector v0 (4 p for pair p): S = 4 (pair) or 2 (single)
+  template <int S>
+  inline void load(int64_t v0, State& st) const {
+    if constexpr (kBits != 8) {
+      if constexpr (S == 4) {
+        st.lanes = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(col + o->codes + 8 * v0)));
+      } else {
+        st.lanes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(col + o->codes + 8 * v0)));
+      }
+    }
+  }
+
+  // before the vectors of group h (0 or 1) of the chunk at v0
+  inline void group(int64_t v0, int h, State& st) const {
+    if constexpr (kBits == 4 || kBits == 5) {
+      const int64_t g = v0 / 2 + h;
+      st.lo = table<TYPE>(a[g], b[g], 0.0f);
+      if constexpr (kBits == 5) st.hi = table<TYPE>(a[g], b[g], 16.0f);
+    }
+  }
+
+  // the weights of vector s of the chunk at v0
+  inline __m512 vec(int64_t v0, int s, const State& st) const {
+    const int64_t v = v0 + s;
+    if constexpr (kBits == 8) {
+      const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(col + o->codes + 16 * v));
+      return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)), _mm512_set1_ps(a[v / 2]));
+    } else if constexpr (kBits == 6) {  // Q6_K: code = nibble + 16 bit4 + 32 bit5, w = a (code - 32)
+      __m512i u = _mm512_sub_epi32(_mm512_and_si512(s == 0 ? st.lanes : _mm512_srli_epi32(st.lanes, 4 * s),
+                                                    _mm512_set1_epi32(15)),
+                                   _mm512_set1_epi32(32));
+      u = _mm512_mask_add_epi32(u, ld16(col + o->plane + 2 * v), u, _mm512_set1_epi32(16));
+      u = _mm512_mask_add_epi32(u, ld16(col + o->plane2 + 2 * v), u, _mm512_set1_epi32(32));
+      return _mm512_mul_ps(_mm512_set1_ps(a[v]), _mm512_cvtepi32_ps(u));
+    } else {
+      const __m512i idx = s == 0 ? st.lanes : _mm512_srli_epi32(st.lanes, 4 * s);
+      __m512 w = _mm512_permutexvar_ps(idx, st.lo);
+      if constexpr (kBits == 5) w = _mm512_mask_permutexvar_ps(w, ld16(col + o->plane + 2 * v), idx, st.hi);
+      return w;
+    }
+  }
+};
+
+struct Tile {
+  const float* x;  // first row of the tile
+  int64_t k;       // row stride of x
+  float* y;        // y + row0 * n + col0
+  int64_t n;       // row stride of y
+  const float* bias;  // bias + col0 or nullptr
+  // bytes to prefetch while the tile runs (the next tile's columns; nullptr: none): with one or two rows the
+  // kernel streams the weights once, faster than the hardware prefetcher follows 4 interleaved columns
+  const uint8_t* prefetch = nullptr;
+  int64_t prefetch_bytes = 0;
+};
+
+// The horizontal sum of each output's 16 lanes, by one fixed tree for every output: lanes (l, l + 8) first, then
+// (l, l + 4), (l, l + 2), (l, l + 1) (the order of _mm512_reduce_add_ps). reduce4 runs that tree on 4 outputs at
+// once (a transposed reduction, a third of the instructions); both give the same bits, addition being commutative.
+inline float reduce1(__m512 v) {
+  const __m256 t8 = _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+  const __m128 t4 = _mm_add_ps(_mm256_castps256_ps128(t8), _mm256_extractf128_ps(t8, 1));
+  const __m128 t2 = _mm_add_ps(t4, _mm_permute_ps(t4, _MM_SHUFFLE(1, 0, 3, 2)));
+  return _mm_cvtss_f32(_mm_add_ss(t2, _mm_movehdup_ps(t2)));
+}
+
+inline __m128 reduce4(__m512 a, __m512 b, __m512 c, __m512 d) {
+  const __m512 ab = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(1, 0, 1, 0)),
+                                  _mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(3, 2, 3, 2)));  // (l, l + 8)
+  const __m512 cd = _mm512_add_ps(_mm512_shuffle_f32x4(c, d, _MM_SHUFFLE(1, 0, 1, 0)),
+                                  _mm512_shuffle_f32x4(c, d, _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m512 u = _mm512_add_ps(_mm512_shuffle_f32x4(ab, cd, _MM_SHUFFLE(2, 0, 2, 0)),
+                                 _mm512_shuffle_f32x4(ab, cd, _MM_SHUFFLE(3, 1, 3, 1)));  // (l, l + 4)
+  const __m512 v = _mm512_add_ps(u, _mm512_permute_ps(u, _MM_SHUFFLE(1, 0, 3, 2)));     // (l, l + 2)
+  const __m512 w = _mm512_add_ps(v, _mm512_permute_ps(v, _MM_SHUFFLE(2, 3, 0, 1)));     // (l, l + 1)
+  return _mm512_castps512_ps128(_mm512_maskz_compress_ps(0x1111, w));
+}
+
+inline void store4(float* y, const float* bias, __m128 sums) {
+  _mm_storeu_ps(y, bias ? _mm_add_ps(sums, _mm_loadu_ps(bias)) : sums);
+}
+
+template <int R, int C>
+__attribute__((always_inline)) inline void store_tile(const Tile& tile, __m512 (&acc)[R][C]) {
+  if constexpr (C == 4) {
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r)
+      store4(tile.y + r * tile.n, tile.bias, reduce4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]));
+  } else if constexpr (C == 2 && R % 2 == 0) {
+#pragma GCC unroll 16
+    for (int r = 0; r < R; r += 2) {
+      float sums[4];
+      _mm_storeu_ps(sums, reduce4(acc[r][0], acc[r][1], acc[r + 1][0], acc[r + 1][1]));
+      for (int i = 0; i < 4; ++i) {
+        const int c = i % 2;
+        tile.y[(r + i / 2) * tile.n + c] = tile.bias ? sums[i] + tile.bias[c] : sums[i];
+      }
+    }
+  } else {
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 16
+      for (int c = 0; c < C; ++c) {
+        const float sum = reduce1(acc[r][c]);
+        tile.y[r * tile.n + c] = tile.bias ? sum + tile.bias[c] : sum;
+      }
+  }
+}
+
+// Keeps v in a register: the compiler would otherwise fold the same load into each of the C multiply-adds.
+inline __m512 in_register(__m512 v) {
+  asm("" : "+v"(v));
+  return v;
+}
+
+// the S vectors of the chunk at vector v0, for every row and column of the tile
+template <int TYPE, int R, int C, int S>
+__attribute__((always_inline)) inline void k_chunk(const Tile& tile, const KDecoder<TYPE>* dec, int64_t v0, __m512 (&acc)[R][C]) {
+  typename KDecoder<TYPE>::State st[C];
+#pragma GCC unroll 16
+  for (int c = 0; c < C; ++c) dec[c].template load<S>(v0, st[c]);
+#pragma GCC unroll 16
+  for (int h = 0; h < S / 2; ++h) {
+#pragma GCC unroll 16
+    for (int c = 0; c < C; ++c) dec[c].group(v0, h, st[c]);
+#pragma GCC unroll 16
+    for (int s = 2 * h; s < 2 * h + 2; ++s) {
+      __m512 w[C];
+#pragma GCC unroll 16
+      for (int c = 0; c < C; ++c) w[c] = dec[c].vec(v0, s, st[c]);
+#pragma GCC unroll 16
+      for (int r = 0; r < R; ++r) {
+        const __m512 xv = in_register(_mm512_loadu_ps(tile.x + r * tile.k + 16 * (v0 + s)));
+#pragma GCC unroll 16
+        for (int c = 0; c < C; ++c) acc[r][c] = _mm512_fmadd_ps(xv, w[c], acc[r][c]);
+      }
+    }
+  }
+}
+
+template <int TYPE, int R, int C>
+__attribute__((noinline)) void k_tile_quant(const Tile& tile, const KDecoder<TYPE>* dec) {
+  __m512 acc[R][C];
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 16
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
+  const int64_t pairs = tile.k / 64;
+  const int64_t lines = tile.prefetch_bytes / 64, per_pair = pairs ? (lines + pairs - 1) / pairs : 0;
+  for (int64_t p = 0; p < pairs; ++p) {
+    for (int64_t line = p * per_pair; line < (p + 1) * per_pair && line < lines; ++line)
+      _mm_prefetch(reinterpret_cast<const char*>(tile.prefetch + 64 * line), _MM_HINT_T1);
+    k_chunk<TYPE, R, C, 4>(tile, dec, 4 * p, acc);
+  }
+  if (tile.k % 64) k_chunk<TYPE, R, C, 2>(tile, dec, 4 * pairs, acc);
+  store_tile<R, C>(tile, acc);
+}
+
+// float weights (F32 / F16 / BF16): 16 inputs at a time, the last partial vector masked (zeros)
+template <int TYPE>
+inline __m512 float_weights(const uint8_t* col, int64_t i, __mmask16 mask) {
+  if constexpr (TYPE == F32) {
+    return _mm512_maskz_loadu_ps(mask, col + 4 * i);
+  } else if constexpr (TYPE == F16) {
+    return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, col + 2 * i));
+  } else {
+    const __m512i h = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, col + 2 * i));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(h, 16));
+  }
+}
+
+template <int TYPE, int R, int C>
+__attribute__((always_inline)) inline void k_float_step(const Tile& tile, const uint8_t* const* cols, int64_t i,
+                                                        __mmask16 mask, __m512 (&acc)[R][C]) {
+  __m512 w[C];
+#pragma GCC unroll 16
+  for (int c = 0; c < C; ++c) w[c] = float_weights<TYPE>(cols[c], i, mask);
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) {
+    const __m512 xv = in_register(_mm512_maskz_loadu_ps(mask, tile.x + r * tile.k + i));
+#pragma GCC unroll 16
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_fmadd_ps(xv, w[c], acc[r][c]);
+  }
+}
+
+template <int TYPE, int R, int C>
+__attribute__((noinline)) void k_tile_float(const Tile& tile, const uint8_t* const* cols) {
+  __m512 acc[R][C];
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 16
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
+  int64_t i = 0;
+  for (; i + 16 <= tile.k; i += 16) k_float_step<TYPE, R, C>(tile, cols, i, 0xFFFF, acc);
+  if (i < tile.k) k_float_step<TYPE, R, C>(tile, cols, i, static_cast<__mmask16>((1u << (tile.k - i)) - 1), acc);
+  store_tile<R, C>(tile, acc);
+}
+
+// Rows per tile: 4 (3 for 5-bit codes, whose decoding holds two tables per column), by C = 4 columns. A tile's
+// rows share each decoded weight vector; its x rows (4 x K floats) stay in L1 across the columns of a work chunk.
+template <int TYPE>
+constexpr int kTileRows = (TYPE == Q5_0 || TYPE == Q5_1 || TYPE == Q5_K) ? 3 : 4;
+
+struct Rows {
+  template <int R, typename F>
+  static void each(const LinearArgs& args, const Tile& base, const F& tile_fn) {
+    int64_t r = 0;
+    Tile tile = base;
+    for (; r + R <= args.m; r += R) {
+      tile.x = base.x + r * args.k;
+      tile.y = base.y + r * args.n;
+      tile_fn(tile, std::integral_constant<int, R>());
+    }
+    if constexpr (R > 1) {
+      if (r < args.m) {
+        Tile rest = base;
+        rest.x = base.x + r * args.k;
+        rest.y = base.y + r * args.n;
+        LinearArgs tail = args;
+        tail.m = args.m - r;
+        each<R - 1>(tail, rest, tile_fn);
+      }
+    }
+  }
+};
+
+constexpr int kMaxChunkColumns = 64;
+
+inline Tile at_column(const Tile& tile, int64_t c) {
+  Tile shifted = tile;
+  shifted.y += c;
+  if (shifted.bias) shifted.bias += c;
+  return shifted;
+}
+
+// Columns [n_begin, n_end) (at most kMaxChunkColumns) for every row: row tiles outside, tiles of 4 columns inside,
+// so that a tile's rows of x stay in L1 while the chunk's columns go by.
+template <int TYPE>
+void k_run(const LinearArgs& args, int64_t n_begin, int64_t n_end, float* scratch) {
+  const TypeInfo& t = *args.type;
+  const int64_t row_bytes = packed_row_bytes(t, args.k), columns = n_end - n_begin;
+  const Tile base{args.x, args.k, args.y + n_begin, args.n, args.bias ? args.bias + n_begin : nullptr};
+  const uint8_t* cols[kMaxChunkColumns];
+  for (int64_t c = 0; c < columns; ++c) cols[c] = args.payload + (n_begin + c) * row_bytes;
+  if constexpr (TYPE == F32 || TYPE == F16 || TYPE == BF16) {
+    Rows::each<4>(args, base, [&](const Tile& tile, auto rows) {
+      int64_t c = 0;
+      for (; c + 4 <= columns; c += 4) k_tile_float<TYPE, rows.value, 4>(at_column(tile, c), cols + c);
+      for (; c < columns; ++c) k_tile_float<TYPE, rows.value, 1>(at_column(tile, c), cols + c);
+    });
+  } else {
+    const Offsets o = offsets(t, LAYOUT_K, args.k);
+    const int64_t groups = args.k / t.group;
+    KDecoder<TYPE> dec[kMaxChunkColumns];
+    for (int64_t c = 0; c < columns; ++c) {
+      float* a = scratch + 2 * c * groups;
+      k_params<TYPE>(t, cols[c], o, args.k, a, a + groups);
+      dec[c] = KDecoder<TYPE>{cols[c], &o, a, a + groups};
+    }
+    if (args.m >= 8) {  // many rows: tiles of 8 rows by 2 columns decode each weight once for 8 rows
+      Rows::each<8>(args, base, [&](const Tile& tile, auto rows) {
+        int64_t c = 0;
+        for (; c + 2 <= columns; c += 2) k_tile_quant<TYPE, rows.value, 2>(at_column(tile, c), dec + c);
+        for (; c < columns; ++c) k_tile_quant<TYPE, rows.value, 1>(at_column(tile, c), dec + c);
+      });
+      return;
+    }
+    Rows::each<kTileRows<TYPE>>(args, base, [&](const Tile& tile, auto rows) {
+      int64_t c = 0;
+      for (; c + 4 <= columns; c += 4) {
+        Tile at = at_column(tile, c);
+        if (args.m <= 2) {  // the next 4 columns (past the chunk's end: the next chunk's, usually the next call's)
+          at.prefetch = cols[c] + 4 * row_bytes;
+          at.prefetch_bytes = 4 * row_bytes;
+        }
+        k_tile_quant<TYPE, rows.value, 4>(at, dec + c);
+      }
+      for (; c < columns; ++c) k_tile_quant<TYPE, rows.value, 1>(at_column(tile, c), dec + c);
+    });
+  }
+}
+
+// ============================================================================================ int8 numerics
+template <int TYPE>
+struct NTraits {
+  static constexpr int kBits = (TYPE == Q5_0 || TYPE == Q5_1 || TYPE == Q5_K) ? 5 : TYPE == Q6_K ? 6 : TYPE == Q8_0 ? 8 : 4;
+  static constexpr int kGroup = TYPE == Q6_K ? 16 : 32;
+  static constexpr int kUnit = (TYPE == Q4_K || TYPE == Q5_K || TYPE == Q6_K) ? 256 : 32;
+  static constexpr bool kAsym = TYPE == Q4_1 || TYPE == Q5_1 || TYPE == Q4_K || TYPE == Q5_K;
+  static constexpr int kOffset = TYPE == Q4_0 ? 8 : TYPE == Q5_0 ? 16 : TYPE == Q8_0 ? 128 : TYPE == Q6_K ? 32 : 0;
+};
+
+// a (and b) of the 16 columns for group gi of a unit record
+template <int TYPE>
+__attribute__((always_inline)) inline void n_params(const uint8_t* rec, const Offsets& o, int gi, __m512& a, __m512& b) {
+  const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + o.d)));
+  if constexpr (TYPE == Q4_K || TYPE == Q5_K) {
+    const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + o.m)));
+    const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + o.sc + 16 * gi));
+    const __m128i mn = _mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + o.mn + 16 * gi));
+    a = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(sc)));
+    b = _mm512_sub_ps(_mm512_setzero_ps(), _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(mn))));
+  } else if constexpr (TYPE == Q6_K) {
+    const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + o.sc + 16 * gi));
+    a = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sc)));
+  } else {
+    a = d;
+    if constexpr (NTraits<TYPE>::kAsym) b = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + o.m)));
+  }
+}
+
+// code bytes of the 16 columns for the G inputs of group gi: codes[h] holds inputs 4 h .. 4 h + 3 of the group
+template <int TYPE>
+__attribute__((always_inline)) inline void n_codes(const uint8_t* rec, const Offsets& o, int gi, __m512i* codes) {
+  constexpr int G = NTraits<TYPE>::kGroup;
+  constexpr int bits = NTraits<TYPE>::kBits;
+  const int h0 = gi * G / 4;  // first 4-input step of the group inside the unit
+  if constexpr (bits == 8) {
+#pragma GCC unroll 16
+    for (int h = 0; h < G / 4; ++h) codes[h] = _mm512_loadu_si512(rec + o.codes + 64 * (h0 + h));
+    return;
+  }
+  const __m512i low = _mm512_set1_epi8(0x0F);
+#pragma GCC unroll 16
+  for (int t = 0; t < G / 8; ++t) {
+    const __m512i v = _mm512_loadu_si512(rec + o.codes + 64 * (h0 / 2 + t));
+    codes[2 * t] = _mm512_and_si512(v, low);
+    codes[2 * t + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+  }
+  if constexpr (bits >= 5) {
+#pragma GCC unroll 16
+    for (int h = 0; h < G / 4; ++h) {
+      const __mmask64 m = ld64(rec + o.plane + 8 * (h0 + h));
+      codes[h] = _mm512_mask_add_epi8(codes[h], m, codes[h], _mm512_set1_epi8(16));
+    }
+  }
+  if constexpr (bits == 6) {
+#pragma GCC unroll 16
+    for (int h = 0; h < G / 4; ++h) {
+      const __mmask64 m = ld64(rec + o.plane2 + 8 * (h0 + h));
+      codes[h] = _mm512_mask_add_epi8(codes[h], m, codes[h], _mm512_set1_epi8(32));
+    }
+  }
+}
+
+// units ahead of the one being computed that n_tile prefetches (may point past the weights: prefetches never fault)
+constexpr int64_t kPrefetchUnits = 4;
+
+template <int TYPE, int R, int CG>
+__attribute__((noinline)) void n_tile(const LinearArgs& args, const uint8_t* const* groups, int64_t row0, int64_t n0) {
+  using T = NTraits<TYPE>;
+  constexpr int G = T::kGroup;
+  const QuantizedRows& xq = *args.xq;
+  const int64_t k = args.k;
+  const Offsets o = offsets(*args.type, LAYOUT_N, k);
+  __m512 acc[R][CG], accb[R][CG];
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 16
+    for (int c = 0; c < CG; ++c) acc[r][c] = accb[r][c] = _mm512_setzero_ps();
+  const int64_t units = k / T::kUnit;
+  for (int64_t unit = 0; unit < units; ++unit) {
+    for (int gi = 0; gi < T::kUnit / G; ++gi) {
+      const int64_t kbase = unit * T::kUnit + gi * G;  // first input of the group
+#pragma GCC unroll 16
+      for (int c = 0; c < CG; ++c) {
+        const uint8_t* rec = groups[c] + unit * o.total;
+        if (R <= 2 && gi == 0) {  // one or two rows stream the weights: fetch a few units ahead into L2
+          for (int64_t line = 0; line < o.total; line += 64)
+            _mm_prefetch(reinterpret_cast<const char*>(rec + kPrefetchUnits * o.total + line), _MM_HINT_T1);
+        }
+        __m512 a, b = _mm512_setzero_ps();
+        n_params<TYPE>(rec, o, gi, a, b);
+        __m512i codes[G / 4];
+        n_codes<TYPE>(rec, o, gi, codes);
+#pragma GCC unroll 16
+        for (int r = 0; r < R; ++r) {
+          const int64_t row = row0 + r;
+          const int8_t* q = xq.q + row * k + kbase;
+          __m512i isum0, isum1 = _mm512_setzero_si512();
+          if constexpr (T::kOffset > 0) {
+            const int32_t* s16 = xq.sum16 + row * (k / 16) + kbase / 16;
+            const int32_t xsum = G == 16 ? s16[0] : s16[0] + s16[1];
+            isum0 = _mm512_set1_epi32(-T::kOffset * xsum);
+          } else {
+            isum0 = _mm512_setzero_si512();
+          }
+#pragma GCC unroll 16
+          for (int h = 0; h < G / 4; h += 2) {
+            isum0 = _mm512_dpbusd_epi32(isum0, codes[h], _mm512_set1_epi32(static_cast<int>(ld32(reinterpret_cast<const uint8_t*>(q) + 4 * h))));
+            isum1 = _mm512_dpbusd_epi32(isum1, codes[h + 1], _mm512_set1_epi32(static_cast<int>(ld32(reinterpret_cast<const uint8_t*>(q) + 4 * h + 4))));
+          }
+          const __m512i isum = _mm512_add_epi32(isum0, isum1);
+          const int64_t block = row * (k / 32) + kbase / 32;
+          const __m512 s = _mm512_mul_ps(a, _mm512_set1_ps(xq.d[block]));
+          acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), s, acc[r][c]);
+          if constexpr (T::kAsym) accb[r][c] = _mm512_fmadd_ps(b, _mm512_set1_ps(xq.s[block]), accb[r][c]);
+        }
+      }
+    }
+  }
+#pragma GCC unroll 16
+  for (int c = 0; c < CG; ++c) {
+    const int64_t col = n0 + 16 * c;
+    const int64_t live = args.n - col < 16 ? args.n - col : 16;
+    const __mmask16 mask = live >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << live) - 1);
+    const __m512 bias = args.bias ? _mm512_maskz_loadu_ps(mask, args.bias + col) : _mm512_setzero_ps();
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      __m512 out = T::kAsym ? _mm512_add_ps(acc[r][c], accb[r][c]) : acc[r][c];
+      if (args.bias) out = _mm512_add_ps(out, bias);
+      _mm512_mask_storeu_ps(args.y + (row0 + r) * args.n + col, mask, out);
+    }
+  }
+}
+
+template <int TYPE, int CG>
+void n_columns(const LinearArgs& args, int64_t n0) {
+  const int64_t group_bytes = kColumnsPerGroup * packed_row_bytes(*args.type, args.k);
+  const uint8_t* groups[CG];
+  for (int c = 0; c < CG; ++c) groups[c] = args.payload + (n0 / kColumnsPerGroup + c) * group_bytes;
+  int64_t r = 0;
+  if constexpr (CG == 1) {
+    for (; r + 8 <= args.m; r += 8) n_tile<TYPE, 8, 1>(args, groups, r, n0);
+    if (r + 4 <= args.m) { n_tile<TYPE, 4, 1>(args, groups, r, n0); r += 4; }
+  }
+  if (r + 2 <= args.m) { n_tile<TYPE, 2, CG>(args, groups, r, n0); r += 2; }
+  if (r < args.m) n_tile<TYPE, 1, CG>(args, groups, r, n0);
+}
+
+template <int TYPE>
+void n_run(const LinearArgs& args, int64_t n_begin, int64_t n_end) {
+  int64_t n = n_begin;
+  if (args.m <= 2) {
+    for (; n + 64 <= n_end; n += 64) n_columns<TYPE, 4>(args, n);
+  }
+  for (; n < n_end; n += 16) n_columns<TYPE, 1>(args, n);
+}
+
+}  // namespace
+
+bool linear_k_avx512(const LinearArgs& args, int64_t n_begin, int64_t n_end, float* scratch) {
+  if (n_end - n_begin > kMaxChunkColumns) {  // ops.cpp's chunks are narrower; split anything wider
+    for (int64_t n = n_begin; n < n_end; n += kMaxChunkColumns)
+      if (!linear_k_avx512(args, n, n + kMaxChunkColumns < n_end ? n + kMaxChunkColumns : n_end, scratch)) return false;
+    return true;
+  }
+  switch (args.type->type) {
+    case F32: k_run<F32>(args, n_begin, n_end, scratch); return true;
+    case F16: k_run<F16>(args, n_begin, n_end, scratch); return true;
+    case BF16: k_run<BF16>(args, n_begin, n_end, scratch); return true;
+    case Q4_0: k_run<Q4_0>(args, n_begin, n_end, scratch); return true;
+    case Q4_1: k_run<Q4_1>(args, n_begin, n_end, scratch); return true;
+    case Q5_0: k_run<Q5_0>(args, n_begin, n_end, scratch); return true;
+    case Q5_1: k_run<Q5_1>(args, n_begin, n_end, scratch); return true;
+    case Q8_0: k_run<Q8_0>(args, n_begin, n_end, scratch); return true;
+    case Q4_K: k_run<Q4_K>(args, n_begin, n_end, scratch); return true;
+    case Q5_K: k_run<Q5_K>(args, n_begin, n_end, scratch); return true;
+    case Q6_K: k_run<Q6_K>(args, n_begin, n_end, scratch); return true;
+    default: return false;
+  }
+}
+
+bool linear_n_avx512(const LinearArgs& args, int64_t n_begin, int64_t n_end, float*) {
+  switch (args.type->type) {
+    case Q4_0: n_run<Q4_0>(args, n_begin, n_end); return true;
+    case Q4_1: n_run<Q4_1>(args, n_begin, n_end); return true;
+    case Q5_0: n_run<Q5_0>(args, n_begin, n_end); return true;
+    case Q5_1: n_run<Q5_1>(args, n_begin, n_end); return true;
+    case Q8_0: n_run<Q8_0>(args, n_begin, n_end); return true;
+    case Q4_K: n_run<Q4_K>(args, n_begin, n_end); return true;
+    case Q5_K: n_run<Q5_K>(args, n_begin, n_end); return true;
+    case Q6_K: n_run<Q6_K>(args, n_begin, n_end); return true;
+    default: return false;
+  }
+}
+
+void quantize_rows_avx512(const float* x, int64_t row_begin, int64_t row_end, QuantizedRows& out) {
+  const int64_t k = out.k, blocks = k / 32;
+  const __m512 lo = _mm512_set1_ps(-127.0f), hi = _mm512_set1_ps(127.0f);
+  for (int64_t r = row_begin; r < row_end; ++r) {
+    for (int64_t blk = 0; blk < blocks; ++blk) {
+      const float* v = x + r * k + 32 * blk;
+      const __m512 v0 = _mm512_loadu_ps(v), v1 = _mm512_loadu_ps(v + 16);
+      // max(|v|, acc) takes acc where |v| is NaN: NaNs count as 0, as std::fmax does in the portable quantizer
+      __m512 amax = _mm512_max_ps(_mm512_abs_ps(v0), _mm512_setzero_ps());
+      amax = _mm512_max_ps(_mm512_abs_ps(v1), amax);
+      const float m = _mm512_reduce_max_ps(amax);
+      const float d = m / 127.0f;
+      const float id = d != 0.0f ? 1.0f / d : 0.0f;
+      const __m512 scale = _mm512_set1_ps(id);
+      // max(NaN, -127) = -127 and min(., 127): the clamp of the portable quantizer
+      const __m512i q0 = _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(_mm512_mul_ps(v0, scale), lo), hi));
+      const __m512i q1 = _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(_mm512_mul_ps(v1, scale), lo), hi));
+      int8_t* q = out.q + r * k + 32 * blk;
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtepi32_epi8(q0));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtepi32_epi8(q1));
+      const int32_t s0 = _mm512_reduce_add_epi32(q0), s1 = _mm512_reduce_add_epi32(q1);
+      out.d[r * blocks + blk] = d;
+      out.s[r * blocks + blk] = d * static_cast<float>(s0 + s1);
+      out.sum16[r * (k / 16) + 2 * blk] = s0;
+      out.sum16[r * (k / 16) + 2 * blk + 1] = s1;
+    }
+  }
+}
+
+}  // namespace eagle::quant
+
+#pragma GCC pop_options
+
+#else  // not x86-64: never called (ops.cpp picks the portable kernels)
+
+namespace eagle::quant {
+bool linear_k_avx512(const LinearArgs&, int64_t, int64_t, float*) { return false; }
+bool linear_n_avx512(const LinearArgs&, int64_t, int64_t, float*) { return false; }
+void quantize_rows_avx512(const float* x, int64_t row_begin, int64_t row_end, QuantizedRows& out) {
+  quantize_rows_portable(x, row_begin, row_end, out);
+}
+}  // namespace eagle::quant
+
+#endif
