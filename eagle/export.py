@@ -128,22 +128,47 @@ def check_head_fits_target(config, layer_ids: list[int], target: TargetGGUF) -> 
     return target_hidden
 
 
+def read_published_head(ea_model_path: str):
+    """(config, tensors in this project's names) of the EAGLE-3 head at ``ea_model_path``, in any layout
+    :mod:`eagle.model.heads.layouts` reads (EAGLE, SpecForge, ModelOpt, speculators); ``ValueError`` for an
+    EAGLE-1 head, or one using what the eagle3 GGUF written here does not carry (biases, several decoder layers, no
+    ``fc``, the target's LM head, ``norm_before_fc``), rather than a file llama.cpp would run differently."""
+    from eagle.model.heads.checkpoint import load_head_state_dict
+    from eagle.model.heads.draft_head import reads_aux_hidden_states
+    from eagle.model.heads.layouts import is_eagle3_config, read_head_config, read_head_state
+    from eagle.model.heads.loading import load_raw_head_config
+
+    raw = load_raw_head_config(ea_model_path)
+    if not is_eagle3_config(raw):
+        raise ValueError(f"{ea_model_path} is not an EAGLE-3 head (its config.json has no draft_vocab_size).")
+    config, layout = read_head_config(raw)
+    state = read_head_state(config, load_head_state_dict(ea_model_path), layout)
+    layers = int(getattr(config, "num_hidden_layers", 1) or 1)
+    uses = {"an fc bias": config.fc_bias, "q/k/v, o or MLP biases": config.qkv_bias or config.o_proj_bias
+            or config.mlp_bias, f"{layers} decoder layers": layers > 1,
+            "no aux hidden states (no fc)": not reads_aux_hidden_states(config),
+            "no LM head of its own (it drafts with the target's)": config.lm_head_from_target,
+            "norm_before_fc": bool(getattr(config, "norm_before_fc", False))}
+    unsupported = [name for name, used in uses.items() if used]
+    if unsupported:
+        raise ValueError(f"{ea_model_path} ({layout} layout) has {', '.join(unsupported)}: the llama.cpp eagle3 "
+                         "draft written here holds one bias-free decoder layer over fc-fused target features and "
+                         "its own LM head.")
+    return config, state
+
+
 def write_llamacpp_gguf(ea_model_path: str, base_model_path: str, output: str) -> str:
     """Write the EAGLE-3 head in ``ea_model_path`` as a llama.cpp draft GGUF for the target ``base_model_path``."""
     import gguf
 
-    from eagle.model.heads.checkpoint import load_head_state_dict
     from eagle.model.heads.draft_config import head_layer_ids
-    from eagle.model.heads.loading import load_head_config
     from eagle.model.target.target import eagle3_layer_ids
 
-    config = load_head_config(ea_model_path)
-    if getattr(config, "draft_vocab_size", None) is None:
-        raise ValueError(f"{ea_model_path} is not an EAGLE-3 head (its config.json has no draft_vocab_size).")
+    config, state = read_published_head(ea_model_path)
     target = TargetGGUF(base_model_path)
     layer_ids = head_layer_ids(config) or eagle3_layer_ids(target.num_layers)
     target_hidden = check_head_fits_target(config, layer_ids, target)
-    tensors = llamacpp_tensors(load_head_state_dict(ea_model_path), config, target.vocab_size)
+    tensors = llamacpp_tensors(state, config, target.vocab_size)
 
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     rope = getattr(config, "rope_parameters", None) or {}

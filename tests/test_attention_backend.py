@@ -8,12 +8,12 @@ import inspect
 import torch
 
 from eagle.model.target.backends import attention
-from tiny_models import make_remote_target, make_target, target_config
+from tiny_models import make_target
 
 
 def test_every_touch_is_named():
-    assert set(attention.TRANSFORMERS_TOUCHES) == {"register", "switch", "delegate", "sdpa_support",
-                                                   "query_temperature", "module_eager"}
+    assert set(attention.TRANSFORMERS_TOUCHES) == {"register", "switch", "delegate", "query_temperature",
+                                                   "module_eager"}
 
 
 def test_register_makes_our_function_and_sdpa_s_mask_builder_available(tmp_path):
@@ -79,23 +79,6 @@ def test_our_function_equals_transformers_sdpa_bit_for_bit(tmp_path):
     ours, _ = attention.tree_sdpa_attention(module, query, key, value, mask, scaling=module.scaling)
     stock, _ = sdpa_attention_forward(module, query, key, value, mask, scaling=module.scaling)
     assert torch.equal(ours, stock)
-
-
-def test_sdpa_support_picks_eager_where_transformers_has_no_sdpa(tmp_path):
-    """GPT-OSS's attention sinks: transformers marks it _supports_sdpa = False, so it loads with eager attention."""
-    from transformers import GptOssForCausalLM, LlamaForCausalLM
-
-    gpt_oss, llama = target_config("gpt_oss", layers=2), target_config("llama", layers=2)
-    assert attention.model_class(gpt_oss) is GptOssForCausalLM and GptOssForCausalLM._supports_sdpa is False
-    assert attention.model_class(llama) is LlamaForCausalLM and LlamaForCausalLM._supports_sdpa is True
-    assert attention.default_attention(GptOssForCausalLM) == "eager"
-    assert attention.default_attention(LlamaForCausalLM) == "sdpa"
-    make_remote_target(tmp_path / "remote", seed=1)
-    from transformers import AutoConfig
-
-    remote = AutoConfig.from_pretrained(tmp_path / "remote", trust_remote_code=True)
-    cls = attention.model_class(remote, str(tmp_path / "remote"), trust_remote_code=True)
-    assert cls.__name__ == "MiniCPMForCausalLM" and attention.default_attention(cls) == "sdpa"
 
 
 def _llama4(tmp_path):

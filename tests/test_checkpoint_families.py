@@ -100,6 +100,16 @@ def test_tree_verification_gives_each_path_its_own_logits(family, targets):
     assert worst_path_error(Target(model, feature_layers=None), model) < 1e-4
 
 
+def test_llama4_under_eager_attention_takes_the_temperature_of_the_position(targets):
+    """Asked for eager attention, Llama 4's NoPE layers go through our eager entry point, with the same result."""
+    from eagle.model.target.loading import load_base_model
+
+    directory, _ = targets("llama4_text")
+    model, _ = load_base_model(str(directory), attn_implementation="eager")
+    assert model.config._attn_implementation == "eager" and QueryTemperature(model)
+    assert worst_path_error(Target(model, feature_layers=None), model) < 1e-4
+
+
 @pytest.mark.parametrize("family,undo", [
     ("llama4_text", "chunks"), ("llama4_text", "temperature"), ("gpt_oss", "windows")])
 def test_the_tiny_families_do_cross_their_boundaries(family, undo, targets):
@@ -134,6 +144,25 @@ def test_gpt_oss_loads_with_defaults_and_eager_attention(targets, tmp_path):
     prompt = torch.tensor([PROMPTS[0]])
     assert loaded.eagenerate(prompt, max_new_tokens=10).tolist() == \
         model.generate(prompt, max_new_tokens=10, do_sample=False).tolist()
+
+
+def test_default_attention_is_sdpa_where_transformers_supports_it_else_eager(targets, tmp_path):
+    """Without attn_implementation, transformers' own choice: SDPA for Llama, eager for GPT-OSS (its
+    _supports_sdpa is False: the sinks) and for nothing else; an explicit 'eager' is kept; a kernel that ignores
+    4-D masks is refused before loading."""
+    from transformers import GptOssForCausalLM
+
+    from eagle.model.target.loading import load_base_model
+
+    assert GptOssForCausalLM._supports_sdpa is False
+    gpt_oss, _ = targets("gpt_oss")
+    llama = tmp_path / "llama"
+    make_target(llama, "llama", seed=3, layers=2)
+    assert load_base_model(str(gpt_oss))[0].config._attn_implementation == "eager"
+    assert load_base_model(str(llama))[0].config._attn_implementation == "sdpa"
+    assert load_base_model(str(llama), attn_implementation="eager")[0].config._attn_implementation == "eager"
+    with pytest.raises(ValueError, match="flash_attention_2.*cannot apply EAGLE's tree attention mask"):
+        load_base_model(str(llama), attn_implementation="flash_attention_2")
 
 
 def test_llama4_conditional_generation_checkpoint_loads_text_only(tmp_path):

@@ -16,8 +16,8 @@ from head_layouts import LAYOUTS, Semantics, publish
 from test_batching import left_padded
 from tiny_models import CHECKPOINT_FAMILIES, FAMILIES, make_head, make_remote_target, make_target
 
-README = Path(__file__).resolve().parents[1] / "docs" / "CHECKPOINTS.md"
-SECTION = "## Published checkpoints"
+TABLE_DOC = Path(__file__).resolve().parents[1] / "docs" / "CHECKPOINTS.md"
+SECTION = "# Published checkpoints"
 # The heads of the EAGLE README's "EAGLE-3 Models on Hugging Face" and "EAGLE Models on Hugging Face" tables
 # (SafeAILab/EAGLE at commit cb7e084).
 EAGLE_README_HEADS = {
@@ -45,9 +45,10 @@ MAX_NEW = 16
 
 def table_rows() -> list[dict[str, str]]:
     """The rows of docs/CHECKPOINTS.md's "Published checkpoints" table, as {column: cell}."""
-    text = README.read_text(encoding="utf-8")
+    text = TABLE_DOC.read_text(encoding="utf-8")
     section = text[text.index(SECTION):]
-    section = section[: section.find("\n## ", len(SECTION))]
+    end = section.find("\n#", len(SECTION))
+    section = section if end < 0 else section[:end]
     lines = [line for line in section.splitlines() if line.startswith("|")]
     header = [cell.strip() for cell in lines[0].strip("|").split("|")]
     return [dict(zip(header, (cell.strip() for cell in line.strip("|").split("|")))) for line in lines[2:]]

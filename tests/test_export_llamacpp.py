@@ -105,3 +105,43 @@ def test_benchmark_skips_llamacpp_with_a_note_where_it_is_not_built(monkeypatch)
     assert runner is None and methods == ["eagle", "plain"]
     assert "Skipped llamacpp, llamacpp_eagle3: llama-server was not found" in notes[0]
     assert "scripts/build_llama_cpp.sh" in notes[0]
+
+
+def _default_head_as_speculators(directory, state_edit=None):
+    """The embedded head re-published in speculators' layout (vLLM's trainer: the LLaMA fields nested under
+    transformer_layer_config, the decoder layer as layers.0.*, no t2d), its tensors unchanged."""
+    from safetensors.torch import save_file
+
+    config = json.load(open(f"{default_ea_model_path()}/config.json"))
+    state = {("layers.0." + k[len("midlayer."):] if k.startswith("midlayer.") else k): v
+             for k, v in load_head_state_dict(default_ea_model_path()).items() if k != "t2d"}
+    (state_edit or (lambda s: None))(state)
+    layer = {k: v for k, v in config.items() if k not in ("draft_vocab_size", "architectures", "eagle_config",
+                                                           "eagle_aux_hidden_state_layer_ids", "norm_before_residual")}
+    directory.mkdir()
+    (directory / "config.json").write_text(json.dumps({
+        "architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3", "transformer_layer_config": layer,
+        "draft_vocab_size": config["draft_vocab_size"], "norm_before_residual": False,
+        "eagle_aux_hidden_state_layer_ids": config["eagle_aux_hidden_state_layer_ids"]}))
+    save_file({k: v.contiguous() for k, v in state.items()}, str(directory / "model.safetensors"))
+
+
+def test_a_head_in_another_published_layout_exports_the_same_gguf(exported, tmp_path):
+    _default_head_as_speculators(tmp_path / "head")
+    path = tmp_path / "head.gguf"
+    assert export_main(["--format", "llama.cpp", "--ea-model-path", str(tmp_path / "head"), "--output",
+                        str(path)]) == 0
+    other = gguf.GGUFReader(str(path))
+    ours, theirs = ({t.name: np.asarray(t.data) for t in r.tensors} for r in (exported, other))
+    assert set(ours) == set(theirs) and all(np.array_equal(ours[name], theirs[name]) for name in ours)
+    assert other.fields["eagle3.target_layers"].contents() == exported.fields["eagle3.target_layers"].contents()
+
+
+def test_export_refuses_what_the_eagle3_gguf_does_not_carry(tmp_path):
+    """An fc bias (speculators builds fc with one) would be dropped: refused, naming the layout and the bias."""
+    _default_head_as_speculators(tmp_path / "head",
+                                 lambda state: state.update({"fc.bias": torch.ones(state["fc.weight"].shape[0])}))
+    with pytest.raises(SystemExit, match=r"speculators \(vLLM\) layout\) has an fc bias"):
+        export_main(["--format", "llama.cpp", "--ea-model-path", str(tmp_path / "head"), "--output",
+                     str(tmp_path / "head.gguf")])
+    assert not (tmp_path / "head.gguf").exists()

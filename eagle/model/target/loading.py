@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from eagle.model.target.backends.attention import SUPPORTED_ATTENTION, default_attention, model_class
+from eagle.model.target.backends.attention import SUPPORTED_ATTENTION
 
 
 def split_gguf_path(path: str) -> tuple[str, str | None]:
@@ -32,25 +32,23 @@ def split_gguf_path(path: str) -> tuple[str, str | None]:
 def load_base_model(base_model_path: str, **kwargs):
     """``AutoModelForCausalLM`` + tokenizer from a directory, a Hub id, or a GGUF file (dequantised by transformers).
 
-    The attention implementation defaults to one that honours tree masks and that transformers supports for the
-    model's class: SDPA, or eager where the class does not support SDPA (GPT-OSS, whose attention sinks SDPA
-    does not take); ``attn_implementation`` may ask for either. ``torch_dtype`` is accepted as an alias of
-    ``dtype``. Remote code runs only when the caller passes ``trust_remote_code``.
+    The attention implementation defaults to what transformers picks when none is asked for: SDPA where it supports
+    the model's class, else eager (GPT-OSS, whose attention sinks its SDPA path does not take); both honour tree
+    masks. ``attn_implementation`` may ask for either; anything else (a flash kernel ignores 4-D masks) is
+    refused. ``torch_dtype`` is accepted as an alias of ``dtype``. Remote code runs only when the caller passes
+    ``trust_remote_code``.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if "torch_dtype" in kwargs:
         kwargs.setdefault("dtype", kwargs.pop("torch_dtype"))
+    asked = kwargs.get("attn_implementation")
+    if asked is not None and asked not in SUPPORTED_ATTENTION:
+        raise ValueError(f"attn_implementation={asked!r} cannot apply EAGLE's tree attention mask; use 'sdpa' "
+                         "(the default where transformers supports it for the model) or 'eager'.")
     location, gguf_file = split_gguf_path(base_model_path)
     extra = {"gguf_file": gguf_file} if gguf_file else {}
     trust = kwargs.get("trust_remote_code", False)
-    if kwargs.get("attn_implementation") is None:
-        kwargs["attn_implementation"] = _default_attention(location, extra, trust)
-    if kwargs["attn_implementation"] not in SUPPORTED_ATTENTION:
-        raise ValueError(
-            f"attn_implementation={kwargs['attn_implementation']!r} cannot apply EAGLE's tree attention mask; "
-            "use 'sdpa' (default where the model supports it) or 'eager'."
-        )
     try:
         model = AutoModelForCausalLM.from_pretrained(location, **extra, **kwargs)
     except ImportError as err:
@@ -62,17 +60,10 @@ def load_base_model(base_model_path: str, **kwargs):
             "modeling_attn_mask_utils...): use a revision of the model written for transformers 5, or its family's "
             "transformers class if there is one; install the package it names if it is another one."
         ) from err
+    chosen = getattr(model.config, "_attn_implementation", None)
+    if chosen not in SUPPORTED_ATTENTION:  # e.g. a config.json that names a flash kernel
+        raise ValueError(f"{base_model_path} loaded with attn_implementation={chosen!r}, which ignores EAGLE's tree "
+                         "attention mask; pass attn_implementation='sdpa' or 'eager'.")
     tokenizer = AutoTokenizer.from_pretrained(location, trust_remote_code=trust, **extra)
     model.eval()
     return model, tokenizer
-
-
-def _default_attention(location: str, extra: dict, trust: bool) -> str:
-    """The attention implementation for the model at ``location`` (see :func:`load_base_model`)."""
-    from transformers import AutoConfig
-
-    try:
-        config = AutoConfig.from_pretrained(location, trust_remote_code=trust, **extra)
-        return default_attention(model_class(config, location, trust))
-    except (OSError, ValueError, ImportError):  # transformers' own loading reports these better
-        return "sdpa"

@@ -13,10 +13,6 @@ in :data:`TRANSFORMERS_TOUCHES` and tested against the pinned transformers (``te
   our passes and ``"sdpa"`` again after them, so that the model's own ``generate`` and other callers see it as it was;
 - ``delegate``: ``transformers.integrations.sdpa_attention.sdpa_attention_forward`` (module path) computes
   everything :func:`tree_sdpa_attention` does not handle itself;
-- ``sdpa_support``: a model class's ``_supports_sdpa`` (private class attribute), read through
-  ``MODEL_FOR_CAUSAL_LM_MAPPING`` (or the config's ``auto_map`` for remote code) before loading, so that a family
-  transformers marks as not supporting SDPA (GPT-OSS: its attention sinks) loads with eager attention by default
-  (:func:`default_attention`);
 - ``query_temperature``: Llama-4's NoPE layers scale their queries by a temperature of the query position, which
   the attention module computes from the cache length (``attn_temperature_tuning``, ``use_rope``,
   ``floor_scale``, ``attn_scale``, attributes of ``Llama4TextAttention``). A tree node's cache slot is not its
@@ -79,31 +75,9 @@ TRANSFORMERS_TOUCHES = {
     "register": "transformers.AttentionInterface.register / AttentionMaskInterface.register",
     "switch": "PretrainedConfig._attn_implementation_internal",
     "delegate": "transformers.integrations.sdpa_attention.sdpa_attention_forward",
-    "sdpa_support": "PreTrainedModel._supports_sdpa via MODEL_FOR_CAUSAL_LM_MAPPING / auto_map",
     "query_temperature": "Llama4TextAttention.attn_temperature_tuning / use_rope / floor_scale / attn_scale",
     "module_eager": "<modeling module>.eager_attention_forward",
 }
-
-
-def model_class(config, location: str | None = None, trust_remote_code: bool = False):
-    """The class ``AutoModelForCausalLM`` builds for ``config`` (remote code only when trusted), or None."""
-    from transformers import MODEL_FOR_CAUSAL_LM_MAPPING
-
-    auto_map = getattr(config, "auto_map", None) or {}
-    if trust_remote_code and location is not None and "AutoModelForCausalLM" in auto_map:
-        from transformers.dynamic_module_utils import get_class_from_dynamic_module
-
-        return get_class_from_dynamic_module(auto_map["AutoModelForCausalLM"], location)
-    try:
-        return MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
-    except KeyError:
-        return None
-
-
-def default_attention(model_cls) -> str:
-    """The attention implementation a model of ``model_cls`` gets by default: SDPA where transformers supports it
-    for the class, else eager (both honour our 4-D tree masks)."""
-    return "sdpa" if model_cls is None or getattr(model_cls, "_supports_sdpa", False) else "eager"
 
 
 class QueryTemperature:
