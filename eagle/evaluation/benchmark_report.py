@@ -6,6 +6,7 @@ import json
 import os
 
 from .llamacpp import report_lines as llamacpp_report_lines
+from .load import POLICY, split_variant, variant_label
 
 RESULTS_FILE = "results.json"
 REPORT_FILE = "report.md"
@@ -16,6 +17,11 @@ PLOTS = {
     "accept_lengths": "accept_lengths.png",
     "tokens_per_second": "tokens_per_second.png",
 }
+
+
+def _reference_label(key: str) -> str:
+    method, setting = split_variant(key)
+    return variant_label(LABELS_BY_METHOD.get(method, method), setting)
 
 
 def _f(value, digits=2, suffix="") -> str:
@@ -108,7 +114,8 @@ def write_plots(results: dict, output_dir: str) -> dict:
 def markdown_report(results: dict, files: dict) -> str:
     """The benchmark as Markdown: settings, overall table, per-category table, acceptance, greedy check, plots and
     how it was measured. ``files``: name -> file name (relative to the report) of each plot."""
-    lines = _settings_lines(results) + _overall_lines(results) + _category_lines(results)
+    lines = _settings_lines(results) + _load_lines(results["settings"]) + _overall_lines(results)
+    lines += _thread_lines(results.get("threads")) + _category_lines(results)
     lines += _acceptance_lines(results.get("acceptance")) + _greedy_check_lines(results.get("greedy_check"))
     lines += llamacpp_report_lines(results.get("llamacpp"), results["settings"]["temperature"])
     lines += _plot_lines(files) + _method_lines(results["settings"])
@@ -129,8 +136,42 @@ def _settings_lines(results: dict) -> list[str]:
     ]
     for key in ("base_model_path", "ea_model_path", "use_eagle3", "total_token", "depth", "top_k", "lookup_tokens",
                 "prompt_lookup_num_tokens", "template", "warmup", "seed", "torch_version", "transformers_version",
-                "packed_cpu_linear_layers", "draft_dtype"):
-        lines.append(f"| {key} | `{s.get(key)}` |")
+                "packed_cpu_linear_layers", "draft_dtype", "thread_settings", "thread_policy", "policy_threads",
+                "policy_changes"):
+        if key in s:
+            lines.append(f"| {key} | `{s.get(key)}` |")
+    return lines
+
+
+def _load_lines(s: dict) -> list[str]:
+    """What ran beside the benchmark (``--busy``)."""
+    busy = s.get("busy") or {}
+    if not busy.get("processes"):
+        return []
+    shares = ", ".join("-" if share is None else f"{share:.2f}" for share in busy.get("cpu_share") or [])
+    return ["", f"**Under load:** {busy['processes']} busy process{'es' * (busy['processes'] != 1)} of the "
+            "benchmark's own (Python busy loops at normal priority) ran through the warm-up and every timed call "
+            f"({_f(busy.get('seconds'), 0)} s; CPU share each: {shares or '-'}; load average before "
+            f"{busy.get('load_average_before')}, after {busy.get('load_average_after')})."]
+
+
+def _thread_lines(threads: dict | None) -> list[str]:
+    """``--threads``: each method's tokens/s at every setting, and the policy against the best fixed count."""
+    if not threads:
+        return []
+    settings = list(dict.fromkeys(s for row in threads.values() for s in row["tokens_per_s"]))
+    names = [variant_label("", s).lstrip(", ") for s in settings]
+    lines = ["", "## Thread counts under the same load (tokens/s)", "",
+             "| method | " + " | ".join(names) + " | best fixed | policy / best fixed |",
+             "|---|" + "---:|" * (len(settings) + 2)]
+    for method, row in threads.items():
+        cells = [_f(row["tokens_per_s"].get(s)) for s in settings]
+        best = row["best_fixed"]
+        lines.append(f"| {method} | " + " | ".join(cells) + f" | {best or '-'} | "
+                     f"{_f(row['policy_vs_best_fixed'], 2, 'x')} |")
+    if POLICY in settings:
+        lines += ["", "'thread policy' is every default: the engine's methods choose their thread count as they run "
+                  "(eagle.utils.threads); the Hugging Face methods run at torch's default count."]
     return lines
 
 
@@ -164,12 +205,13 @@ def _category_lines(results: dict) -> list[str]:
     others = [m for m in methods if m != reference]
     lines = ["", f"## Per category (speed-up over {results['methods'][reference]['label']})", ""]
     header = "| category | questions | " + " | ".join(results["methods"][m]["label"] for m in others)
-    header += " | EAGLE tau |" if "eagle" in methods else " |"
-    lines += [header, "|---|---:|" + "---:|" * (len(others) + ("eagle" in methods))]
+    tau = any("eagle_tau" in row for row in results["per_category"].values())
+    header += " | EAGLE tau |" if tau else " |"
+    lines += [header, "|---|---:|" + "---:|" * (len(others) + tau)]
     for category, row in results["per_category"].items():
         cells = [f"**{category}**" if category == "overall" else category, str(row["questions"])]
         cells += [_f(row["speedup"][m], 2, "x") for m in others]
-        if "eagle" in methods:
+        if tau:
             cells.append(_f(row.get("eagle_tau")))
         lines.append("| " + " | ".join(cells) + " |")
     return lines
@@ -198,7 +240,7 @@ def _acceptance_lines(acceptance: dict | None) -> list[str]:
 def _greedy_check_lines(check: dict | None) -> list[str]:
     if check is None:
         return ["", "## Greedy check", "", "Not run (sampling, or a single method measured)."]
-    reference = LABELS_BY_METHOD.get(check["reference"], check["reference"])
+    reference = _reference_label(check["reference"])
     lines = ["", f"## Greedy check (every method vs {reference})", ""]
     if not check["mismatches"]:
         return lines + [f"Every method's tokens equal {reference}'s in all {check['checked']} runs "
@@ -251,12 +293,15 @@ def summary_lines(results: dict) -> list[str]:
     lines = [f"{'method':<36}{'tokens/s':>10}{'speed-up':>10}"]
     for method, row in results["methods"].items():
         lines.append(f"{row['label']:<36}{_f(row['tokens_per_s']):>10}{_f(row.get('speedup_vs_' + reference), 2, 'x'):>10}")
+    for method, row in (results.get("threads") or {}).items():
+        lines.append(f"{method}: policy {_f(row['policy_vs_best_fixed'], 2, 'x')} the speed of the best fixed thread "
+                     f"count ({row['best_fixed']})")
     acceptance = results.get("acceptance")
     if acceptance and acceptance["steps"]:
         lines.append(f"EAGLE mean accepted length {acceptance['mean_accept_length']:.3f}, tau {acceptance['tau']:.3f}")
     check = results.get("greedy_check")
     if check is not None:
-        reference = LABELS_BY_METHOD.get(check["reference"], check["reference"])
+        reference = _reference_label(check["reference"])
         lines.append(
             f"greedy check: {check['identical']}/{check['checked']} answers identical to {reference}"
             + ("" if not check["mismatches"] else

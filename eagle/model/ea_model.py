@@ -27,6 +27,7 @@ from .loading import load_base_model, load_ea_layer
 from .request import GenerationRequest, build_request
 from .target import Target, eagle3_layer_ids
 from ..utils.openmp import release_openmp_threads
+from ..utils.threads import ThreadPolicy
 
 logger = logging.getLogger(__name__)
 
@@ -93,7 +94,7 @@ class EaModel(nn.Module):
 
     def __init__(self, base_model, ea_layer, tokenizer=None, total_token: int = 60, depth: int = 7, top_k: int = 10,
                  *, base_model_name_or_path: str | None = None, use_eagle3: bool | None = None, lookup_tokens: int = 0,
-                 ea_model_path: str | None = None):
+                 ea_model_path: str | None = None, thread_policy: bool = True):
         super().__init__()
         self.base_model = base_model
         self.ea_layer = ea_layer
@@ -114,13 +115,14 @@ class EaModel(nn.Module):
         self._cache = None
         self.set_tree(total_token, depth, top_k, lookup_tokens)
         self.batch_trees: dict[int, TreeSettings] = {}
+        self.thread_policy = ThreadPolicy() if thread_policy else None  # see eagle.utils.threads
 
     # ------------------------------------------------------------------ loading
     @classmethod
     def from_pretrained(cls, use_eagle3: bool = True, base_model_path: str | None = None, ea_model_path: str | None = None,
                         total_token: int | None = None, depth: int | None = None, top_k: int | None = None,
                         threshold: float = 1.0, pack_cpu_weights: bool | str = "auto", lookup_tokens: int | None = None,
-                        draft_dtype="auto", **kwargs):
+                        draft_dtype="auto", thread_policy: bool = True, **kwargs):
         """Load the base model (a local directory, a Hub id, or a ``.gguf`` file / directory holding one) and the
         head (``config.json`` + ``model.safetensors`` or ``pytorch_model.bin``). With neither path, the embedded
         default pair (SmolLM2-135M-Instruct and this project's head, see :mod:`eagle.defaults`): nothing is
@@ -144,10 +146,17 @@ class EaModel(nn.Module):
         ``draft_dtype``: the dtype of the draft head. ``"auto"`` (default) runs the EAGLE-3 head of a float32 model
         in bfloat16 on a CPU that computes in bfloat16 natively (AVX512-BF16 or AMX), where a draft pass reads half
         the bytes, and in the base model's dtype elsewhere; a torch dtype (or "float32", "bfloat16", "float16")
-        forces one. The output does not depend on it: the target verifies every token."""
+        forces one. The output does not depend on it: the target verifies every token.
+
+        ``thread_policy``: True (default) lets the generation loop choose torch's thread count as the machine is
+        now (fewer threads when other programs take CPUs; see :mod:`eagle.utils.threads`); it stays out whenever
+        the user set the count (``OMP_NUM_THREADS``, ``torch.set_num_threads``). False leaves the count alone. The
+        output does not depend on it."""
         del threshold  # the reference's EAGLE-2 drafting never reads it either
         if pack_cpu_weights not in (True, False, "auto"):
             raise ValueError(f"pack_cpu_weights must be True, False or 'auto', not {pack_cpu_weights!r}.")
+        if not isinstance(thread_policy, bool):
+            raise ValueError(f"thread_policy must be True or False, not {thread_policy!r}.")
         check_tree_arguments(total_token, depth, top_k, lookup_tokens)  # invalid settings fail before loading
         base_model_path, ea_model_path = _model_paths(base_model_path, ea_model_path, kwargs)
         base_model, tokenizer = load_base_model(base_model_path, **kwargs)
@@ -157,7 +166,7 @@ class EaModel(nn.Module):
         tree, sources = resolve_tree(explicit, head_tree_for(ea_layer.config, device))
         model = cls(base_model, ea_layer, tokenizer, tree.total_token, tree.depth, tree.top_k,
                     base_model_name_or_path=base_model_path, use_eagle3=use_eagle3, lookup_tokens=tree.lookup_tokens,
-                    ea_model_path=ea_model_path)
+                    ea_model_path=ea_model_path, thread_policy=thread_policy)
         if pack_cpu_weights is True or (pack_cpu_weights == "auto" and should_auto_pack(base_model)):
             logger.info("Packed the CPU weights of %d linear layers for oneDNN (pack_cpu_weights=%r)",
                         model.set_cpu_weight_packing(True), pack_cpu_weights)
@@ -321,7 +330,7 @@ class EaModel(nn.Module):
             target, drafter = self._plain_target, NoDrafter()
         return speculative_decode_batch(target, drafter, self._cache_for(request), request.engine_ids,
                                         list(request.pads), request.sampler(), list(request.budgets),
-                                        set(request.stop_token_ids))
+                                        set(request.stop_token_ids), self.thread_policy)
 
     def generate_steps(self, input_ids, temperature=0.0, top_p=0.0, top_k=0.0, max_new_tokens=512, max_length=2048,
                        is_llama3=False, use_eagle=True, generator: torch.Generator | None = None) -> Iterator[Step]:
@@ -474,7 +483,8 @@ class ContinuousBatch:
         if self._running is None:
             target, drafter = ((self.model._eagle_target, self.model._eagle_drafter())
                                if use_eagle else (self.model._plain_target, NoDrafter()))
-            self._running = RunningBatch(target, drafter, cache, request.sampler(), set(request.stop_token_ids))
+            self._running = RunningBatch(target, drafter, cache, request.sampler(), set(request.stop_token_ids),
+                                         self.model.thread_policy)
         return self._running.add(request.engine_ids, list(request.pads), list(request.budgets))
 
     def cancel(self, row: int) -> None:

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from ..utils.openmp import release_openmp_threads
+from ..utils.threads import NO_THREAD_POLICY
 from .target import LazyLogits, Target
 from .tree import DraftTree, TreeBatch, likeliest_root_subtrees, likeliest_subtree, stack_trees
 from .verify import Sampler, verify_greedy, verify_greedy_batch, verify_sampling
@@ -286,10 +287,13 @@ class RunningBatch:
     computes. All rows share the sampler (one set of sampling settings). Invariant between steps: the cache holds
     each row's committed tokens except the last emitted one (the root), which its next tree starts from. The cache
     must have room for every row (prompt, budget and one tree: the caller grows it, see ``EaModel``).
+    ``threads``: a :class:`~eagle.utils.threads.ThreadPolicy` called around each verification step, or None.
     """
 
-    def __init__(self, target: Target, drafter, cache, sampler: Sampler | None, stop_token_ids: set[int]):
+    def __init__(self, target: Target, drafter, cache, sampler: Sampler | None, stop_token_ids: set[int],
+                 threads=None):
         self.target, self.cache, self.sampler = target, cache, sampler
+        self.threads = NO_THREAD_POLICY if threads is None else threads
         self.drafter = drafter if hasattr(drafter, "draft_batch") else OneSequenceDrafter(drafter)
         self.stop_token_ids = set(stop_token_ids)
         self.rows = Rows([], [], [])
@@ -396,6 +400,7 @@ class RunningBatch:
 
     def _verify_step(self) -> dict[int, RowStep]:
         """Draft, verify, evaluate and commit every row; emit their new tokens."""
+        self.threads.step_started()
         features, next_tokens, valid = self.carried
         trees = stack_trees(self.drafter.draft_batch(features, next_tokens, valid))  # rooted at the last emitted
         logits, fetch, tree_features = verify_trees(self.target, trees, self.cache, self.rows, lazy_logits=True)
@@ -403,6 +408,7 @@ class RunningBatch:
         commit_batch(self.cache, self.rows, [path for path, _ in results], trees.size)
         new, next_tokens, valid, features = next_inputs(trees, results, tree_features)
         self.carried = (features, next_tokens, valid)
+        self.threads.step_finished(trees.tokens.numel())
         return self._emit(self.rows.index, new, [tokens.shape[0] - 1 for tokens in new])
 
     def _emit(self, rows: list[int], new: list[torch.Tensor], accepted: list[int]) -> dict[int, RowStep]:
@@ -455,16 +461,18 @@ def speculative_decode_batch(
     sampler: Sampler | None,
     budgets: list[int],
     stop_token_ids: set[int],
+    threads=None,
 ) -> Iterator[BatchStep]:
     """Generate after the left-padded prompts ``input_ids`` (B, S) (row b: ``pads[b]`` padding slots, then its
     tokens): a :class:`RunningBatch` that no row joins. Yields one :class:`BatchStep` per target forward pass.
 
-    Row b stops after its first stop token (included) or after ``budgets[b]`` tokens.
+    Row b stops after its first stop token (included) or after ``budgets[b]`` tokens. ``threads``: see
+    :class:`RunningBatch`.
     """
     batch = input_ids.shape[0]
     if max(budgets) <= 0:
         return
-    running = RunningBatch(target, drafter, cache, sampler, stop_token_ids)
+    running = RunningBatch(target, drafter, cache, sampler, stop_token_ids, threads)
     running.add(input_ids, pads, budgets)
     finished, empty = [False] * batch, input_ids.new_zeros(0)
     for update in running:
