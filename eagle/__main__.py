@@ -140,12 +140,13 @@ def main(argv=None) -> int:
 
     ea_ids, ea_new, ea_steps, _ = run(model.eagenerate, args.max_new_tokens)  # the answers (and more warm-up)
     nv_ids, nv_new, _, _ = run(model.naivegenerate, args.max_new_tokens)
-    timed = {model.eagenerate: [], model.naivegenerate: []}
+    methods = {"eagle": model.eagenerate, "plain": model.naivegenerate}
+    timed = {name: [] for name in methods}  # (new tokens, seconds) of each repeat
     for repeat in range(args.repeats):  # alternated: EAGLE first in even repeats, plain decoding first in odd ones
-        for generate in list(timed)[:: 1 if repeat % 2 == 0 else -1]:
-            _, new_tokens, _, seconds = run(generate, args.repeat_tokens)
-            timed[generate].append((new_tokens, seconds))
-    summary = summarise_repeats(timed[model.eagenerate], timed[model.naivegenerate])
+        for name in list(methods)[:: 1 if repeat % 2 == 0 else -1]:
+            _, new_tokens, _, seconds = run(methods[name], args.repeat_tokens)
+            timed[name].append((new_tokens, seconds))
+    summary = summarise_repeats(timed["eagle"], timed["plain"])
     prompt_len = input_ids.shape[1]
     ea_text = tokenizer.decode(ea_ids[0, prompt_len:], skip_special_tokens=True)
     nv_text = tokenizer.decode(nv_ids[0, prompt_len:], skip_special_tokens=True)

@@ -115,7 +115,8 @@ class EaModel(nn.Module):
         self._cache = None
         self.set_tree(total_token, depth, top_k, lookup_tokens)
         self.batch_trees: dict[int, TreeSettings] = {}
-        self.thread_policy = ThreadPolicy() if thread_policy else None  # see eagle.utils.threads
+        cpu = self.device.type == "cpu"  # elsewhere the CPU threads do not carry the step
+        self.thread_policy = ThreadPolicy() if thread_policy and cpu else None  # see eagle.utils.threads
 
     # ------------------------------------------------------------------ loading
     @classmethod
@@ -150,8 +151,8 @@ class EaModel(nn.Module):
 
         ``thread_policy``: True (default) lets the generation loop choose torch's thread count as the machine is
         now (fewer threads when other programs take CPUs; see :mod:`eagle.utils.threads`); it stays out whenever
-        the user set the count (``OMP_NUM_THREADS``, ``torch.set_num_threads``). False leaves the count alone. The
-        output does not depend on it."""
+        the user set the count (``OMP_NUM_THREADS``, ``torch.set_num_threads``). False leaves the count alone, as
+        does a model off the CPU. The output does not depend on it."""
         del threshold  # the reference's EAGLE-2 drafting never reads it either
         if pack_cpu_weights not in (True, False, "auto"):
             raise ValueError(f"pack_cpu_weights must be True, False or 'auto', not {pack_cpu_weights!r}.")
