@@ -241,7 +241,7 @@ class ThreadPolicy:
         self._next_check = -math.inf  # the first recheck comes once half a window is measured
         self._earliest = 0.0  # no recheck, however the machine changed, before this (the overhead budget)
         self._continue: int | None = None  # after a change, the next count in the same direction
-        self._reset_window(decided=None)
+        self._reset_window()
         self._probe: _Probe | None = None
         self._step: tuple | None = None
         if self.stayed_out:
@@ -310,13 +310,13 @@ class ThreadPolicy:
         self.torch_threads.set(count)
         self._set_here.count = self._last_set = count
 
-    def _reset_window(self, decided) -> None:
-        """A new window at the chosen count; ``decided``: (costs per kind, CPU share, idle CPUs) when it was
-        chosen, what later windows are compared with (None: the first full window sets it)."""
+    def _reset_window(self) -> None:
+        """A new window at the chosen count, after a decision: its first full window sets ``_decided`` (costs per
+        kind, CPU share, idle CPUs), what later windows are compared with."""
         self._window = _Window({}, self.settings.window)
         self._window_start = (self.clock.wall(), self.clock.idle())
-        self._decided = decided
-
+        self._decided = None
+        self._change = None  # the change the last full window saw
     def _idle_cpus(self) -> float | None:
         wall, idle = self._window_start
         now, idle_now = self.clock.wall(), self.clock.idle()
@@ -332,48 +332,55 @@ class ThreadPolicy:
         if self._decided is None:  # the first window after a choice: what the next ones are compared with
             if self._window.steps >= self.settings.window:
                 self._decided = ({kind: reference}, self._window.share(), self._idle_cpus())
-        reason = "due" if self._elapsed >= self._next_check else self._machine_changed(kind, reference)
-        if reason is None and self._window.steps >= self.settings.window:
+        due = self._elapsed >= self._next_check
+        change = None if due else self._machine_changed(kind, reference)
+        if self._window.steps >= self.settings.window and not due:  # a change counts when two windows see it
+            confirmed = change is not None and self._change is not None and change[1] == self._change[1]
+            change, self._change = (change if confirmed else None), change
             self._roll_window()
-        if reason is None or self._elapsed < self._earliest:
+        if not due and (change is None or self._elapsed < self._earliest):
             return
-        queue = self._candidates()
+        reason, direction = ("due", 0) if due else change
+        queue = self._candidates(direction)
         if not queue:
             return
         logger.debug("Thread policy: recheck (%s) of %d threads against %s", reason, self.threads, queue)
         self._probe = _Probe(queue, {}, [])
 
     def _roll_window(self) -> None:
-        """A full window with nothing changed: keep its costs, measure the CPU share and idle CPUs afresh."""
+        """After a full window: keep its costs, measure the CPU share and idle CPUs afresh."""
         costs = self._window.costs
         self._window = _Window(costs, self.settings.window)
         self._window_start = (self.clock.wall(), self.clock.idle())
 
-    def _machine_changed(self, kind: int, cost: float) -> str | None:
-        """Why the machine looks different from when the count was chosen, or None."""
+    def _machine_changed(self, kind: int, cost: float) -> tuple[str, int] | None:
+        """How the machine looks different from when the count was chosen, over a full window: (what, the
+        direction worth trying: -1 fewer threads, +1 more), or None."""
         if self._decided is None or self._window.steps < self.settings.window:
             return None
         costs, share, idle = self._decided
         ratio = self.settings.changed_ratio
         before = costs.get(kind)
-        if before is not None and not before / ratio <= cost <= before * ratio:
-            return f"steps cost {cost / before:.2f}x what they did"
+        if before is not None and cost > before * ratio:  # more load: fewer threads may wait less
+            return "steps cost more", -1
         now_share = self._window.share()
         if share and now_share is not None and now_share < share / ratio:
-            return f"CPU share per thread fell from {share:.2f} to {now_share:.2f}"
+            return "threads descheduled more", -1
+        if before is not None and cost < before / ratio:  # less load: more threads may pay again
+            return "steps cost less", 1
         now_idle = self._idle_cpus()
-        if (idle is not None and now_idle is not None and self.threads < self.max_threads
-                and now_idle > idle + self.settings.idle_cpus_rise):
-            return f"idle CPUs rose from {idle:.2f} to {now_idle:.2f}"
+        if idle is not None and now_idle is not None and now_idle > idle + self.settings.idle_cpus_rise:
+            return "idle CPUs", 1
         return None
 
-    def _candidates(self) -> list[int]:
+    def _candidates(self, direction: int = 0) -> list[int]:
         """The counts a recheck tries: the next one in the direction of the last change, else the neighbours of
-        the chosen count on the ladder."""
+        the chosen count on the ladder (0: both; -1: the one below; +1: the one above)."""
         if self._continue is not None:
             return [self._continue]
         at = self.ladder.index(self.threads)
-        return [self.ladder[i] for i in (at - 1, at + 1) if 0 <= i < len(self.ladder)]
+        sides = {0: (at - 1, at + 1), -1: (at - 1,), 1: (at + 1,)}[direction]
+        return [self.ladder[i] for i in sides if 0 <= i < len(self.ladder)]
 
     def _probe_step(self, kind: int, cost: float, seconds: float) -> None:
         probe = self._probe
@@ -405,7 +412,7 @@ class ThreadPolicy:
         self._interval = min(max(self.settings.first_interval_s, retry_loss / self.settings.overhead),
                              self.settings.max_interval_s)
         self._next_check = -math.inf if self._continue is not None else now + self._interval
-        self._reset_window(decided=None)
+        self._reset_window()
         self._apply(best)
 
     def _decide(self, results: dict) -> None:
@@ -423,8 +430,7 @@ class ThreadPolicy:
         budget = lost / self.settings.overhead  # generation time over which this recheck's cost is the overhead
         self._interval = min(max(self._interval * 2, budget), self.settings.max_interval_s)
         self._next_check, self._earliest = now + self._interval, now + min(budget, self.settings.max_interval_s)
-        costs = {kind: cost for kind in self._window.costs if (cost := self._window.cost(kind)) is not None}
-        self._reset_window(decided=(costs, self._window.share(), self._idle_cpus()))
+        self._reset_window()
 
 
 class _NoThreadPolicy:
