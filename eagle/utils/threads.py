@@ -15,13 +15,15 @@ a few steps each; it keeps the count whose steps cost least per unit of work, co
 (a prefill or a batch of another size is not a verification step of one row). A count that is clearly worse is
 dropped after one step. While its choice holds, the interval doubles (up to two minutes of generation), and it is
 stretched so that rechecks cost at most 2% of the generation time (trying two threads where they are ten times
-slower loses nine steps' time); it rechecks sooner when the machine changes under it: its steps cost much more or
-less than when it chose, its threads get a smaller share of CPU time than they did (they are being descheduled),
-or CPUs it could use became idle.
+slower loses nine steps' time); it rechecks sooner when the machine changes under it for two windows of steps in
+a row, and only towards the counts the change could favour: fewer threads when its steps cost much more than when
+it chose or its threads get a smaller share of CPU time than they did (they are being descheduled), more when its
+steps cost much less or CPUs it could use became idle.
 
 The user always wins: with ``OMP_NUM_THREADS`` or ``MKL_NUM_THREADS`` set, with a thread count other than torch's
 default when the policy is made, or once the count differs from what the policy last set in that thread (an
-explicit ``torch.set_num_threads``), the policy stays out for good (``stayed_out`` says why).
+explicit ``torch.set_num_threads``), the policy stays out for good (``stayed_out`` says why; ``resume()`` hands
+the count back to it after a change made on purpose, as the benchmark's fixed counts do).
 ``EaModel.from_pretrained(thread_policy=False)`` turns it off.
 
 It is meant to change nothing but speed: the embedded pair gives the same greedy tokens whatever the thread count
