@@ -40,7 +40,7 @@ def model_paths(base_model_path, ea_model_path, kwargs: dict) -> tuple[str, str]
 
 
 def load_pretrained(cls, *, use_eagle3: bool, base_model_path, ea_model_path, tree: dict, threshold: float,
-                    pack_cpu_weights, draft_dtype, **kwargs):
+                    pack_cpu_weights, draft_dtype, thread_policy: bool = True, **kwargs):
     """An ``EaModel`` (``cls``) for the base model at ``base_model_path`` (a directory, a Hub id, or a ``.gguf``
     file / directory holding one) and the head at ``ea_model_path`` (``config.json`` + ``model.safetensors`` or
     ``pytorch_model.bin``); with neither path, the embedded default pair (nothing is downloaded). Other keyword
@@ -54,10 +54,15 @@ def load_pretrained(cls, *, use_eagle3: bool, base_model_path, ea_model_path, tr
     ``pack_cpu_weights``: the oneDNN linear backend: ``"auto"`` packs float32 CPU models whose linear weights take
     at most 2 GiB; ``True`` packs whatever can be packed; ``False`` leaves the layers alone. ``draft_dtype``: the
     head's dtype (``"auto"``: bfloat16 for the EAGLE-3 head of a float32 model on a CPU that computes in bfloat16
-    natively, else the base model's); the output never depends on it."""
+    natively, else the base model's); the output never depends on it. ``thread_policy``: True (default) lets the
+    generation loop of a CPU model choose torch's thread count as the machine is now (fewer threads when other
+    programs take CPUs, see :mod:`eagle.utils.threads`); it stays out whenever the user set the count
+    (``OMP_NUM_THREADS``, ``torch.set_num_threads``); the output never depends on it."""
     del threshold  # the reference's EAGLE-2 drafting never reads it either
     if pack_cpu_weights not in (True, False, "auto"):
         raise ValueError(f"pack_cpu_weights must be True, False or 'auto', not {pack_cpu_weights!r}.")
+    if not isinstance(thread_policy, bool):
+        raise ValueError(f"thread_policy must be True or False, not {thread_policy!r}.")
     check_tree_arguments(**tree)  # invalid settings fail before loading
     base_model_path, ea_model_path = model_paths(base_model_path, ea_model_path, kwargs)
     base_model, tokenizer = load_base_model(base_model_path, **kwargs)
@@ -66,7 +71,7 @@ def load_pretrained(cls, *, use_eagle3: bool, base_model_path, ea_model_path, tr
     settings, sources = resolve_tree(tree, head_tree_for(ea_layer.config, device))
     model = cls(base_model, ea_layer, tokenizer, settings.total_token, settings.depth, settings.top_k,
                 base_model_name_or_path=base_model_path, use_eagle3=use_eagle3,
-                lookup_tokens=settings.lookup_tokens, ea_model_path=ea_model_path)
+                lookup_tokens=settings.lookup_tokens, ea_model_path=ea_model_path, thread_policy=thread_policy)
     if pack_cpu_weights is True or (pack_cpu_weights == "auto" and should_auto_pack(base_model)):
         backend = linear_backend("onednn")
         count = backend.convert(base_model) + backend.convert(ea_layer)
