@@ -35,8 +35,7 @@ class EaModel(nn.Module):
                  *, base_model_name_or_path: str | None = None, use_eagle3: bool | None = None, lookup_tokens: int = 0,
                  ea_model_path: str | None = None, thread_policy: bool = True):
         super().__init__()
-        self.base_model, self.ea_layer, self.tokenizer = base_model, ea_layer, tokenizer
-        self.config = base_model.config
+        self.base_model, self.ea_layer, self.tokenizer, self.config = base_model, ea_layer, tokenizer, base_model.config
         self.base_model_name_or_path, self.ea_model_path = base_model_name_or_path, ea_model_path
         self.use_eagle3 = ea_layer.eagle_version == 3 if use_eagle3 is None else use_eagle3
         self.hidden_size, self.vocab_size = base_model.get_output_embeddings().weight.shape[::-1]
