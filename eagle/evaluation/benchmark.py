@@ -447,7 +447,7 @@ def timed_runs(timed: TimedMethods, methods: list[str], questions: list[dict], p
     and what the report records of the load and the thread settings."""
     try:
         with BusyProcesses(args.busy) as busy:
-            warm_up(timed, methods, prompts[0], args)
+            warm_up_methods(timed, methods, prompts[0], args)
             per_question, outputs = run_questions(timed, methods, questions, prompts, args)
     finally:
         if timed.llama is not None:
@@ -458,7 +458,7 @@ def timed_runs(timed: TimedMethods, methods: list[str], questions: list[dict], p
     return per_question, outputs, load
 
 
-def warm_up(timed: TimedMethods, methods: list[str], input_ids: torch.Tensor, args) -> None:
+def warm_up_methods(timed: TimedMethods, methods: list[str], input_ids: torch.Tensor, args) -> None:
     """``--warmup`` untimed runs of every method on the first question, with the full settings."""
     for _ in tqdm(range(args.warmup), desc="warm-up", disable=args.warmup == 0):
         for method in methods:
