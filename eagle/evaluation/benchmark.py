@@ -30,6 +30,14 @@ When the tree grafts a prompt-lookup branch (``--lookup-tokens``, on for the emb
 ``eagle_no_lookup`` runs EAGLE with the head's tree alone (``lookup_tokens=0`` for the call), to show what each
 part brings.
 
+Under load: ``--busy N`` starts N busy processes of the benchmark's own (Python busy loops at normal priority) for
+the warm-up and the timed calls, always stopped at the end; ``--threads 1,2,policy`` runs every method at each
+thread setting (fixed counts, and ``policy``: every default, the engine's thread policy on), interleaved question
+by question like the methods, and the report sets the policy against the best fixed count (see
+:mod:`eagle.evaluation.load`)::
+
+    python -m eagle.evaluation.benchmark --busy 1 --threads 1,2,policy --methods eagle,plain,hf_generate
+
 How it measures: every method first runs ``--warmup`` times on the first question with the full settings
 (untimed, discarded), so none pays a first-call cost; the device is synchronised before and after every
 timed call (``eagle.utils.device.synchronize``); each timed call is preceded by
@@ -70,6 +78,8 @@ from .methods import (
     Generation, eagle_generate, engine_stop_ids, hf_generate, hf_generation_config, model_device, plain_generate,
 )
 from . import llamacpp
+from .load import BusyProcesses, ThreadSettings, expand_variants, parse_thread_settings, split_variant, \
+    thread_comparison, variant_label
 from .questions import load_questions, spread_over_categories
 
 logger = logging.getLogger(__name__)
@@ -78,6 +88,7 @@ METHODS = ("eagle", "plain", "hf_generate", "prompt_lookup") + llamacpp.LLAMACPP
 UNPACKED_METHODS = ("hf_generate_unpacked", "prompt_lookup_unpacked")
 EXTRA_METHODS = UNPACKED_METHODS + ("eagle_no_lookup",)
 EAGLE_METHODS = ("eagle", "eagle_no_lookup")
+ENGINE_METHODS = EAGLE_METHODS + ("plain",)  # the methods the engine (and its thread policy) runs
 LABELS = {
     "eagle": "EAGLE (eagenerate)",
     "eagle_no_lookup": "EAGLE, head's tree alone (no lookup branch)",
@@ -129,11 +140,34 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=0, help="Base seed; question i runs after manual_seed(seed + i).")
     parser.add_argument("--output-dir", default=os.path.join("outputs", "benchmark"),
                         help="Where results.json, report.md and the plots go.")
+    parser.add_argument("--busy", type=int, default=0,
+                        help="Start this many busy processes of the benchmark's own (Python busy loops at normal "
+                        "priority) for the warm-up and the timed runs, stopped at the end, to measure under load; "
+                        "the report records them.")
+    parser.add_argument("--threads", default=None,
+                        help="e.g. 1,2,policy: run every method at each setting, interleaved question by question: "
+                        "a number is that fixed torch thread count (the thread policy off), 'policy' every default "
+                        "(the engine's thread policy on; Hugging Face methods at torch's default count). The report "
+                        "compares the policy with the best fixed count. The llama.cpp methods keep "
+                        "--llamacpp-threads.")
     parser.add_argument("--batch-size", default=None,
                         help="e.g. 1,4,8,16: run the batched-throughput mode instead (batched EAGLE, HF batched "
                              "generate, batch-1 EAGLE one prompt after the other); see "
                              "`python -m eagle.evaluation.batch_benchmark --help`.")
     return parser
+
+
+def label(key: str) -> str:
+    """A method's label, with its ``--threads`` setting when it has one (``eagle@1``)."""
+    method, setting = split_variant(key)
+    return variant_label(LABELS[method], setting)
+
+
+def first_of(methods: list[str], method: str) -> str | None:
+    """The key that stands for ``method``: itself, else its run at the thread policy, else its first setting."""
+    variants = [key for key in methods if split_variant(key)[0] == method]
+    return method if method in variants else f"{method}@policy" if f"{method}@policy" in variants else \
+        (variants[0] if variants else None)
 
 
 def parse_methods(text: str) -> list[str]:
@@ -156,6 +190,7 @@ class TimedMethods:
         self.template = template
         self.stop_ids = stop_ids
         self.args = args
+        self.threads = ThreadSettings(model)
         self.hf_configs = {
             "hf_generate": hf_generation_config(
                 max_new_tokens=args.max_new_tokens, stop_ids=stop_ids, temperature=args.temperature),
@@ -165,6 +200,8 @@ class TimedMethods:
         }
 
     def run(self, method: str, input_ids: torch.Tensor) -> Generation:
+        method, setting = split_variant(method)  # eagle@1: EAGLE at 1 thread (see eagle.evaluation.load)
+        self.threads.apply(setting, engine=method in ENGINE_METHODS)
         options = dict(temperature=self.args.temperature, max_new_tokens=self.args.max_new_tokens,
                        is_llama3=self.template.is_llama3)
         if method in llamacpp.LLAMACPP_METHODS:
@@ -206,7 +243,8 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 def summarise(per_question: list[dict], methods: list[str]) -> dict:
     """Totals per method, speed-ups (ratios of totals) overall and per category, and EAGLE's acceptance."""
-    reference = "plain" if "plain" in methods else methods[0]
+    reference = first_of(methods, "plain") or methods[0]
+    eagle = first_of(methods, "eagle")
     totals = {}
     for method in methods:
         tokens = sum(q["methods"][method]["new_tokens"] for q in per_question)
@@ -214,16 +252,16 @@ def summarise(per_question: list[dict], methods: list[str]) -> dict:
         passes = [q["methods"][method]["forward_passes"] for q in per_question]
         known_passes = None if any(p is None for p in passes) else sum(passes)
         totals[method] = {
-            "label": LABELS[method], "new_tokens": tokens, "wall_time": seconds, "tokens_per_s": _rate(tokens, seconds),
+            "label": label(method), "new_tokens": tokens, "wall_time": seconds, "tokens_per_s": _rate(tokens, seconds),
             "forward_passes": known_passes,
             "tokens_per_forward": _ratio(tokens, known_passes) if known_passes else None,
         }
     for method in methods:
         totals[method]["speedup_vs_" + reference] = _ratio(totals[method]["tokens_per_s"], totals[reference]["tokens_per_s"])
         for baseline in ("hf_generate", "hf_generate_unpacked"):
-            if baseline in methods:
+            if first_of(methods, baseline):
                 totals[method]["speedup_vs_" + baseline] = _ratio(
-                    totals[method]["tokens_per_s"], totals[baseline]["tokens_per_s"])
+                    totals[method]["tokens_per_s"], totals[first_of(methods, baseline)]["tokens_per_s"])
 
     categories: dict[str, list[dict]] = {}
     for q in per_question:
@@ -237,14 +275,14 @@ def summarise(per_question: list[dict], methods: list[str]) -> dict:
                                                 sum(q["methods"][method]["wall_time"] for q in group))
         for method in methods:
             row["speedup"][method] = _ratio(row["tokens_per_s"][method], row["tokens_per_s"][reference])
-        if "eagle" in methods:
-            accepts = [a for q in group for a in q["methods"]["eagle"]["accept_lengths"]]
+        if eagle:
+            accepts = [a for q in group for a in q["methods"][eagle]["accept_lengths"]]
             row["eagle_tau"] = (sum(accepts) / len(accepts) + 1) if accepts else None
         per_category[category] = row
 
     acceptance = None
-    if "eagle" in methods:
-        accepts = [a for q in per_question for a in q["methods"]["eagle"]["accept_lengths"]]
+    if eagle:
+        accepts = [a for q in per_question for a in q["methods"][eagle]["accept_lengths"]]
         mean = sum(accepts) / len(accepts) if accepts else None
         acceptance = {
             "steps": len(accepts),
@@ -253,13 +291,15 @@ def summarise(per_question: list[dict], methods: list[str]) -> dict:
             "histogram": {str(a): n for a, n in sorted(Counter(accepts).items())},
             "alpha": alpha_from_accept_lengths(accepts),
         }
-    return {"reference_method": reference, "methods": totals, "per_category": per_category, "acceptance": acceptance}
+    return {"reference_method": reference, "methods": totals, "per_category": per_category, "acceptance": acceptance,
+            "threads": thread_comparison(totals) or None}
 
 
 def agreement_reference(methods: list[str]) -> str | None:
     """The method every greedy answer is compared with: Hugging Face ``generate`` (an implementation independent of
     this engine) when it ran, else plain decoding; None when there is nothing to compare."""
-    reference = next((m for m in ("hf_generate", "hf_generate_unpacked", "plain") if m in methods), None)
+    reference = next((first_of(methods, m) for m in ("hf_generate", "hf_generate_unpacked", "plain")
+                      if first_of(methods, m)), None)
     return reference if reference is not None and len(methods) > 1 else None
 
 
@@ -312,7 +352,7 @@ def _settings(args, model, device, dtype, questions) -> dict:
         "device": str(device),
         "packed_cpu_linear_layers": packed_layer_count(model),
         "dtype": str(dtype).replace("torch.", ""),
-        "draft_dtype": str(head.fc.weight.dtype).replace("torch.", "") if head is not None else None,
+        "draft_dtype": str(head.weight.dtype).replace("torch.", "") if head is not None else None,
         "torch_threads": torch.get_num_threads(),
         "torch_version": torch.__version__,
         "transformers_version": transformers.__version__,
@@ -323,22 +363,22 @@ def _settings(args, model, device, dtype, questions) -> dict:
     }
 
 
-def run(args: argparse.Namespace) -> dict:
-    """Run the benchmark as ``args`` say; returns the results (also written to ``--output-dir``)."""
-    methods = parse_methods(args.methods)
+def _checked_questions(args: argparse.Namespace) -> list[dict]:
+    """The questions ``args`` ask for, after checking the counts (``SystemExit`` naming the flag)."""
+    if args.busy < 0:
+        raise SystemExit(f"--busy must be >= 0 (busy processes to start), got {args.busy}.")
     if args.max_new_tokens <= 0:
         raise SystemExit(f"--max-new-tokens must be positive, got {args.max_new_tokens}.")
     if args.num_questions <= 0:
         raise SystemExit(f"--num-questions must be positive, got {args.num_questions}.")
     try:
-        questions = spread_over_categories(load_questions(args.bench_name, args.question_file), args.num_questions)
+        return spread_over_categories(load_questions(args.bench_name, args.question_file), args.num_questions)
     except (OSError, ValueError) as err:
         raise SystemExit(str(err)) from None
-    torch.manual_seed(args.seed)
-    resolve_model_args(args)  # the report records the paths and tree that were used
-    model = load_model_from_args(args)
-    device = model_device(model)
-    dtype = model.base_model.dtype
+
+
+def _check_methods_fit(methods: list[str], model) -> None:
+    """Methods that compare with something this model lacks are refused (``SystemExit`` saying what is missing)."""
     if any(m in UNPACKED_METHODS for m in methods) and not packed_layer_count(model):
         raise SystemExit(f"--methods {', '.join(m for m in methods if m in UNPACKED_METHODS)} compare with packed CPU "
                          "weights, but this model has none (packing needs float32 weights on a CPU and "
@@ -346,6 +386,19 @@ def run(args: argparse.Namespace) -> dict:
     if "eagle_no_lookup" in methods and not model.tree_settings.lookup_tokens:
         raise SystemExit("--methods eagle_no_lookup compares with the lookup branch, but it is off (--lookup-tokens 0 "
                          "or a head other than the embedded one): pass --lookup-tokens N.")
+
+
+def run(args: argparse.Namespace) -> dict:
+    """Run the benchmark as ``args`` say; returns the results (also written to ``--output-dir``)."""
+    methods = parse_methods(args.methods)
+    thread_settings = parse_thread_settings(args.threads)
+    questions = _checked_questions(args)
+    torch.manual_seed(args.seed)
+    resolve_model_args(args)  # the report records the paths and tree that were used
+    model = load_model_from_args(args)
+    device = model_device(model)
+    dtype = model.base_model.dtype
+    _check_methods_fit(methods, model)
     template = get_template(args.template)
     tokenizer = model.tokenizer
     stop_ids = engine_stop_ids(tokenizer, model.base_model, model, template.is_llama3)  # HF stops where EAGLE does
@@ -353,16 +406,12 @@ def run(args: argparse.Namespace) -> dict:
         methods, args.base_model_path, args.ea_model_path, args.llamacpp_threads or torch.get_num_threads(),
         args.llamacpp_draft_tokens, shlex.split(args.llamacpp_args))
     timed = TimedMethods(model, template, stop_ids, args, llama)
+    methods = expand_variants(methods, thread_settings, fixed=llamacpp.LLAMACPP_METHODS)
     prompts = [
         torch.tensor([encode_prompt(template, tokenizer, [(q["turns"][0], None)])], dtype=torch.long, device=device)
         for q in questions
     ]
-    try:
-        warm_up(timed, methods, prompts[0], args)
-        per_question, outputs = run_questions(timed, methods, questions, prompts, args)
-    finally:
-        if llama is not None:
-            llama.close()
+    per_question, outputs, load = timed_runs(timed, methods, questions, prompts, args)
     one_thread = None
     if llama is not None and args.temperature <= 1e-5:  # llama.cpp's own multi-thread differences told apart
         try:
@@ -372,7 +421,7 @@ def run(args: argparse.Namespace) -> dict:
         except (RuntimeError, OSError) as err:
             logger.warning("The 1-thread llama.cpp rerun of the differing answers failed: %s", err)
     results = {
-        "settings": _settings(args, model, device, dtype, questions),
+        "settings": {**_settings(args, model, device, dtype, questions), **load},
         **summarise(per_question, methods),
         "greedy_check": None,
         "llamacpp": llamacpp.summarise(per_question, outputs, llama, llama_notes, args.llamacpp_draft_tokens,
@@ -391,7 +440,25 @@ def run(args: argparse.Namespace) -> dict:
     return results
 
 
-def warm_up(timed: TimedMethods, methods: list[str], input_ids: torch.Tensor, args) -> None:
+def timed_runs(timed: TimedMethods, methods: list[str], questions: list[dict], prompts: list[torch.Tensor],
+               args) -> tuple[list[dict], dict, dict]:
+    """The warm-up and every timed call (see :func:`run_questions`), with ``--busy`` processes running throughout
+    (always stopped), llama.cpp's servers closed at the end. Returns the per-question records, the new token ids
+    and what the report records of the load and the thread settings."""
+    try:
+        with BusyProcesses(args.busy) as busy:
+            warm_up_methods(timed, methods, prompts[0], args)
+            per_question, outputs = run_questions(timed, methods, questions, prompts, args)
+    finally:
+        if timed.llama is not None:
+            timed.llama.close()
+        timed.threads.restore()
+    load = {"busy": busy.record(), "thread_settings": parse_thread_settings(args.threads),
+            "torch_threads": timed.threads.default, **timed.threads.record()}
+    return per_question, outputs, load
+
+
+def warm_up_methods(timed: TimedMethods, methods: list[str], input_ids: torch.Tensor, args) -> None:
     """``--warmup`` untimed runs of every method on the first question, with the full settings."""
     for _ in tqdm(range(args.warmup), desc="warm-up", disable=args.warmup == 0):
         for method in methods:
@@ -420,7 +487,7 @@ def run_questions(timed: TimedMethods, methods: list[str], questions: list[dict]
                 "wall_time": result.wall_time,
                 "tokens_per_s": _rate(result.new_tokens, result.wall_time),
                 "forward_passes": result.forward_passes,
-                "accept_lengths": result.accept_lengths if method in EAGLE_METHODS else [],
+                "accept_lengths": result.accept_lengths if split_variant(method)[0] in EAGLE_METHODS else [],
             }
             if method in llamacpp.LLAMACPP_METHODS:
                 record["methods"][method]["llamacpp_timings"] = timed.llama_timings
@@ -434,13 +501,14 @@ def run_questions(timed: TimedMethods, methods: list[str], questions: list[dict]
 
 def _running_speedup(per_question: list[dict], methods: list[str]) -> float | None:
     """EAGLE's speed-up over plain decoding on the questions so far (for the progress bar)."""
-    if "eagle" not in methods or "plain" not in methods:
+    eagle, plain = first_of(methods, "eagle"), first_of(methods, "plain")
+    if eagle is None or plain is None:
         return None
     rates = {}
-    for method in ("eagle", "plain"):
+    for method in (eagle, plain):
         rates[method] = _rate(sum(q["methods"][method]["new_tokens"] for q in per_question),
                               sum(q["methods"][method]["wall_time"] for q in per_question))
-    return _ratio(rates["eagle"], rates["plain"])
+    return _ratio(rates[eagle], rates[plain])
 
 
 def check_greedy_answers(model, per_question: list[dict], outputs: dict, prompts: list[torch.Tensor],

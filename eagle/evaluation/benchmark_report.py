@@ -6,6 +6,7 @@ import json
 import os
 
 from .llamacpp import report_lines as llamacpp_report_lines
+from .load import POLICY, split_variant, variant_label
 
 RESULTS_FILE = "results.json"
 REPORT_FILE = "report.md"
@@ -16,6 +17,11 @@ PLOTS = {
     "accept_lengths": "accept_lengths.png",
     "tokens_per_second": "tokens_per_second.png",
 }
+
+
+def _reference_label(key: str) -> str:
+    method, setting = split_variant(key)
+    return variant_label(LABELS_BY_METHOD.get(method, method), setting)
 
 
 def _f(value, digits=2, suffix="") -> str:
@@ -45,50 +51,62 @@ def write_plots(results: dict, output_dir: str) -> dict:
     import matplotlib.pyplot as plt
 
     written = {}
-    methods = list(results["methods"])
-    reference = results["reference_method"]
+    for name, draw in (("speedup_by_category", _plot_speedups), ("accept_lengths", _plot_accept_lengths),
+                       ("tokens_per_second", _plot_tokens_per_second)):
+        fig = draw(plt, results)
+        if fig is None:
+            continue
+        fig.tight_layout()
+        written[name] = os.path.join(output_dir, PLOTS[name])
+        fig.savefig(written[name], dpi=120)
+        plt.close(fig)
+    return written
+
+
+def _plot_speedups(plt, results: dict):
+    """Speed-up of each method over the reference method, per category (None with no other method)."""
+    methods, reference = list(results["methods"]), results["reference_method"]
     categories = list(results["per_category"])
-
-    # Speed-up of each method over the reference method, per category and overall.
     others = [m for m in methods if m != reference]
-    if others:
-        fig, ax = plt.subplots(figsize=(max(6.0, 1.1 * len(categories) + 2), 4.2))
-        width = 0.8 / len(others)
-        for i, method in enumerate(others):
-            values = [results["per_category"][c]["speedup"][method] or 0.0 for c in categories]
-            positions = [c + (i - (len(others) - 1) / 2) * width for c in range(len(categories))]
-            ax.bar(positions, values, width, label=results["methods"][method]["label"])
-        ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
-        ax.set_xticks(range(len(categories)), categories, rotation=30, ha="right")
-        ax.set_ylabel(f"speed-up over {results['methods'][reference]['label']}")
-        ax.set_title("Speed-up per category (ratio of total tokens/s)")
-        ax.legend(fontsize=8)
-        fig.tight_layout()
-        written["speedup_by_category"] = os.path.join(output_dir, PLOTS["speedup_by_category"])
-        fig.savefig(written["speedup_by_category"], dpi=120)
-        plt.close(fig)
+    if not others:
+        return None
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.1 * len(categories) + 2), 4.2))
+    width = 0.8 / len(others)
+    for i, method in enumerate(others):
+        values = [results["per_category"][c]["speedup"][method] or 0.0 for c in categories]
+        positions = [c + (i - (len(others) - 1) / 2) * width for c in range(len(categories))]
+        ax.bar(positions, values, width, label=results["methods"][method]["label"])
+    ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
+    ax.set_xticks(range(len(categories)), categories, rotation=30, ha="right")
+    ax.set_ylabel(f"speed-up over {results['methods'][reference]['label']}")
+    ax.set_title("Speed-up per category (ratio of total tokens/s)")
+    ax.legend(fontsize=8)
+    return fig
 
-    # Distribution of EAGLE's accepted lengths per draft/verify step.
+
+def _plot_accept_lengths(plt, results: dict):
+    """Distribution of EAGLE's accepted lengths per draft/verify step (None without EAGLE)."""
     acceptance = results.get("acceptance")
-    if acceptance and acceptance["histogram"]:
-        lengths = [int(a) for a in acceptance["histogram"]]
-        counts = [acceptance["histogram"][str(a)] for a in lengths]
-        total = sum(counts)
-        fig, ax = plt.subplots(figsize=(6.0, 4.0))
-        ax.bar(lengths, [c / total for c in counts], color="tab:orange")
-        ax.axvline(acceptance["mean_accept_length"], color="black", linestyle="--",
-                   label=f"mean {acceptance['mean_accept_length']:.2f} (tau {acceptance['tau']:.2f})")
-        ax.set_xticks(range(min(lengths), max(lengths) + 1))
-        ax.set_xlabel("accepted draft tokens per step")
-        ax.set_ylabel("fraction of steps")
-        ax.set_title(f"EAGLE accepted lengths ({total} steps)")
-        ax.legend()
-        fig.tight_layout()
-        written["accept_lengths"] = os.path.join(output_dir, PLOTS["accept_lengths"])
-        fig.savefig(written["accept_lengths"], dpi=120)
-        plt.close(fig)
+    if not acceptance or not acceptance["histogram"]:
+        return None
+    lengths = [int(a) for a in acceptance["histogram"]]
+    counts = [acceptance["histogram"][str(a)] for a in lengths]
+    total = sum(counts)
+    fig, ax = plt.subplots(figsize=(6.0, 4.0))
+    ax.bar(lengths, [c / total for c in counts], color="tab:orange")
+    ax.axvline(acceptance["mean_accept_length"], color="black", linestyle="--",
+               label=f"mean {acceptance['mean_accept_length']:.2f} (tau {acceptance['tau']:.2f})")
+    ax.set_xticks(range(min(lengths), max(lengths) + 1))
+    ax.set_xlabel("accepted draft tokens per step")
+    ax.set_ylabel("fraction of steps")
+    ax.set_title(f"EAGLE accepted lengths ({total} steps)")
+    ax.legend()
+    return fig
 
-    # Tokens/s per method: the overall rate (bar) and every question's rate (dots).
+
+def _plot_tokens_per_second(plt, results: dict):
+    """Tokens/s per method: the overall rate (bar) and every question's rate (dots)."""
+    methods = list(results["methods"])
     fig, ax = plt.subplots(figsize=(max(5.0, 1.6 * len(methods)), 4.0))
     for i, method in enumerate(methods):
         ax.bar(i, results["methods"][method]["tokens_per_s"] or 0.0, color=f"C{i}", alpha=0.8)
@@ -98,17 +116,14 @@ def write_plots(results: dict, output_dir: str) -> dict:
     ax.set_xticks(range(len(methods)), [results["methods"][m]["label"] for m in methods], rotation=15, ha="right")
     ax.set_ylabel("tokens/s")
     ax.set_title("Tokens per second (bars: all tokens / all seconds; dots: questions)")
-    fig.tight_layout()
-    written["tokens_per_second"] = os.path.join(output_dir, PLOTS["tokens_per_second"])
-    fig.savefig(written["tokens_per_second"], dpi=120)
-    plt.close(fig)
-    return written
+    return fig
 
 
 def markdown_report(results: dict, files: dict) -> str:
     """The benchmark as Markdown: settings, overall table, per-category table, acceptance, greedy check, plots and
     how it was measured. ``files``: name -> file name (relative to the report) of each plot."""
-    lines = _settings_lines(results) + _overall_lines(results) + _category_lines(results)
+    lines = _settings_lines(results) + _load_lines(results["settings"]) + _overall_lines(results)
+    lines += _thread_lines(results.get("threads")) + _category_lines(results)
     lines += _acceptance_lines(results.get("acceptance")) + _greedy_check_lines(results.get("greedy_check"))
     lines += llamacpp_report_lines(results.get("llamacpp"), results["settings"]["temperature"])
     lines += _plot_lines(files) + _method_lines(results["settings"])
@@ -129,8 +144,42 @@ def _settings_lines(results: dict) -> list[str]:
     ]
     for key in ("base_model_path", "ea_model_path", "use_eagle3", "total_token", "depth", "top_k", "lookup_tokens",
                 "prompt_lookup_num_tokens", "template", "warmup", "seed", "torch_version", "transformers_version",
-                "packed_cpu_linear_layers", "draft_dtype"):
-        lines.append(f"| {key} | `{s.get(key)}` |")
+                "packed_cpu_linear_layers", "draft_dtype", "thread_settings", "thread_policy", "policy_threads",
+                "policy_changes"):
+        if key in s:
+            lines.append(f"| {key} | `{s.get(key)}` |")
+    return lines
+
+
+def _load_lines(s: dict) -> list[str]:
+    """What ran beside the benchmark (``--busy``)."""
+    busy = s.get("busy") or {}
+    if not busy.get("processes"):
+        return []
+    shares = ", ".join("-" if share is None else f"{share:.2f}" for share in busy.get("cpu_share") or [])
+    return ["", f"**Under load:** {busy['processes']} busy process{'es' * (busy['processes'] != 1)} of the "
+            "benchmark's own (Python busy loops at normal priority) ran through the warm-up and every timed call "
+            f"({_f(busy.get('seconds'), 0)} s; CPU share each: {shares or '-'}; load average before "
+            f"{busy.get('load_average_before')}, after {busy.get('load_average_after')})."]
+
+
+def _thread_lines(threads: dict | None) -> list[str]:
+    """``--threads``: each method's tokens/s at every setting, and the policy against the best fixed count."""
+    if not threads:
+        return []
+    settings = list(dict.fromkeys(s for row in threads.values() for s in row["tokens_per_s"]))
+    names = [variant_label("", s).lstrip(", ") for s in settings]
+    lines = ["", "## Thread counts under the same load (tokens/s)", "",
+             "| method | " + " | ".join(names) + " | best fixed | policy / best fixed |",
+             "|---|" + "---:|" * (len(settings) + 2)]
+    for method, row in threads.items():
+        cells = [_f(row["tokens_per_s"].get(s)) for s in settings]
+        best = row["best_fixed"]
+        lines.append(f"| {method} | " + " | ".join(cells) + f" | {best or '-'} | "
+                     f"{_f(row['policy_vs_best_fixed'], 2, 'x')} |")
+    if POLICY in settings:
+        lines += ["", "'thread policy' is every default: the engine's methods choose their thread count as they run "
+                  "(eagle.utils.threads); the Hugging Face methods run at torch's default count."]
     return lines
 
 
@@ -164,12 +213,13 @@ def _category_lines(results: dict) -> list[str]:
     others = [m for m in methods if m != reference]
     lines = ["", f"## Per category (speed-up over {results['methods'][reference]['label']})", ""]
     header = "| category | questions | " + " | ".join(results["methods"][m]["label"] for m in others)
-    header += " | EAGLE tau |" if "eagle" in methods else " |"
-    lines += [header, "|---|---:|" + "---:|" * (len(others) + ("eagle" in methods))]
+    tau = any("eagle_tau" in row for row in results["per_category"].values())
+    header += " | EAGLE tau |" if tau else " |"
+    lines += [header, "|---|---:|" + "---:|" * (len(others) + tau)]
     for category, row in results["per_category"].items():
         cells = [f"**{category}**" if category == "overall" else category, str(row["questions"])]
         cells += [_f(row["speedup"][m], 2, "x") for m in others]
-        if "eagle" in methods:
+        if tau:
             cells.append(_f(row.get("eagle_tau")))
         lines.append("| " + " | ".join(cells) + " |")
     return lines
@@ -198,7 +248,7 @@ def _acceptance_lines(acceptance: dict | None) -> list[str]:
 def _greedy_check_lines(check: dict | None) -> list[str]:
     if check is None:
         return ["", "## Greedy check", "", "Not run (sampling, or a single method measured)."]
-    reference = LABELS_BY_METHOD.get(check["reference"], check["reference"])
+    reference = _reference_label(check["reference"])
     lines = ["", f"## Greedy check (every method vs {reference})", ""]
     if not check["mismatches"]:
         return lines + [f"Every method's tokens equal {reference}'s in all {check['checked']} runs "
@@ -251,12 +301,15 @@ def summary_lines(results: dict) -> list[str]:
     lines = [f"{'method':<36}{'tokens/s':>10}{'speed-up':>10}"]
     for method, row in results["methods"].items():
         lines.append(f"{row['label']:<36}{_f(row['tokens_per_s']):>10}{_f(row.get('speedup_vs_' + reference), 2, 'x'):>10}")
+    for method, row in (results.get("threads") or {}).items():
+        lines.append(f"{method}: policy {_f(row['policy_vs_best_fixed'], 2, 'x')} the speed of the best fixed thread "
+                     f"count ({row['best_fixed']})")
     acceptance = results.get("acceptance")
     if acceptance and acceptance["steps"]:
         lines.append(f"EAGLE mean accepted length {acceptance['mean_accept_length']:.3f}, tau {acceptance['tau']:.3f}")
     check = results.get("greedy_check")
     if check is not None:
-        reference = LABELS_BY_METHOD.get(check["reference"], check["reference"])
+        reference = _reference_label(check["reference"])
         lines.append(
             f"greedy check: {check['identical']}/{check['checked']} answers identical to {reference}"
             + ("" if not check["mismatches"] else

@@ -18,6 +18,7 @@ from eagle.model.engine.hf_args import check_generate_extras
 from eagle.model.engine.outputs import collect, stream
 from eagle.model.engine.steps import BatchStep, Step
 from eagle.model.engine.stops import token_id_set
+from eagle.model.target.backends.linear import switch_backend
 from eagle.model.heads.draft_config import head_layer_ids
 from eagle.model.target.target import eagle3_layer_ids
 
@@ -32,10 +33,10 @@ class EaModel(nn.Module):
 
     def __init__(self, base_model, ea_layer, tokenizer=None, total_token: int = 60, depth: int = 7, top_k: int = 10,
                  *, base_model_name_or_path: str | None = None, use_eagle3: bool | None = None, lookup_tokens: int = 0,
-                 ea_model_path: str | None = None, allow_unknown_attention: bool = False):
+                 ea_model_path: str | None = None, thread_policy: bool = True,
+                 allow_unknown_attention: bool = False):
         super().__init__()
-        self.base_model, self.ea_layer, self.tokenizer = base_model, ea_layer, tokenizer
-        self.config = base_model.config
+        self.base_model, self.ea_layer, self.tokenizer, self.config = base_model, ea_layer, tokenizer, base_model.config
         self.base_model_name_or_path, self.ea_model_path = base_model_name_or_path, ea_model_path
         self.use_eagle3 = ea_layer.eagle_version == 3 if use_eagle3 is None else use_eagle3
         self.hidden_size, self.vocab_size = base_model.get_output_embeddings().weight.shape[::-1]
@@ -44,13 +45,14 @@ class EaModel(nn.Module):
         fused = self.use_eagle3 and getattr(ea_layer, "reads_aux_hidden_states", True)
         layers = (head_layer_ids(ea_layer.config) or eagle3_layer_ids(num_layers)) if fused else [-1]
         plan = TreePlan(TreeSettings(total_token, depth, top_k, lookup_tokens))
-        self.engine = Engine(base_model, ea_layer, tokenizer, plan, list(layers), allow_unknown_attention)
+        self.engine = Engine(base_model, ea_layer, tokenizer, plan, list(layers), thread_policy=thread_policy,
+                             allow_unknown_attention=allow_unknown_attention)
 
     @classmethod
     def from_pretrained(cls, use_eagle3: bool = True, base_model_path: str | None = None, ea_model_path: str | None = None,
                         total_token: int | None = None, depth: int | None = None, top_k: int | None = None,
                         threshold: float = 1.0, pack_cpu_weights: bool | str = "auto", lookup_tokens: int | None = None,
-                        draft_dtype="auto", **kwargs) -> "EaModel":
+                        draft_dtype="auto", thread_policy: bool = True, **kwargs) -> "EaModel":
         """Load a base model (a directory, a Hub id or a ``.gguf`` file) and its head (a directory or Hub id); with
         neither path, the embedded default pair. See :func:`eagle.model.pretrained.load_pretrained` for every
         argument (tree settings not given come from the head's own tree for this device)."""
@@ -60,7 +62,7 @@ class EaModel(nn.Module):
                                ea_model_path=ea_model_path, tree={"total_token": total_token, "depth": depth,
                                                                   "top_k": top_k, "lookup_tokens": lookup_tokens},
                                threshold=threshold, pack_cpu_weights=pack_cpu_weights, draft_dtype=draft_dtype,
-                               **kwargs)
+                               thread_policy=thread_policy, **kwargs)
 
     # ------------------------------------------------------------------ trees
     def set_tree(self, total_token: int, depth: int, top_k: int, lookup_tokens: int | None = None) -> None:
@@ -100,11 +102,15 @@ class EaModel(nn.Module):
     def set_cpu_weight_packing(self, enabled: bool) -> int:
         """Pack (or unpack) the float32 CPU weights of the base model's and the head's linear layers for oneDNN
         (the ``"onednn"`` linear backend, :mod:`eagle.model.target.backends.linear`). Returns how many changed."""
-        from eagle.model.target.backends.linear import linear_backend
+        return switch_backend("onednn", enabled, self.base_model, self.ea_layer)
 
-        backend = linear_backend("onednn")
-        change = backend.convert if enabled else backend.restore
-        return change(self.base_model) + change(self.ea_layer)
+    @property
+    def thread_policy(self):  # see Engine
+        return self.engine.thread_policy
+
+    @thread_policy.setter
+    def thread_policy(self, policy) -> None:
+        self.engine.thread_policy = policy
 
     @property
     def device(self) -> torch.device:

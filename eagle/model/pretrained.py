@@ -40,7 +40,7 @@ def model_paths(base_model_path, ea_model_path, kwargs: dict) -> tuple[str, str]
 
 
 def load_pretrained(cls, *, use_eagle3: bool, base_model_path, ea_model_path, tree: dict, threshold: float,
-                    pack_cpu_weights, draft_dtype, **kwargs):
+                    pack_cpu_weights, draft_dtype, thread_policy: bool = True, **kwargs):
     """An ``EaModel`` (``cls``) for the base model at ``base_model_path`` (a directory, a Hub id, or a ``.gguf``
     file / directory holding one) and the head at ``ea_model_path`` (``config.json`` + ``model.safetensors`` or
     ``pytorch_model.bin``); with neither path, the embedded default pair (nothing is downloaded). Other keyword
@@ -56,11 +56,17 @@ def load_pretrained(cls, *, use_eagle3: bool, base_model_path, ea_model_path, tr
     head's dtype (``"auto"``: bfloat16 for the EAGLE-3 head of a float32 model on a CPU that computes in bfloat16
     natively, else the base model's); the output never depends on it. ``allow_unknown_attention`` (default False):
     serve a base model whose attention EAGLE's tree masks may not reproduce exactly (a layer type or feature of
-    :mod:`eagle.model.target.families`; remote code failing the mask check) instead of refusing it."""
+    :mod:`eagle.model.target.families`; remote code failing the mask check) instead of refusing it.
+    ``thread_policy``: True (default) lets the generation loop of a CPU model choose torch's thread count as the
+    machine is now (fewer threads when other programs take CPUs, see :mod:`eagle.utils.threads`); it stays out
+    whenever the user set the count (``OMP_NUM_THREADS``, ``torch.set_num_threads``); the output never depends on
+    it."""
     del threshold  # the reference's EAGLE-2 drafting never reads it either
     allow_unknown_attention = bool(kwargs.pop("allow_unknown_attention", False))
     if pack_cpu_weights not in (True, False, "auto"):
         raise ValueError(f"pack_cpu_weights must be True, False or 'auto', not {pack_cpu_weights!r}.")
+    if not isinstance(thread_policy, bool):
+        raise ValueError(f"thread_policy must be True or False, not {thread_policy!r}.")
     check_tree_arguments(**tree)  # invalid settings fail before loading
     base_model_path, ea_model_path = model_paths(base_model_path, ea_model_path, kwargs)
     base_model, tokenizer = load_base_model(base_model_path, **kwargs)
@@ -69,7 +75,7 @@ def load_pretrained(cls, *, use_eagle3: bool, base_model_path, ea_model_path, tr
     settings, sources = resolve_tree(tree, head_tree_for(ea_layer.config, device))
     model = cls(base_model, ea_layer, tokenizer, settings.total_token, settings.depth, settings.top_k,
                 base_model_name_or_path=base_model_path, use_eagle3=use_eagle3,
-                lookup_tokens=settings.lookup_tokens, ea_model_path=ea_model_path,
+                lookup_tokens=settings.lookup_tokens, ea_model_path=ea_model_path, thread_policy=thread_policy,
                 allow_unknown_attention=allow_unknown_attention)
     if pack_cpu_weights is True or (pack_cpu_weights == "auto" and should_auto_pack(base_model)):
         backend = linear_backend("onednn")

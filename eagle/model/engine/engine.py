@@ -20,6 +20,7 @@ from eagle.model.engine.steps import BatchStep, RowStep
 from eagle.model.engine.stops import pad_token_id, stop_token_ids, token_id_set
 from eagle.model.target.kv_cache import TreeKVCache, check_cache_fits
 from eagle.model.target.target import Target
+from eagle.utils.threads import ThreadPolicy
 
 logger = logging.getLogger(__name__)
 
@@ -33,15 +34,19 @@ class Engine:
     """Generation for ``base_model`` with its draft ``head`` (None: plain decoding only). ``plan``: the trees the
     head drafts (replace it to change them); ``feature_layers``: what the head reads from the target (see
     :class:`~eagle.model.target.target.Target`); ``allow_unknown_attention``: serve a model whose attention the
-    tree masks may not express (:mod:`eagle.model.target.families`) instead of refusing it."""
+    tree masks may not express (:mod:`eagle.model.target.families`) instead of refusing it. ``thread_policy``: for
+    a model on the CPU, a :class:`~eagle.utils.threads.ThreadPolicy` that the generation loop consults around each
+    verification step (``engine.thread_policy``, replaceable; None: torch's thread count is left alone). Elsewhere
+    the CPU threads do not carry the step, and there is none."""
 
     def __init__(self, base_model, head, tokenizer, plan: TreePlan, feature_layers: list[int] | None,
-                 allow_unknown_attention: bool = False):
+                 allow_unknown_attention: bool = False, thread_policy: bool = False):
         self.base_model, self.head, self.tokenizer = base_model, head, tokenizer
         self.target = Target(base_model, feature_layers, allow_unknown_attention)
         self.plan = plan
         self.vocab_size = base_model.get_output_embeddings().weight.shape[0]
         self.cache: TreeKVCache | None = None
+        self.thread_policy = ThreadPolicy() if thread_policy and self.device.type == "cpu" else None
 
     @property
     def device(self) -> torch.device:
@@ -88,7 +93,7 @@ class Engine:
         drafter = self.drafter(request.drafter)
         capacity = max(request.lengths) + max(request.budgets) + drafter.max_nodes(request.batch_size)
         running = RunningBatch(self.target, drafter, self.reserve_cache(request.batch_size, capacity, fresh=True),
-                               request.sampler(), set(request.stop_token_ids))
+                               request.sampler(), set(request.stop_token_ids), self.thread_policy)
         running.add(list(request.prompts), list(request.budgets))
         return _batch_steps(running, request.batch_size, request.input_ids.new_zeros(0))
 
@@ -157,7 +162,8 @@ class ContinuousBatch:
         self._capacity = max(self._capacity, max(request.lengths) + max(request.budgets) + drafter.max_nodes(rows))
         cache = self.engine.reserve_cache(rows, self._capacity, fresh=self._running is None)
         if self._running is None:
-            self._running = RunningBatch(self.engine.target, drafter, cache, request.sampler(), set(self.stop_ids))
+            self._running = RunningBatch(self.engine.target, drafter, cache, request.sampler(), set(self.stop_ids),
+                                         self.engine.thread_policy)
         return self._running.add(list(request.prompts), list(request.budgets))
 
     def cancel(self, row: int) -> None:

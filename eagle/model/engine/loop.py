@@ -25,6 +25,7 @@ from eagle.model.engine.commit import Rows, commit_batch, drop_finished
 from eagle.model.engine.steps import CANCELLED, LENGTH, STOP, RowStep
 from eagle.model.engine.verify import evaluate_batch, next_inputs, prefill, verify_trees
 from eagle.model.target.target import Target
+from eagle.utils.threads import NO_THREAD_POLICY
 
 
 class RunningBatch:
@@ -45,10 +46,14 @@ class RunningBatch:
     sampler (one set of sampling settings). Invariant between steps: the cache holds each row's committed tokens
     except the last emitted one (the root), which its next tree starts from. The cache must have room for every
     row (prompt, budget and one tree: the caller grows it, see :class:`~eagle.model.engine.engine.Engine`).
+    ``threads``: a :class:`~eagle.utils.threads.ThreadPolicy` told when each verification step starts and ends (it
+    may change torch's thread count between steps), or None.
     """
 
-    def __init__(self, target: Target, drafter, cache, sampler: Sampler | None, stop_token_ids: set[int]):
+    def __init__(self, target: Target, drafter, cache, sampler: Sampler | None, stop_token_ids: set[int],
+                 threads=None):
         self.target, self.drafter, self.cache, self.sampler = target, drafter, cache, sampler
+        self.threads = NO_THREAD_POLICY if threads is None else threads
         self.stop_token_ids = set(stop_token_ids)
         self.rows = Rows([], [], [])
         self.carried: tuple = (None, None, None)  # the drafter's next inputs: features, next tokens, valid
@@ -166,6 +171,7 @@ class RunningBatch:
 
     def _verify_step(self) -> dict[int, RowStep]:
         """Draft, verify, evaluate and commit every row; emit their new tokens."""
+        self.threads.step_started()
         self.drafter.observe(*self.carried)
         trees = stack_trees(self.drafter.propose())  # rooted at the last emitted tokens
         logits, fetch, tree_features = verify_trees(self.target, trees, self.cache, self.rows, lazy_logits=True,
@@ -174,6 +180,7 @@ class RunningBatch:
         commit_batch(self.cache, self.rows, [path for path, _ in results], trees.size)
         new, next_tokens, valid, features = next_inputs(trees, results, tree_features)
         self.carried = (features, next_tokens, valid)
+        self.threads.step_finished(trees.tokens.numel())
         return self._emit(self.rows.index, new, [tokens.shape[0] - 1 for tokens in new])
 
     def _emit(self, rows: list[int], new: list[torch.Tensor], accepted: list[int]) -> dict[int, RowStep]:

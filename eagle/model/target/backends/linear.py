@@ -176,3 +176,10 @@ def linear_backend(name: str) -> LinearBackend:
     if name not in LINEAR_BACKENDS:
         raise ValueError(f"Unknown linear backend {name!r}; available: {', '.join(sorted(LINEAR_BACKENDS))}.")
     return LINEAR_BACKENDS[name]()
+
+
+def switch_backend(name: str, enabled: bool, *modules: torch.nn.Module) -> int:
+    """Convert (``enabled``) or restore the linear layers of ``modules`` with backend ``name``; how many changed."""
+    backend = linear_backend(name)
+    change = backend.convert if enabled else backend.restore
+    return sum(change(module) for module in modules)
