@@ -19,8 +19,7 @@ from eagle.model.engine.outputs import collect, stream
 from eagle.model.engine.steps import BatchStep, Step
 from eagle.model.engine.stops import token_id_set
 from eagle.model.target.backends.linear import switch_backend
-from eagle.model.heads.draft_config import head_layer_ids
-from eagle.model.target.target import eagle3_layer_ids
+from eagle.model.target.target import feature_layers
 
 
 def _drafter(use_eagle: bool) -> str:
@@ -40,10 +39,7 @@ class EaModel(nn.Module):
         self.base_model_name_or_path, self.ea_model_path = base_model_name_or_path, ea_model_path
         self.use_eagle3 = ea_layer.eagle_version == 3 if use_eagle3 is None else use_eagle3
         self.hidden_size, self.vocab_size = base_model.get_output_embeddings().weight.shape[::-1]
-        num_layers = base_model.config.get_text_config().num_hidden_layers
-        # EAGLE-3 reads three layers' inputs (or, without aux hidden states, the final normed hidden state as EAGLE-1)
-        fused = self.use_eagle3 and getattr(ea_layer, "reads_aux_hidden_states", True)
-        layers = (head_layer_ids(ea_layer.config) or eagle3_layer_ids(num_layers)) if fused else [-1]
+        layers = feature_layers(ea_layer, self.use_eagle3, base_model.config.get_text_config().num_hidden_layers)
         plan = TreePlan(TreeSettings(total_token, depth, top_k, lookup_tokens))
         self.engine = Engine(base_model, ea_layer, tokenizer, plan, list(layers), thread_policy=thread_policy,
                              allow_unknown_attention=allow_unknown_attention)

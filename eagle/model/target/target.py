@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from eagle.model.heads.draft_config import head_layer_ids
 from eagle.model.target.backends.attention import (QueryTemperature, check_attention_implementation, our_attention,
                                                    prepare_attention)
 from eagle.model.target.backends.linear import real_rows_only
@@ -24,6 +25,15 @@ def eagle3_layer_ids(num_layers: int) -> list[int]:
     """Indices into HF ``output_hidden_states`` (entry i = input of layer i) that feed an EAGLE-3 head:
     ``[2, L // 2, L - 3]``, clamped to valid entries for tiny models (always three features)."""
     return [min(max(i, 0), num_layers) for i in (2, num_layers // 2, num_layers - 3)]
+
+
+def feature_layers(head, use_eagle3: bool, num_layers: int) -> list[int]:
+    """What ``head`` reads from a target of ``num_layers`` layers: an EAGLE-3 head the inputs of three layers (its
+    config's layer ids, else :func:`eagle3_layer_ids`); EAGLE-1, or an EAGLE-3 head without aux hidden states, the
+    final normed hidden state (``[-1]``)."""
+    if use_eagle3 and getattr(head, "reads_aux_hidden_states", True):
+        return list(head_layer_ids(head.config) or eagle3_layer_ids(num_layers))
+    return [-1]
 
 
 def layer_types(config) -> list[str]:
