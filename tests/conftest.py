@@ -12,6 +12,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from tiny_models import make_head, make_target, make_tiny_pair, make_tokenizer  # noqa: E402,F401
 
 
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "e2e: runs the whole system (the embedded SmolLM2 pair, servers in subprocesses, a browser, "
+        "training launchers, llama.cpp) or thousands of sampled generations; `-m \"not e2e\"` leaves them out "
+        "(docs/TESTING.md)")
+
+
 @pytest.fixture(scope="session")
 def tiny_tokenizer_dir(tmp_path_factory):
     directory = tmp_path_factory.mktemp("tokenizer")

@@ -328,6 +328,7 @@ def sampling_pair(tmp_path_factory):
     return eagle, model, [prompts[0].tolist(), prompts[1].tolist() + answers[1][:2], prompts[2].tolist() + answers[2]]
 
 
+@pytest.mark.e2e  # thousands of sampled generations
 @pytest.mark.parametrize("options", [dict(temperature=0.8), dict(temperature=0.7, top_k=3)], ids=["temperature", "top-k"])
 def test_each_row_of_a_sampled_batch_follows_the_target_distribution(sampling_pair, options):
     """Tokens 1 to LENGTH of every row follow, position by position, the distribution Hugging Face's warpers give

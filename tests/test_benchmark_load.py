@@ -21,6 +21,8 @@ from eagle.evaluation.load import (
 )
 from eagle.evaluation.questions import find_mt_bench_file
 
+pytestmark = pytest.mark.e2e  # busy processes and the benchmark under load
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

@@ -135,6 +135,7 @@ def test_a_bad_prompt_is_refused_and_the_batch_goes_on(pair):
     assert [t for step in batch for t in step[row].tokens.tolist()] == hf_alone(reference, prompts[3], 6)
 
 
+@pytest.mark.e2e  # thousands of sampled generations
 def test_a_row_that_joins_a_sampled_batch_follows_the_target_distribution(pair):
     """The row that joins at the second step boundary (and the row it joins) sample tokens 1 to LENGTH from the
     distribution Hugging Face's warpers give on its prompt alone (test_sampling's chi-square)."""

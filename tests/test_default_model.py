@@ -14,6 +14,8 @@ from eagle import defaults
 from eagle.cli import load_default_model
 from eagle.model.tuning.head_tree import embedded_tree_settings
 
+pytestmark = pytest.mark.e2e  # the embedded SmolLM2 pair, its scripts and commands
+
 PROMPTS = [
     "Give me three tips for staying focused while studying.",
     "What is the difference between a list and a tuple in Python?",

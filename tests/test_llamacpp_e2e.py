@@ -28,6 +28,8 @@ from eagle.evaluation import llamacpp
 from eagle.evaluation.questions import load_questions, spread_over_categories
 from eagle.export import main as export_main
 
+pytestmark = pytest.mark.e2e  # llama.cpp's llama-server (built once per machine)
+
 ROOT = Path(__file__).resolve().parent.parent
 
 

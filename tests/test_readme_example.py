@@ -5,6 +5,10 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.e2e  # README's example on the embedded pair
+
 README = Path(__file__).resolve().parent.parent / "README.md"
 
 

@@ -19,6 +19,8 @@ from eagle.model.drafting.protocol import StepDrafter
 from eagle.model.ea_model import EaModel
 from tiny_models import make_head, make_target, train_head_quickly
 
+pytestmark = pytest.mark.e2e  # thousands of sampled generations against an independent reference
+
 RUNS = 300
 LENGTH = 5  # tokens 1 to 5: the prefill's and four from speculation
 HEADS = {"eagle3-full": (True, None), "eagle3-reduced": (True, 48), "eagle1": (False, None)}

@@ -25,6 +25,8 @@ from eagle.application.server import BackgroundServer, create_app, parse_args  #
 from eagle.application.text_stream import TextStream  # noqa: E402
 from eagle.model.ea_model import EaModel  # noqa: E402
 
+pytestmark = pytest.mark.e2e  # the HTTP server in a subprocess and the embedded pair
+
 NAME = "tiny-eagle"
 PROMPTS = ["Hi there", "What is 2+2?", "Tell me a story.", "abc", "Name a colour.", "Why?", "Count to five.",
            "Write a haiku."]

@@ -36,6 +36,8 @@ from eagle.application.prompt_bound import MAX_COMPOSED, character_bound  # noqa
 from eagle.application.request_guard import allowed_hosts, host_allowed  # noqa: E402
 from eagle.application.server import BackgroundServer, create_app, parse_args  # noqa: E402
 
+pytestmark = pytest.mark.e2e  # the HTTP server in subprocesses, signals and deadlines
+
 TEN_MB = 10 * 1000 * 1000
 #: The longest /health wait allowed while a huge body is refused (it was 9 s when prompts were tokenized on the
 #: event loop; on a 2-core CPU shared with other work it measures tens of milliseconds).

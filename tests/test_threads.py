@@ -375,6 +375,7 @@ def default_model():
     return EaModel.from_pretrained()
 
 
+@pytest.mark.e2e  # the embedded pair, the thread count changed before every step
 @pytest.mark.skipif(available_cpus() < 2, reason="thread counts differ only with 2 CPUs or more")
 def test_thread_changes_between_steps_leave_every_token_alone(default_model):
     """The embedded pair, greedy: EAGLE and plain decoding give the same tokens with the count fixed, changed

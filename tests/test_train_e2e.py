@@ -17,6 +17,8 @@ import torch
 
 from eagle.traineagle3 import gen_data
 
+pytestmark = pytest.mark.e2e  # training under the DeepSpeed launcher
+
 REPO = Path(__file__).resolve().parents[1]
 TRAIN_DIR = REPO / "eagle" / "traineagle3"
 PROMPTS = ["Tell me a story.", "What is 2+2?", "Explain rain.", "Write a haiku."]

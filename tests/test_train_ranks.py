@@ -14,6 +14,8 @@ from eagle.traineagle3 import gen_data
 from eagle.traineagle3.resume import joined_zero_state
 from test_train_e2e import TRAIN_DIR, free_port, make_predictable_target, run
 
+pytestmark = pytest.mark.e2e  # training on two ranks under torchrun
+
 
 @pytest.fixture(scope="module")
 def workspace(tmp_path_factory):

@@ -20,6 +20,8 @@ os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 
 from test_webui import FAKE_ANSWER, FakeModel  # noqa: E402  (tests/ is on sys.path, see conftest.py)
 
+pytestmark = pytest.mark.e2e  # the web UI in headless Chromium
+
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 CHROMEDRIVER = shutil.which("chromedriver") or "/usr/bin/chromedriver"
 ARTIFACTS = Path(__file__).resolve().parents[1] / "test-artifacts"
