@@ -12,11 +12,17 @@ in :data:`TRANSFORMERS_TOUCHES` and tested against the pinned transformers (``te
   ``set_attn_implementation`` walks every submodule, too slow around each forward) names :data:`TREE_SDPA` during
   our passes and ``"sdpa"`` again after them, so that the model's own ``generate`` and other callers see it as it was;
 - ``delegate``: ``transformers.integrations.sdpa_attention.sdpa_attention_forward`` (module path) computes
-  everything :func:`tree_sdpa_attention` does not handle itself.
+  everything :func:`tree_sdpa_attention` does not handle itself;
+- ``kernel``: with the GGUF kernels on (:func:`use_kernel_attention`), ``AttentionInterface.register`` /
+  ``AttentionMaskInterface.register`` add :func:`eagle.kernels.attention.attention_forward` (the position-ordered,
+  batch-invariant kernel) under :data:`KERNEL_ATTENTION`, and the ``switch`` names it instead of
+  :data:`TREE_SDPA` during our passes (SDPA or eager models alike), so prefill, plain decoding and tree
+  verification all run one kernel, whose bits for a token do not depend on the other queries of the call.
 """
 
 from __future__ import annotations
 
+import weakref
 from contextlib import contextmanager
 
 import torch.nn.functional as F
@@ -25,6 +31,10 @@ SUPPORTED_ATTENTION = ("sdpa", "eager")
 # Name under which tree_sdpa_attention is registered with transformers' AttentionInterface (when a Target is built,
 # not on import).
 TREE_SDPA = "eagle_tree_sdpa"
+# Name under which eagle.kernels.attention's position-ordered kernel is registered (by use_kernel_attention).
+KERNEL_ATTENTION = "eagle_position_ordered"
+# id(config) -> weakref(config) of the configs whose passes run KERNEL_ATTENTION (a config is not hashable).
+_KERNEL_CONFIGS: dict[int, weakref.ref] = {}
 
 
 def tree_sdpa_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None,
@@ -54,6 +64,7 @@ TRANSFORMERS_TOUCHES = {
     "register": "transformers.AttentionInterface.register / AttentionMaskInterface.register",
     "switch": "PretrainedConfig._attn_implementation_internal",
     "delegate": "transformers.integrations.sdpa_attention.sdpa_attention_forward",
+    "kernel": "transformers.AttentionInterface.register / AttentionMaskInterface.register (KERNEL_ATTENTION)",
 }
 
 
@@ -84,18 +95,46 @@ def register_tree_sdpa() -> None:
         AttentionMaskInterface.register(TREE_SDPA, sdpa_mask)
 
 
+def use_kernel_attention(config, enabled: bool = True) -> None:
+    """From now on our passes over a model of ``config`` (its text config) run the position-ordered kernel
+    (:func:`eagle.kernels.attention.attention_forward`, registered under :data:`KERNEL_ATTENTION` with SDPA's mask
+    builder); ``enabled=False`` goes back to :func:`tree_sdpa_attention` / the model's own attention."""
+    if not enabled:
+        _KERNEL_CONFIGS.pop(id(config), None)
+        return
+    from transformers import AttentionInterface
+
+    if KERNEL_ATTENTION not in AttentionInterface():
+        from eagle.kernels.attention import register
+
+        register(KERNEL_ATTENTION)
+    _KERNEL_CONFIGS[id(config)] = weakref.ref(config)
+
+
+def uses_kernel_attention(config) -> bool:
+    """Whether our passes over a model of ``config`` run the position-ordered kernel."""
+    entry = _KERNEL_CONFIGS.get(id(config))
+    return entry is not None and entry() is config
+
+
 @contextmanager
 def our_attention(config):
     """While the target runs a forward pass for us (always with a prepared 4-D mask, which transformers passes
-    through as it is), its SDPA layers use :func:`tree_sdpa_attention` (registered by :class:`Target`); the model
-    is left as it was afterwards."""
-    if getattr(config, "_attn_implementation_internal", None) != "sdpa":
+    through as it is), its SDPA layers use :func:`tree_sdpa_attention` (registered by :class:`Target`), or every
+    layer the position-ordered kernel where :func:`use_kernel_attention` says so; the model is left as it was
+    afterwards."""
+    previous = getattr(config, "_attn_implementation_internal", None)
+    if uses_kernel_attention(config) and previous in SUPPORTED_ATTENTION:
+        ours = KERNEL_ATTENTION
+    elif previous == "sdpa":
+        ours = TREE_SDPA
+    else:
         yield
         return
-    config._attn_implementation_internal = TREE_SDPA
+    config._attn_implementation_internal = ours
     try:
         yield
     finally:
-        config._attn_implementation_internal = "sdpa"
+        config._attn_implementation_internal = previous
 
 
