@@ -225,3 +225,11 @@ def test_float32_kernels_decode_as_hugging_face_generate_on_the_float32_model(lo
         expected = reference.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS,
                                       do_sample=False, eos_token_id=sorted(model.stop_token_ids()), pad_token_id=0)
         assert model.naivegenerate(ids, max_new_tokens=NEW_TOKENS).tolist() == expected.tolist(), prompt
+
+
+def test_the_benchmark_counts_the_weights_each_model_holds(load):
+    from eagle.evaluation.benchmark_memory import weight_bytes
+
+    kernels_model, float_model = load("float32"), load(False)
+    assert weight_bytes(kernels_model.base_model) < 100 * 2**20  # the file's blocks (98 MB file)
+    assert weight_bytes(float_model.base_model) > 500 * 2**20  # transformers' float32 copy (540 MB)
