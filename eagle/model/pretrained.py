@@ -50,6 +50,8 @@ def apply_gguf_kernels(base_model, ea_layer, base_model_path, numerics: str) -> 
     count = linear_backend("gguf", gguf_path=gguf_file_of(base_model_path), numerics=numerics).convert(base_model)
     shared = share_embedding_with_head(ea_layer, old_embedding, base_model.get_input_embeddings())
     del old_embedding
+    if getattr(ea_layer, "eagle_version", None) == 1:  # an EAGLE-1 head drafts with the target's (new) LM head
+        ea_layer.attach_target_lm_head(base_model.get_output_embeddings())
     use_kernel_attention(base_model.config.get_text_config())
     logger.info("GGUF kernels (%s activations) on %d modules%s", numerics, count,
                 "; the head reads the quantized embedding" if shared else "")
