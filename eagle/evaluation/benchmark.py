@@ -355,6 +355,7 @@ def _settings(args, model, device, dtype, questions) -> dict:
         "seed": args.seed,
         "device": str(device),
         "packed_cpu_linear_layers": packed_layer_count(model),
+        "gguf_kernels": getattr(args, "gguf_kernels", None),  # of eagle / plain / hf_generate; *_gguf: their own
         "dtype": str(dtype).replace("torch.", ""),
         "draft_dtype": str(head.fc.weight.dtype).replace("torch.", "") if head is not None else None,
         "torch_threads": torch.get_num_threads(),
