@@ -20,7 +20,8 @@ Without argparse (a server, a notebook)::
 - ``--use-eagle3`` / ``--no-eagle3`` (also ``--use_eagle3`` / ``--no_eagle3``);
 - ``--total-token`` (-1: timed on this device), ``--depth``, ``--top-k``, ``--lookup-tokens`` (0 = off);
 - ``--device`` (auto = the best accelerator), ``--dtype`` and ``--draft-dtype`` (auto or a name of
-  :data:`eagle.model.heads.loading.DTYPES_BY_NAME`), ``--pack-cpu-weights`` (auto, on, off);
+  :data:`eagle.model.heads.loading.DTYPES_BY_NAME`), ``--pack-cpu-weights`` (auto, on, off), ``--gguf-kernels``
+  (auto, float32, int8, off: a GGUF base model on the CPU computed over its quantized blocks);
 - ``--load-in-8bit`` / ``--load-in-4bit`` (bitsandbytes, CUDA only).
 
 The rules live here and nowhere else: a model path not given is the embedded pair's
@@ -41,6 +42,7 @@ from dataclasses import dataclass
 
 import torch
 
+from eagle.model.target.backends.gguf import GGUF_FLAG_VALUES, add_gguf_kernels_argument
 from eagle.model.target.backends.linear import BitsAndBytesLinear
 from eagle.model.target.backends.onednn import PACK_FLAG_VALUES, add_pack_cpu_weights_argument
 from eagle.model.heads.loading import DTYPES_BY_NAME
@@ -73,6 +75,7 @@ class ModelOptions:
     dtype: str | torch.dtype | None = None
     draft_dtype: str | torch.dtype = "auto"
     pack_cpu_weights: bool | str = "auto"
+    gguf_kernels: bool | str = "auto"
     quantization: str | None = None
     need_head: bool = True
 
@@ -134,7 +137,7 @@ def add_model_arguments(parser: argparse.ArgumentParser, *, use_eagle3: bool = T
     ``use_eagle3``: the head version when no flag says; ``tree``: False leaves the tree flags out, a dict gives
     some of them other defaults than None; ``placement``: ``--device``/``--dtype``/``--draft-dtype``;
     ``quantization``: ``--load-in-8bit``/``--load-in-4bit``; ``required_paths``: "base" and/or "head" when the
-    command has no embedded default for them. ``--pack-cpu-weights`` is always there."""
+    command has no embedded default for them. ``--pack-cpu-weights`` and ``--gguf-kernels`` are always there."""
     embedded = " (default: the embedded {})"
     parser.add_argument("--base-model-path", "--base-model", dest="base_model_path", default=None,
                         required="base" in required_paths,
@@ -159,6 +162,7 @@ def add_model_arguments(parser: argparse.ArgumentParser, *, use_eagle3: bool = T
     if placement:
         add_placement_arguments(parser)
     add_pack_cpu_weights_argument(parser)
+    add_gguf_kernels_argument(parser)
     if quantization:
         group = parser.add_mutually_exclusive_group()
         for bits in ("8", "4"):
@@ -188,6 +192,7 @@ def model_options(args: argparse.Namespace, need_head: bool = True) -> ModelOpti
         device=getattr(args, "device", None), dtype=getattr(args, "dtype", None),
         draft_dtype=getattr(args, "draft_dtype", "auto"),
         pack_cpu_weights=PACK_FLAG_VALUES[getattr(args, "pack_cpu_weights", "auto")],
+        gguf_kernels=GGUF_FLAG_VALUES[getattr(args, "gguf_kernels", "auto")],
         quantization=quantization, need_head=need_head,
     )
 
@@ -314,7 +319,8 @@ def load_model(options: ModelOptions, **hf_kwargs):
                 options.ea_model_path)
     return EaModel.from_pretrained(use_eagle3=options.use_eagle3, base_model_path=options.base_model_path,
                                    ea_model_path=options.ea_model_path, pack_cpu_weights=options.pack_cpu_weights,
-                                   draft_dtype=options.draft_dtype, **options.tree, **kwargs)
+                                   gguf_kernels=options.gguf_kernels, draft_dtype=options.draft_dtype,
+                                   **options.tree, **kwargs)
 
 
 def load_default_model(base_model_path: str | None = None, ea_model_path: str | None = None, use_eagle3: bool = True,

@@ -34,6 +34,7 @@ from eagle.model.drafting import lookup
 from eagle.model.ea_model import EaModel
 from eagle.model.engine import loop
 from eagle.model.heads import draft_head
+from eagle.model.target.backends.gguf import GGUF_FLAG_VALUES, add_gguf_kernels_argument
 from eagle.model.target import target
 from eagle.templates import encode_prompt, get_template
 
@@ -136,10 +137,11 @@ def main(argv=None) -> None:
     parser.add_argument("--batch-size", type=int, default=1,
                         help="Prompts generated together (each batch's tree: the head's batch trees, or --tree).")
     parser.add_argument("--plain", action="store_true", help="Also time plain decoding on the same prompts.")
+    add_gguf_kernels_argument(parser)
     args = parser.parse_args(argv)
     timers = Timers()
     install(timers)
-    model = EaModel.from_pretrained()
+    model = EaModel.from_pretrained(gguf_kernels=GGUF_FLAG_VALUES[args.gguf_kernels])
     if args.tree:
         model.set_tree(*(int(part) for part in args.tree.split("/")))
     s = model.tree_for_batch(args.batch_size)

@@ -13,7 +13,28 @@ from tiny_models import make_target
 
 def test_every_touch_is_named():
     assert set(attention.TRANSFORMERS_TOUCHES) == {"register", "switch", "delegate", "query_temperature",
-                                                   "module_eager"}
+                                                   "module_eager", "kernel"}
+
+
+def test_kernel_registers_the_position_ordered_kernel_and_the_switch_names_it(tmp_path):
+    from transformers import AttentionInterface, AttentionMaskInterface
+    from transformers.masking_utils import sdpa_mask
+
+    from eagle.kernels.attention import attention_forward
+
+    model = make_target(tmp_path / "base", "llama", seed=1)
+    config = model.config.get_text_config()
+    attention.use_kernel_attention(config)
+    try:
+        assert AttentionInterface()[attention.KERNEL_ATTENTION] is attention_forward
+        assert AttentionMaskInterface()[attention.KERNEL_ATTENTION] is sdpa_mask
+        with attention.our_attention(config):
+            assert model.model.layers[0].self_attn.config._attn_implementation == attention.KERNEL_ATTENTION
+        assert config._attn_implementation == "sdpa"
+    finally:
+        attention.use_kernel_attention(config, enabled=False)
+    with attention.our_attention(config):
+        assert config._attn_implementation == attention.TREE_SDPA
 
 
 def test_register_makes_our_function_and_sdpa_s_mask_builder_available(tmp_path):

@@ -86,8 +86,13 @@ logger = logging.getLogger(__name__)
 
 METHODS = ("eagle", "plain", "hf_generate", "prompt_lookup") + llamacpp.LLAMACPP_METHODS
 UNPACKED_METHODS = ("hf_generate_unpacked", "prompt_lookup_unpacked")
-EXTRA_METHODS = UNPACKED_METHODS + ("eagle_no_lookup",)
-EAGLE_METHODS = ("eagle", "eagle_no_lookup")
+# The GGUF kernels (eagle.model.target.backends.gguf): each runs on a model of its own, loaded with
+# gguf_kernels=<numerics> on its first call (the warm-up), beside the model --gguf-kernels loads for the others
+# (pass --gguf-kernels off so that eagle / plain / hf_generate are the float32 model).
+GGUF_METHODS = {"eagle_gguf": "float32", "plain_gguf": "float32", "eagle_gguf_int8": "int8",
+                "plain_gguf_int8": "int8"}
+EXTRA_METHODS = UNPACKED_METHODS + ("eagle_no_lookup",) + tuple(GGUF_METHODS)
+EAGLE_METHODS = ("eagle", "eagle_no_lookup", "eagle_gguf", "eagle_gguf_int8")
 ENGINE_METHODS = EAGLE_METHODS + ("plain",)  # the methods the engine (and its thread policy) runs
 LABELS = {
     "eagle": "EAGLE (eagenerate)",
@@ -97,6 +102,10 @@ LABELS = {
     "prompt_lookup": "HF prompt lookup",
     "hf_generate_unpacked": "HF generate, unpacked weights",
     "prompt_lookup_unpacked": "HF prompt lookup, unpacked weights",
+    "eagle_gguf": "EAGLE, GGUF kernels (float32 activations)",
+    "plain_gguf": "plain decoding, GGUF kernels (float32 activations)",
+    "eagle_gguf_int8": "EAGLE, GGUF kernels (int8 activations)",
+    "plain_gguf_int8": "plain decoding, GGUF kernels (int8 activations)",
     "llamacpp": "llama.cpp plain (llama-server)",
     "llamacpp_eagle3": "llama.cpp + our EAGLE-3 head",
 }
@@ -191,6 +200,7 @@ class TimedMethods:
         self.stop_ids = stop_ids
         self.args = args
         self.threads = ThreadSettings(model)
+        self.gguf_models: dict[str, object] = {}  # numerics -> EaModel with the GGUF kernels
         self.hf_configs = {
             "hf_generate": hf_generation_config(
                 max_new_tokens=args.max_new_tokens, stop_ids=stop_ids, temperature=args.temperature),
@@ -220,6 +230,9 @@ class TimedMethods:
                 self.model.set_batch_trees(batch_trees)
         if method == "plain":
             return plain_generate(self.model, input_ids, **options)
+        if method in GGUF_METHODS:
+            generate = eagle_generate if method.startswith("eagle") else plain_generate
+            return generate(self.gguf_model(GGUF_METHODS[method]), input_ids, **options)
         if method in UNPACKED_METHODS:  # only the base model runs here: the head keeps its packed layers
             unpack_linear_layers(self.hf_model)
             try:
@@ -229,6 +242,36 @@ class TimedMethods:
                 pack_linear_layers(self.hf_model)
         return hf_generate(self.hf_model, input_ids, self.hf_configs[method], self.stop_ids)
 
+
+def _gguf_model(self, numerics: str):
+    """The EaModel of the command's model flags with ``gguf_kernels=numerics`` (loaded once, untimed)."""
+    if numerics not in self.gguf_models:
+        import dataclasses
+
+        from eagle.cli import load_model, model_options
+
+        options = dataclasses.replace(model_options(self.args), gguf_kernels=numerics)
+        self.gguf_models[numerics] = load_model(options)
+    return self.gguf_models[numerics]
+
+
+def _resident_bytes(self, method: str) -> int | None:
+    """Bytes of the weights ``method`` computes with (target and head); for llama.cpp, its server's resident set."""
+    from .benchmark_memory import process_rss_bytes, weight_bytes
+
+    if method in llamacpp.LLAMACPP_METHODS:
+        server = self.llama.servers.get(method) if self.llama is not None else None
+        return None if server is None else process_rss_bytes(server.process.pid)
+    if method in GGUF_METHODS:
+        model = self.gguf_model(GGUF_METHODS[method])
+        return weight_bytes(model.base_model, model.ea_layer)
+    if method.startswith("hf_generate") or method.startswith("prompt_lookup"):
+        return weight_bytes(self.model.base_model)
+    return weight_bytes(self.model.base_model, self.model.ea_layer)
+
+
+TimedMethods.gguf_model = _gguf_model
+TimedMethods.resident_bytes = _resident_bytes
 
 Runner = TimedMethods  # the former name, kept for code that imported it
 
@@ -255,6 +298,7 @@ def summarise(per_question: list[dict], methods: list[str]) -> dict:
             "label": label(method), "new_tokens": tokens, "wall_time": seconds, "tokens_per_s": _rate(tokens, seconds),
             "forward_passes": known_passes,
             "tokens_per_forward": _ratio(tokens, known_passes) if known_passes else None,
+            "resident_bytes": per_question[0]["methods"][method].get("resident_bytes") if per_question else None,
         }
     for method in methods:
         totals[method]["speedup_vs_" + reference] = _ratio(totals[method]["tokens_per_s"], totals[reference]["tokens_per_s"])
@@ -351,6 +395,7 @@ def _settings(args, model, device, dtype, questions) -> dict:
         "seed": args.seed,
         "device": str(device),
         "packed_cpu_linear_layers": packed_layer_count(model),
+        "gguf_kernels": getattr(args, "gguf_kernels", None),  # of eagle / plain / hf_generate; *_gguf: their own
         "dtype": str(dtype).replace("torch.", ""),
         "draft_dtype": str(head.weight.dtype).replace("torch.", "") if head is not None else None,
         "torch_threads": torch.get_num_threads(),
@@ -491,6 +536,8 @@ def run_questions(timed: TimedMethods, methods: list[str], questions: list[dict]
             }
             if method in llamacpp.LLAMACPP_METHODS:
                 record["methods"][method]["llamacpp_timings"] = timed.llama_timings
+            if index == 0:
+                record["methods"][method]["resident_bytes"] = timed.resident_bytes(method)
         record["methods"] = {m: record["methods"][m] for m in methods}
         per_question.append(record)
         speedup = _running_speedup(per_question, methods)

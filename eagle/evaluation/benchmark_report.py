@@ -193,8 +193,8 @@ def _overall_lines(results: dict) -> list[str]:
         "",
         f"| method | tokens | seconds | tokens/s | speed-up vs {results['methods'][reference]['label']} "
         "| speed-up vs HF generate | " + ("speed-up vs HF generate, unpacked weights | " if unpacked else "")
-        + "tokens per target forward |",
-        "|---|---:|---:|---:|---:|---:|" + ("---:|" if unpacked else "") + "---:|",
+        + "tokens per target forward | resident MB |",
+        "|---|---:|---:|---:|---:|---:|" + ("---:|" if unpacked else "") + "---:|---:|",
     ]
     for method in methods:
         row = results["methods"][method]
@@ -202,9 +202,15 @@ def _overall_lines(results: dict) -> list[str]:
             f"| {row['label']} | {row['new_tokens']} | {_f(row['wall_time'])} | {_f(row['tokens_per_s'])} | "
             f"{_f(row.get('speedup_vs_' + reference), 2, 'x')} | {_f(row.get('speedup_vs_hf_generate'), 2, 'x')} | "
             + (f"{_f(row.get('speedup_vs_hf_generate_unpacked'), 2, 'x')} | " if unpacked else "")
-            + f"{_f(row['tokens_per_forward'])} |"
+            + f"{_f(row['tokens_per_forward'])} | {_mb(row.get('resident_bytes'))} |"
         )
+    lines += ["", "resident MB: the weights each method computes with (target and head, each storage once); for "
+              "llama.cpp, its server process's resident set."]
     return lines
+
+
+def _mb(value) -> str:
+    return "-" if value is None else f"{value / 2**20:.0f}"
 
 
 def _category_lines(results: dict) -> list[str]:

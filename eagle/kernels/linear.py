@@ -72,6 +72,22 @@ class _PackedWeight(nn.Module):
     def uses_kernels(self) -> bool:
         return self.packed is not None
 
+    # What callers read of an nn.Linear / nn.Embedding weight (its size, dtype and device), without dequantizing.
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((self.out_features, self.in_features))
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return torch.float32
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cpu")
+
+    def dim(self) -> int:
+        return 2
+
     def dequantized(self) -> torch.Tensor:
         """The float32 weight (N, K)."""
         if self.dense is not None:

@@ -12,6 +12,7 @@ import logging
 
 from eagle.model.drafting.batch_tree import head_batch_trees
 from eagle.model.heads.loading import load_ea_layer
+from eagle.model.target.backends.gguf import GGUF_KERNEL_VALUES, gguf_file_of, resolve_gguf_kernels
 from eagle.model.target.backends.linear import linear_backend
 from eagle.model.target.backends.onednn import should_auto_pack
 from eagle.model.target.loading import load_base_model
@@ -39,8 +40,25 @@ def model_paths(base_model_path, ea_model_path, kwargs: dict) -> tuple[str, str]
     return base_model_path, ea_model_path
 
 
+def apply_gguf_kernels(base_model, ea_layer, base_model_path, numerics: str) -> None:
+    """The GGUF backend on ``base_model`` (its layers over the file's blocks, its attention the position-ordered
+    kernel); a head that shared the float embedding reads the quantized one instead, so the float copy is freed."""
+    from eagle.model.target.backends.attention import use_kernel_attention
+    from eagle.model.target.backends.gguf import share_embedding_with_head
+
+    old_embedding = base_model.get_input_embeddings().weight
+    count = linear_backend("gguf", gguf_path=gguf_file_of(base_model_path), numerics=numerics).convert(base_model)
+    shared = share_embedding_with_head(ea_layer, old_embedding, base_model.get_input_embeddings())
+    del old_embedding
+    if getattr(ea_layer, "eagle_version", None) == 1:  # an EAGLE-1 head drafts with the target's (new) LM head
+        ea_layer.attach_target_lm_head(base_model.get_output_embeddings())
+    use_kernel_attention(base_model.config.get_text_config())
+    logger.info("GGUF kernels (%s activations) on %d modules%s", numerics, count,
+                "; the head reads the quantized embedding" if shared else "")
+
+
 def load_pretrained(cls, *, use_eagle3: bool, base_model_path, ea_model_path, tree: dict, threshold: float,
-                    pack_cpu_weights, draft_dtype, thread_policy: bool = True, **kwargs):
+                    pack_cpu_weights, draft_dtype, thread_policy: bool = True, gguf_kernels="auto", **kwargs):
     """An ``EaModel`` (``cls``) for the base model at ``base_model_path`` (a directory, a Hub id, or a ``.gguf``
     file / directory holding one) and the head at ``ea_model_path`` (``config.json`` + ``model.safetensors`` or
     ``pytorch_model.bin``); with neither path, the embedded default pair (nothing is downloaded). Other keyword
@@ -60,13 +78,21 @@ def load_pretrained(cls, *, use_eagle3: bool, base_model_path, ea_model_path, tr
     ``thread_policy``: True (default) lets the generation loop of a CPU model choose torch's thread count as the
     machine is now (fewer threads when other programs take CPUs, see :mod:`eagle.utils.threads`); it stays out
     whenever the user set the count (``OMP_NUM_THREADS``, ``torch.set_num_threads``); the output never depends on
-    it."""
+    it.
+
+    ``gguf_kernels``: for a GGUF base model on the CPU, the linear layers, embedding and LM head compute over the
+    file's quantized blocks and attention runs the position-ordered kernel (:mod:`eagle.model.target.backends.gguf`):
+    ``"auto"`` (float32 activations where the kernels are available, else the float32 model with one warning),
+    ``"float32"``, ``"int8"`` (int8 activations) or ``False`` (the float32 model transformers dequantizes). oneDNN
+    packing then applies to the head (and any layer the kernels leave float), never to a converted layer."""
     del threshold  # the reference's EAGLE-2 drafting never reads it either
     allow_unknown_attention = bool(kwargs.pop("allow_unknown_attention", False))
     if pack_cpu_weights not in (True, False, "auto"):
         raise ValueError(f"pack_cpu_weights must be True, False or 'auto', not {pack_cpu_weights!r}.")
     if not isinstance(thread_policy, bool):
         raise ValueError(f"thread_policy must be True or False, not {thread_policy!r}.")
+    if not (gguf_kernels is False or (isinstance(gguf_kernels, str) and gguf_kernels in GGUF_KERNEL_VALUES)):
+        raise ValueError(f"gguf_kernels must be 'auto', 'float32', 'int8' or False, not {gguf_kernels!r}.")
     check_tree_arguments(**tree)  # invalid settings fail before loading
     base_model_path, ea_model_path = model_paths(base_model_path, ea_model_path, kwargs)
     base_model, tokenizer = load_base_model(base_model_path, **kwargs)
@@ -77,7 +103,11 @@ def load_pretrained(cls, *, use_eagle3: bool, base_model_path, ea_model_path, tr
                 base_model_name_or_path=base_model_path, use_eagle3=use_eagle3,
                 lookup_tokens=settings.lookup_tokens, ea_model_path=ea_model_path, thread_policy=thread_policy,
                 allow_unknown_attention=allow_unknown_attention)
-    if pack_cpu_weights is True or (pack_cpu_weights == "auto" and should_auto_pack(base_model)):
+    pack = pack_cpu_weights is True or (pack_cpu_weights == "auto" and should_auto_pack(base_model))
+    numerics = resolve_gguf_kernels(gguf_kernels, base_model_path, base_model)
+    if numerics is not None:
+        apply_gguf_kernels(base_model, ea_layer, base_model_path, numerics)
+    if pack:
         backend = linear_backend("onednn")
         count = backend.convert(base_model) + backend.convert(ea_layer)
         logger.info("Packed the CPU weights of %d linear layers for oneDNN (pack_cpu_weights=%r)", count,

@@ -19,12 +19,18 @@ in :data:`TRANSFORMERS_TOUCHES` and tested against the pinned transformers (``te
   position, so during our passes the module's own scaling is switched off and our attention function applies the
   same formula to the positions the engine passes (:class:`QueryTemperature`);
 - ``module_eager``: the modeling module's own ``eager_attention_forward`` (module attribute), which our eager
-  entry point calls after that scaling (a family's eager function may differ from the generic one).
+  entry point calls after that scaling (a family's eager function may differ from the generic one);
+- ``kernel``: with the GGUF kernels on (:func:`use_kernel_attention`), ``AttentionInterface.register`` /
+  ``AttentionMaskInterface.register`` add :func:`eagle.kernels.attention.attention_forward` (the position-ordered,
+  batch-invariant kernel) under :data:`KERNEL_ATTENTION`, and the ``switch`` names it instead of
+  :data:`TREE_SDPA` during our passes (SDPA or eager models alike), so prefill, plain decoding and tree
+  verification all run one kernel, whose bits for a token do not depend on the other queries of the call.
 """
 
 from __future__ import annotations
 
 import sys
+import weakref
 from contextlib import contextmanager
 from contextvars import ContextVar
 
@@ -38,6 +44,10 @@ TREE_SDPA = "eagle_tree_sdpa"
 TREE_EAGER = "eagle_tree_eager"
 # During one of our passes: (ids of the attention modules whose query temperature we apply, query positions (B, T)).
 _TEMPERATURE: ContextVar = ContextVar("eagle_query_temperature", default=None)
+# Name under which eagle.kernels.attention's position-ordered kernel is registered (by use_kernel_attention).
+KERNEL_ATTENTION = "eagle_position_ordered"
+# id(config) -> weakref(config) of the configs whose passes run KERNEL_ATTENTION (a config is not hashable).
+_KERNEL_CONFIGS: dict[int, weakref.ref] = {}
 
 
 def tree_sdpa_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None,
@@ -77,6 +87,7 @@ TRANSFORMERS_TOUCHES = {
     "delegate": "transformers.integrations.sdpa_attention.sdpa_attention_forward",
     "query_temperature": "Llama4TextAttention.attn_temperature_tuning / use_rope / floor_scale / attn_scale",
     "module_eager": "<modeling module>.eager_attention_forward",
+    "kernel": "transformers.AttentionInterface.register / AttentionMaskInterface.register (KERNEL_ATTENTION)",
 }
 
 
@@ -142,14 +153,41 @@ def register_tree_sdpa() -> None:
         AttentionMaskInterface.register(TREE_EAGER, eager_mask)
 
 
+def use_kernel_attention(config, enabled: bool = True) -> None:
+    """From now on our passes over a model of ``config`` (its text config) run the position-ordered kernel
+    (:func:`eagle.kernels.attention.attention_forward`, registered under :data:`KERNEL_ATTENTION` with SDPA's mask
+    builder); ``enabled=False`` goes back to :func:`tree_sdpa_attention` / the model's own attention."""
+    if not enabled:
+        _KERNEL_CONFIGS.pop(id(config), None)
+        return
+    from transformers import AttentionInterface
+
+    if KERNEL_ATTENTION not in AttentionInterface():
+        from eagle.kernels.attention import register
+
+        register(KERNEL_ATTENTION)
+    _KERNEL_CONFIGS[id(config)] = weakref.ref(config)
+
+
+def uses_kernel_attention(config) -> bool:
+    """Whether our passes over a model of ``config`` run the position-ordered kernel."""
+    entry = _KERNEL_CONFIGS.get(id(config))
+    return entry is not None and entry() is config
+
+
 @contextmanager
 def our_attention(config, temperature: QueryTemperature | None = None, positions: torch.Tensor | None = None):
     """While the target runs a forward pass for us (always with a prepared 4-D mask, which transformers passes
-    through as it is), its SDPA layers use :func:`tree_sdpa_attention` (registered by :class:`Target`), and the
-    modules of ``temperature`` (if any) scale their queries by ``positions`` ((B, T) query positions) instead of
-    their cache slots, under SDPA or eager attention; the model is left as it was afterwards."""
+    through as it is), its SDPA layers use :func:`tree_sdpa_attention` (registered by :class:`Target`), or every
+    layer the position-ordered kernel where :func:`use_kernel_attention` says so, and the modules of
+    ``temperature`` (if any) scale their queries by ``positions`` ((B, T) query positions) instead of their cache
+    slots, under SDPA or eager attention (the kernel does not apply a query temperature: such a model runs the tree
+    functions); the model is left as it was afterwards."""
     implementation = getattr(config, "_attn_implementation_internal", None)
-    ours = {"sdpa": TREE_SDPA, "eager": TREE_EAGER if temperature else None}.get(implementation)
+    if uses_kernel_attention(config) and implementation in SUPPORTED_ATTENTION and not temperature:
+        ours = KERNEL_ATTENTION
+    else:
+        ours = {"sdpa": TREE_SDPA, "eager": TREE_EAGER if temperature else None}.get(implementation)
     if ours is None:
         yield
         return

@@ -7,6 +7,8 @@ The backends this package ships are registered in :data:`LINEAR_BACKENDS`:
 - ``"onednn"``: float32 (and native bfloat16) CPU weights packed into oneDNN's blocked layout
   (:mod:`eagle.model.target.backends.onednn`), much cheaper for the handful of rows of a draft tree;
 - ``"bitsandbytes"``: 8-bit / 4-bit quantisation at load time on CUDA (``load_options``);
+- ``"gguf"``: a GGUF-loaded model computed over the file's quantized blocks by eagle's native kernels
+  (:mod:`eagle.model.target.backends.gguf`; ``linear_backend("gguf", gguf_path=..., numerics=...)``);
 - ``"none"``: the layers as transformers built them.
 
 Every backend's layers honour :func:`real_rows_only`: while the target runs a call whose token rows are partly
@@ -166,16 +168,22 @@ class BitsAndBytesLinear(PlainLinear):
         return {"quantization_config": config, "device_map": "auto"}
 
 
-LINEAR_BACKENDS = {"none": PlainLinear, "onednn": OneDNNLinear,
+def _gguf_backend(**options):
+    from eagle.model.target.backends.gguf import GGUFLinear
+
+    return GGUFLinear(**options)
+
+
+LINEAR_BACKENDS = {"none": PlainLinear, "onednn": OneDNNLinear, "gguf": _gguf_backend,
                    "bitsandbytes-8bit": lambda: BitsAndBytesLinear(8),
                    "bitsandbytes-4bit": lambda: BitsAndBytesLinear(4)}
 
 
-def linear_backend(name: str) -> LinearBackend:
-    """The backend registered as ``name`` (see :data:`LINEAR_BACKENDS`)."""
+def linear_backend(name: str, **options) -> LinearBackend:
+    """The backend registered as ``name`` (see :data:`LINEAR_BACKENDS`), built with ``options``."""
     if name not in LINEAR_BACKENDS:
         raise ValueError(f"Unknown linear backend {name!r}; available: {', '.join(sorted(LINEAR_BACKENDS))}.")
-    return LINEAR_BACKENDS[name]()
+    return LINEAR_BACKENDS[name](**options)
 
 
 def switch_backend(name: str, enabled: bool, *modules: torch.nn.Module) -> int:

@@ -1,0 +1,305 @@
+"""The GGUF linear backend: a GGUF-loaded model's linear layers computed over the file's own quantized blocks.
+
+transformers dequantizes a GGUF file to float32 when it loads it (every forward then reads about 5.5x the file's
+bytes). :func:`convert_gguf_model` replaces, in place, every ``nn.Linear`` whose weight comes from a GGUF tensor the
+native kernels handle with a :class:`GGUFQuantLinear` over that tensor's blocks (:mod:`eagle.kernels.linear`), the
+token embedding with a :class:`~eagle.kernels.linear.QuantEmbedding`, and a tied LM head with a
+``GGUFQuantLinear`` over the same ``token_embd`` blocks (shared with the embedding, not copied); the float32 copies
+are freed. Every replaced weight is checked at load: its blocks must dequantize to exactly the float32 tensor
+transformers built (``torch.equal``), else a ValueError names the tensor. A tensor type the kernels do not handle
+stays a float layer (logged once per type).
+
+The kernels are row-invariant (a token's output bits do not depend on the other rows of the call), which is what
+makes greedy EAGLE's logits bit-equal to plain decoding's; the backend also switches the target's attention to the
+position-ordered kernel (:func:`eagle.model.target.backends.attention.use_kernel_attention`).
+
+``gguf_kernels`` (``EaModel.from_pretrained``, ``--gguf-kernels``): ``"auto"`` (float32 numerics for a GGUF model
+on the CPU when the kernels are available, else the float32 model transformers builds), ``"float32"``, ``"int8"``
+(activations quantized to int8 per block of 32, integer dot products) or ``False`` (the float32 model).
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+
+import torch
+from torch import nn
+
+from eagle.kernels.gguf_weights import GGUFWeight, llama_qk_row_order, read_gguf_weights
+from eagle.kernels.linear import QuantEmbedding, QuantLinear, kernel_handles
+from eagle.model.target.backends.linear import PlainLinear, current_real_rows
+
+logger = logging.getLogger(__name__)
+
+GGUF_KERNEL_VALUES = ("auto", "float32", "int8", False)
+# The command-line choice (``--gguf-kernels``) -> ``EaModel.from_pretrained(gguf_kernels=...)``.
+GGUF_FLAG_VALUES = {"auto": "auto", "float32": "float32", "int8": "int8", "off": False}
+_logged: set[str] = set()
+
+
+def add_gguf_kernels_argument(parser) -> None:
+    """``--gguf-kernels auto|float32|int8|off``; ``GGUF_FLAG_VALUES[args.gguf_kernels]`` is the value for
+    ``EaModel.from_pretrained(gguf_kernels=...)``."""
+    parser.add_argument("--gguf-kernels", choices=list(GGUF_FLAG_VALUES), default="auto",
+                        help="a GGUF base model on the CPU computes over the file's quantized blocks with eagle's "
+                        "native kernels: float32 activations (auto, float32) or int8 activations (int8); off = the "
+                        "float32 model transformers dequantizes (default: auto)")
+
+
+class GGUFQuantLinear(QuantLinear):
+    """A :class:`~eagle.kernels.linear.QuantLinear` that computes the real rows of a padded call alone
+    (:func:`~eagle.model.target.backends.linear.current_real_rows`): exact, since each row's bits depend on that
+    row only; padding rows get zeros."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = current_real_rows()
+        if rows is None or not rows.matches(x):
+            return super().forward(x)
+        return rows.scatter(super().forward(rows.gather(x))).reshape(*x.shape[:-1], self.out_features)
+
+
+class ScaledQuantEmbedding(QuantEmbedding):
+    """A :class:`QuantEmbedding` times a constant, as Gemma's scaled word embedding computes it
+    (``embedding(ids) * embed_scale`` in the weight's dtype)."""
+
+    def __init__(self, table, embed_scale: torch.Tensor):
+        super().__init__(table)
+        self.register_buffer("embed_scale", torch.as_tensor(embed_scale).detach().clone(), persistent=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return super().forward(ids) * self.embed_scale.to(torch.float32)
+
+
+# ------------------------------------------------------------------------------------------------ the option
+def gguf_file_of(base_model_path) -> str | None:
+    """The GGUF file ``base_model_path`` names (a ``.gguf`` file, or a directory holding one), else None."""
+    import os
+
+    from eagle.model.target.loading import split_gguf_path
+
+    if base_model_path is None:
+        return None
+    try:
+        location, name = split_gguf_path(str(base_model_path))
+    except (FileNotFoundError, ValueError):
+        return None
+    return None if name is None else os.path.join(location, name)
+
+
+def resolve_gguf_kernels(value, base_model_path, model) -> str | None:
+    """The numerics the kernels run ``model`` with (``"float32"`` / ``"int8"``), or None for the float32 model.
+
+    ``"auto"`` uses them for a float32 GGUF model on the CPU when the kernels are available (else None, with one
+    warning from :func:`eagle.kernels.available`); ``"float32"`` / ``"int8"`` where they cannot work are a
+    ValueError that says why; ``False`` is None."""
+    if value is False:
+        return None
+    if not (isinstance(value, str) and value in GGUF_KERNEL_VALUES):
+        raise ValueError(f"gguf_kernels must be 'auto', 'float32', 'int8' or False, not {value!r}.")
+    from eagle import kernels
+
+    explicit = value != "auto"
+    problem = None
+    weight = model.get_input_embeddings().weight
+    if gguf_file_of(base_model_path) is None:
+        problem = f"the base model {base_model_path} is not a GGUF file"
+    elif weight.device.type != "cpu":
+        problem = f"the model runs on {weight.device}, the kernels on the CPU only"
+    elif weight.dtype != torch.float32:
+        problem = f"the model was loaded in {weight.dtype}; the kernels compute in float32"
+    elif not explicit and not kernels.available():  # logs why, once
+        return None
+    elif explicit and kernels.unavailable_reason() is not None:
+        problem = f"eagle's native kernels are unavailable: {kernels.unavailable_reason()}"
+    if problem is None:
+        return "float32" if value == "auto" else value
+    if explicit:
+        raise ValueError(f"gguf_kernels={value!r} cannot be used: {problem}. Pass gguf_kernels=False (or 'auto').")
+    return None
+
+
+# ------------------------------------------------------------------------------------------------ the names
+def gguf_architecture(gguf_path: str) -> str:
+    """The file's ``general.architecture`` (gguf-py's architecture name: ``llama``, ``qwen2``, ``gemma3``...)."""
+    from eagle.kernels.gguf_weights import _TensorReader
+
+    field = _TensorReader(gguf_path, "c").get_field("general.architecture")
+    if field is None:
+        raise ValueError(f"{gguf_path} has no general.architecture: not a model GGUF file")
+    return bytes(field.parts[field.data[0]]).decode("utf-8", errors="replace")
+
+
+def hf_to_gguf_names(model, architecture: str) -> dict[str, str]:
+    """HF parameter name (``model.layers.0.self_attn.q_proj.weight``) -> GGUF tensor name (``blk.0.attn_q.weight``),
+    from gguf-py's tensor-name table for ``architecture``, the table transformers' GGUF loading reads
+    (``get_gguf_hf_weights_map`` builds the same map, once per submodule: seconds for a small model)."""
+    from gguf import MODEL_ARCH_NAMES, get_tensor_name_map
+
+    arch = next((key for key, value in MODEL_ARCH_NAMES.items() if value == architecture), None)
+    if arch is None:
+        raise ValueError(f"gguf-py has no tensor-name table for the GGUF architecture {architecture!r}")
+    table = get_tensor_name_map(arch, model.config.get_text_config().num_hidden_layers)
+    names = {}
+    for hf_name in model.state_dict(keep_vars=True):
+        base, dot, suffix = hf_name.rpartition(".")
+        gguf_name = table.get_name(base) if dot else None
+        if gguf_name is not None:
+            names[hf_name] = f"{gguf_name}.{suffix}"
+    return names
+
+
+def llama_permuted(architecture: str) -> bool:
+    """Whether transformers permutes the Q / K rows of a file of this architecture when it loads it (its Llama
+    tensor processor: llama.cpp stores them interleaved for its rotary embedding)."""
+    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, LlamaTensorProcessor
+
+    processor = TENSOR_PROCESSORS.get(architecture)
+    return processor is not None and issubclass(processor, LlamaTensorProcessor)
+
+
+def _hf_rows(weight: GGUFWeight, hf_name: str, config, permuted: bool) -> GGUFWeight:
+    """``weight`` with its rows in the order transformers' model holds them (Llama-family Q / K permutation)."""
+    if not permuted or not hf_name.endswith(("q_proj.weight", "k_proj.weight")):
+        return weight
+    heads = config.num_attention_heads
+    if hf_name.endswith("k_proj.weight"):
+        heads = getattr(config, "num_key_value_heads", None) or heads
+    return weight.permute_rows(llama_qk_row_order(weight.out_features, heads))
+
+
+def _check_equal(quant: nn.Module, dense: torch.Tensor, gguf_name: str) -> None:
+    """The replaced layer's weight must be exactly the float32 weight transformers built."""
+    weight = quant.weight.dequantized()
+    if weight.shape != dense.shape or not torch.equal(weight, dense.detach().to(weight.device)):
+        raise ValueError(f"GGUF tensor {gguf_name!r}: its blocks do not dequantize to the float32 weight transformers "
+                         f"built from it (shape {tuple(weight.shape)} vs {tuple(dense.shape)}); refusing to compute "
+                         f"with different weights. Load with gguf_kernels=False.")
+
+
+def _note_unhandled(what: str) -> None:
+    if what not in _logged:
+        _logged.add(what)
+        logger.warning("GGUF kernels: %s stays a float32 layer.", what)
+
+
+def _set_module(model: nn.Module, name: str, new: nn.Module) -> None:
+    parent_name, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
+
+
+def release_freed_memory() -> None:
+    """Collect garbage and hand freed heap memory back to the system (glibc's ``malloc_trim``), so that resident
+    memory shows the float32 weights gone (without it, glibc keeps most of them mapped for reuse)."""
+    gc.collect()
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to trim
+        pass
+
+
+# ------------------------------------------------------------------------------------------------ converting
+def _convert_linears(model, weights, names, numerics, permuted, skip: set[str]) -> int:
+    """Replace every nn.Linear with a GGUF tensor the kernels handle; returns how many."""
+    config = model.config.get_text_config()
+    count = 0
+    for name, layer in list(model.named_modules()):
+        if type(layer) is not nn.Linear or name in skip:
+            continue
+        gguf_name = names.get(f"{name}.weight")
+        if gguf_name is None or gguf_name not in weights:
+            _note_unhandled(f"{name} (no GGUF tensor maps to it)")
+            continue
+        weight = weights[gguf_name]
+        if not kernel_handles(weight.type_name) or len(weight.shape) != 2:
+            _note_unhandled(f"GGUF type {weight.type_name} ({gguf_name} and any like it)")
+            continue
+        quant = GGUFQuantLinear(_hf_rows(weight, f"{name}.weight", config, permuted), layer.bias, numerics)
+        _check_equal(quant, layer.weight, gguf_name)
+        _set_module(model, name, quant)
+        count += 1
+    return count
+
+
+def _convert_embeddings(model, weights, names, numerics) -> tuple[int, set[str]]:
+    """The token embedding and a tied LM head over the same blocks; returns (count, replaced module names)."""
+    embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
+    module_names = {id(m): n for n, m in model.named_modules()}
+    embed_name, head_name = module_names.get(id(embedding)), module_names.get(id(head))
+    gguf_name = names.get(f"{embed_name}.weight")
+    if embed_name is None or gguf_name not in weights or not kernel_handles(weights[gguf_name].type_name):
+        _note_unhandled(f"the token embedding ({gguf_name})")
+        return 0, set()
+    table = weights[gguf_name]
+    tied = (head is not None and type(head) is nn.Linear and head.weight is embedding.weight and head.bias is None)
+    shared = GGUFQuantLinear(table, None, numerics) if tied else table
+    scale = getattr(embedding, "embed_scale", None)
+    new_embedding = QuantEmbedding(shared) if scale is None else ScaledQuantEmbedding(shared, scale)
+    _check_equal(new_embedding, embedding.weight, gguf_name)
+    _set_module(model, embed_name, new_embedding)
+    if not tied:
+        return 1, set()
+    _set_module(model, head_name, shared)
+    return 2, {head_name}
+
+
+def convert_gguf_model(model: nn.Module, gguf_path: str, numerics: str = "float32") -> int:
+    """Replace ``model``'s linear layers, embedding and tied LM head by kernels over the GGUF file's blocks (module
+    docstring), in place; returns how many modules changed. Raises ValueError naming a tensor whose blocks do not
+    give transformers' float32 weight."""
+    weights = read_gguf_weights(gguf_path)
+    architecture = gguf_architecture(gguf_path)
+    names, permuted = hf_to_gguf_names(model, architecture), llama_permuted(architecture)
+    with torch.no_grad():
+        count, skip = _convert_embeddings(model, weights, names, numerics)
+        count += _convert_linears(model, weights, names, numerics, permuted, skip)
+    del weights
+    release_freed_memory()
+    logger.info("GGUF kernels (%s numerics): %d modules compute over the blocks of %s", numerics, count, gguf_path)
+    return count
+
+
+def share_embedding_with_head(head: nn.Module, old_weight: torch.Tensor, embedding: nn.Module) -> bool:
+    """A draft head that read the target's float32 embedding (``old_weight``, shared) reads its
+    :class:`QuantEmbedding` instead (same rows, bit for bit), so the float copy is freed. Returns whether it did."""
+    own = getattr(head, "embed_tokens", None)
+    if own is None or getattr(own, "weight", None) is not old_weight or not isinstance(embedding, QuantEmbedding):
+        return False
+    head.embed_tokens = embedding
+    return True
+
+
+def quant_layer_count(model: nn.Module) -> int:
+    """How many modules of ``model`` compute over GGUF blocks with the kernels."""
+    return sum(isinstance(m, (QuantLinear, QuantEmbedding)) and m.uses_kernels for m in model.modules())
+
+
+class GGUFLinear(PlainLinear):
+    """The GGUF kernels as a :class:`~eagle.model.target.backends.linear.LinearBackend` (module docstring)."""
+
+    name = "gguf"
+
+    def __init__(self, gguf_path: str | None = None, numerics: str = "float32"):
+        self.gguf_path, self.numerics = gguf_path, numerics
+
+    def convert(self, module) -> int:
+        if self.gguf_path is None:
+            raise ValueError("The gguf linear backend needs the GGUF file the model was loaded from "
+                             "(linear_backend('gguf', gguf_path=...)).")
+        return convert_gguf_model(module, self.gguf_path, self.numerics)
+
+    def restore(self, module) -> int:
+        """The QuantLinear layers back to float32 ``nn.Linear`` with the same (dequantized) weights (the embedding
+        stays a QuantEmbedding)."""
+        count = 0
+        for name, layer in list(module.named_modules()):
+            if isinstance(layer, QuantLinear):
+                dense = nn.Linear(layer.in_features, layer.out_features, bias=layer.bias is not None)
+                dense.weight = nn.Parameter(layer.dequantized_weight().clone(), requires_grad=False)
+                if layer.bias is not None:
+                    dense.bias = nn.Parameter(layer.bias.clone(), requires_grad=False)
+                _set_module(module, name, dense)
+                count += 1
+        return count

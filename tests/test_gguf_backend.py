@@ -1,0 +1,235 @@
+"""The GGUF backend on the embedded pair (SmolLM2-135M-Instruct Q4_1 + the EAGLE-3 head): its layers compute over the
+file's blocks, the weights are exactly transformers' float32 weights, and greedy EAGLE's logits at every accepted
+position are bit-equal to plain decoding's, at batch 1 and in a left-padded batch, in both numerics."""
+
+from __future__ import annotations
+
+import copy
+import logging
+
+import pytest
+import torch
+from torch import nn
+
+from eagle import defaults, kernels
+from eagle.kernels.linear import QuantEmbedding, QuantLinear
+from eagle.model import pretrained
+from eagle.model.ea_model import EaModel
+from eagle.model.engine import loop
+from eagle.model.target.backends import attention, gguf
+
+pytestmark = pytest.mark.skipif(not kernels.available(), reason="eagle's native kernels are not built here")
+
+PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "List three prime numbers and explain why they are prime.",
+]
+NEW_TOKENS = 32
+
+
+@pytest.fixture(scope="module")
+def loaded_base():
+    """The float32 model transformers builds from the embedded GGUF, loaded once; each model below gets a copy."""
+    return pretrained.load_base_model(defaults.default_base_model_path())
+
+
+@pytest.fixture(scope="module")
+def load(loaded_base):
+    """``load(gguf_kernels)``: an EaModel of the embedded pair, its base a copy of :func:`loaded_base`."""
+    patch, real = pytest.MonkeyPatch(), pretrained.load_base_model
+    embedded = defaults.default_base_model_path()
+
+    def load_base_model(path, **kwargs):
+        if path != embedded or kwargs:
+            return real(path, **kwargs)
+        return copy.deepcopy(loaded_base[0]), loaded_base[1]
+
+    patch.setattr(pretrained, "load_base_model", load_base_model)
+    models = {}
+
+    def make(gguf_kernels):
+        if gguf_kernels not in models:
+            models[gguf_kernels] = EaModel.from_pretrained(gguf_kernels=gguf_kernels)
+        return models[gguf_kernels]
+
+    yield make
+    patch.undo()
+
+
+def _ids(model, prompt: str) -> torch.Tensor:
+    return model.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                               return_tensors="pt", return_dict=True)["input_ids"]
+
+
+class _Recorder:
+    """One row's logits as verification reads them: every read is kept (greedy verification reads exactly the
+    logits that choose each emitted token: the accepted nodes', in order)."""
+
+    def __init__(self, inner, sink: list):
+        self.inner, self.sink = inner, sink
+
+    def __getitem__(self, node):
+        value = self.inner[node]
+        self.sink.append(value.detach().clone())
+        return value
+
+
+def _generate_recording(monkeypatch, generate, prompts) -> tuple[list[list[int]], list[list[torch.Tensor]]]:
+    """Run ``generate`` (eagenerate / naivegenerate) on ``prompts`` (one prompt: batch 1; several: a left-padded
+    batch); returns each row's new tokens and the logits that chose them."""
+    sinks: dict[int, list] = {}
+    original = loop.verify_trees
+
+    def recording(target, trees, cache, rows, *args, **kwargs):
+        logits, fetch, features = original(target, trees, cache, rows, *args, **kwargs)
+        wrapped = [_Recorder(row_logits, sinks.setdefault(rows.index[b], [])) for b, row_logits in enumerate(logits)]
+        return wrapped, fetch, features
+
+    monkeypatch.setattr(loop, "verify_trees", recording)
+    try:
+        ids = prompts[0] if len(prompts) == 1 else [p[0] for p in prompts]
+        out = generate(ids, max_new_tokens=NEW_TOKENS)
+    finally:
+        monkeypatch.setattr(loop, "verify_trees", original)
+    start = max(prompt.shape[1] for prompt in prompts)  # a batch is left-padded to its longest prompt
+    return [out[b, start:].tolist() for b in range(len(prompts))], [sinks[b] for b in range(len(prompts))]
+
+
+def _assert_bit_equal(eagle_logits: list[torch.Tensor], plain_logits: list[torch.Tensor], emitted: int,
+                      what: str) -> None:
+    """Every token after the prefill's was chosen by one recorded logits row: ``emitted - 1`` of them at least."""
+    count = min(len(eagle_logits), len(plain_logits))
+    assert count >= max(emitted - 1, 1), (what, len(eagle_logits), len(plain_logits), emitted)
+    for position in range(count):
+        assert torch.equal(eagle_logits[position], plain_logits[position]), (what, position)
+
+
+# ------------------------------------------------------------------------------------------------ the layers
+def test_every_weight_computes_over_the_gguf_blocks(load):
+    model = load("float32")
+    base = model.base_model
+    assert not [name for name, m in base.named_modules() if type(m) is nn.Linear]  # no float linear left
+    linears = [m for m in base.modules() if isinstance(m, QuantLinear)]
+    assert len(linears) == 30 * 7 + 1 and all(m.uses_kernels and m.numerics == "float32" for m in linears)
+    embedding, head = base.get_input_embeddings(), base.get_output_embeddings()
+    assert isinstance(embedding, QuantEmbedding) and embedding.uses_kernels
+    assert isinstance(head, QuantLinear) and head.type_name == "Q8_0"
+    assert embedding.weight is head.weight  # the tied LM head shares the embedding's blocks
+    assert model.ea_layer.embed_tokens is embedding  # the draft head reads the quantized embedding, no float copy
+    packed = sum(m.weight.packed.numel() for m in linears)
+    assert packed < 100 * 2**20  # about the file's size (98 MB), not 540 MB of float32
+    assert attention.uses_kernel_attention(base.config.get_text_config())
+
+
+def test_int8_numerics_reach_every_layer(load):
+    model = load("int8")
+    linears = [m for m in model.base_model.modules() if isinstance(m, QuantLinear)]
+    assert linears and all(m.numerics == "int8" and m.uses_kernels for m in linears)
+
+
+def test_off_gives_the_float32_model(load):
+    model = load(False)
+    base = model.base_model
+    assert not any(isinstance(m, (QuantLinear, QuantEmbedding)) for m in base.modules())
+    assert isinstance(base.get_input_embeddings(), nn.Embedding)
+    assert not attention.uses_kernel_attention(base.config.get_text_config())
+
+
+@pytest.mark.parametrize("value", ["fast", True, "on", 8])
+def test_bad_values_of_the_option_are_clear_errors(value):
+    with pytest.raises(ValueError, match="gguf_kernels must be 'auto', 'float32', 'int8' or False"):
+        EaModel.from_pretrained(gguf_kernels=value)
+
+
+def test_explicit_kernels_on_a_model_that_is_not_gguf_are_refused(tiny_pair):
+    base_dir, head_dir = tiny_pair
+    with pytest.raises(ValueError, match="is not a GGUF file"):
+        EaModel.from_pretrained(base_model_path=str(base_dir), ea_model_path=str(head_dir), gguf_kernels="int8")
+    model = EaModel.from_pretrained(base_model_path=str(base_dir), ea_model_path=str(head_dir))  # auto: left alone
+    assert not any(isinstance(m, QuantLinear) for m in model.base_model.modules())
+
+
+def test_a_weight_that_differs_from_the_blocks_is_refused_by_name(loaded_base):
+    base = copy.deepcopy(loaded_base[0])
+    with torch.no_grad():
+        base.model.layers[3].mlp.up_proj.weight[5, 7] += 1e-3
+    with pytest.raises(ValueError, match=r"'blk\.3\.ffn_up\.weight'.*do not dequantize"):
+        gguf.convert_gguf_model(base, defaults.default_base_model_path())
+
+
+def test_a_type_the_kernels_do_not_handle_stays_float(loaded_base, monkeypatch, caplog):
+    base = copy.deepcopy(loaded_base[0])
+    monkeypatch.setattr(gguf, "kernel_handles", lambda type_name: type_name != "Q4_1")
+    monkeypatch.setattr(gguf, "_logged", set())
+    with caplog.at_level(logging.WARNING, logger=gguf.__name__):
+        count = gguf.convert_gguf_model(base, defaults.default_base_model_path())
+    assert count == 2  # the Q8_0 embedding and the LM head over it
+    assert sum(type(m) is nn.Linear for m in base.modules()) == 30 * 7
+    assert [r.getMessage() for r in caplog.records].count(
+        "GGUF kernels: GGUF type Q4_1 (blk.0.attn_q.weight and any like it) stays a float32 layer.") == 1
+
+
+def test_restore_gives_float_layers_with_the_same_weights(loaded_base):
+    base = copy.deepcopy(loaded_base[0])
+    gguf.convert_gguf_model(base, defaults.default_base_model_path())
+    assert gguf.GGUFLinear(defaults.default_base_model_path()).restore(base) == 30 * 7 + 1
+    assert torch.equal(base.model.layers[0].self_attn.q_proj.weight,
+                       loaded_base[0].model.layers[0].self_attn.q_proj.weight)
+
+
+# ------------------------------------------------------------------------------------------------ attention
+def test_our_passes_run_the_position_ordered_kernel(load, monkeypatch):
+    from transformers import AttentionInterface
+
+    model = load("float32")
+    config = model.base_model.config.get_text_config()
+    assert AttentionInterface()[attention.KERNEL_ATTENTION].__module__ == "eagle.kernels.attention"
+    calls = []
+    kernel = AttentionInterface()[attention.KERNEL_ATTENTION]
+    AttentionInterface.register(attention.KERNEL_ATTENTION, lambda *a, **k: calls.append(1) or kernel(*a, **k))
+    try:
+        with attention.our_attention(config):
+            assert config._attn_implementation == attention.KERNEL_ATTENTION
+        assert config._attn_implementation == "sdpa"  # the model's own generate sees it as it was
+        model.eagenerate(_ids(model, PROMPTS[0]), max_new_tokens=4)
+    finally:
+        AttentionInterface.register(attention.KERNEL_ATTENTION, kernel)
+    assert len(calls) >= 30 * 2  # prefill and at least one verification, every layer
+
+
+# ------------------------------------------------------------------------------------------------ exactness
+@pytest.mark.parametrize("numerics", ["float32", "int8"])
+def test_eagle_logits_equal_plain_decoding_bit_for_bit(load, monkeypatch, numerics):
+    model = load(numerics)
+    prompts = [_ids(model, p) for p in PROMPTS]
+    for prompt in prompts[:2]:  # batch 1
+        eagle_tokens, eagle_logits = _generate_recording(monkeypatch, model.eagenerate, [prompt])
+        plain_tokens, plain_logits = _generate_recording(monkeypatch, model.naivegenerate, [prompt])
+        assert eagle_tokens == plain_tokens
+        _assert_bit_equal(eagle_logits[0], plain_logits[0], len(plain_tokens[0]), f"{numerics}, batch 1")
+    # a left-padded batch of three against each prompt decoded alone
+    eagle_tokens, eagle_logits = _generate_recording(monkeypatch, model.eagenerate, prompts)
+    for b, prompt in enumerate(prompts):
+        plain_tokens, plain_logits = _generate_recording(monkeypatch, model.naivegenerate, [prompt])
+        emitted = len(plain_tokens[0])
+        assert eagle_tokens[b][:emitted] == plain_tokens[0], b
+        _assert_bit_equal(eagle_logits[b], plain_logits[0], emitted, f"{numerics}, batch row {b}")
+
+
+def test_float32_kernels_decode_as_hugging_face_generate_on_the_float32_model(load, loaded_base):
+    model = load("float32")
+    reference = loaded_base[0]
+    for prompt in PROMPTS[:2]:
+        ids = _ids(model, prompt)
+        expected = reference.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS,
+                                      do_sample=False, eos_token_id=sorted(model.stop_token_ids()), pad_token_id=0)
+        assert model.naivegenerate(ids, max_new_tokens=NEW_TOKENS).tolist() == expected.tolist(), prompt
+
+
+def test_the_benchmark_counts_the_weights_each_model_holds(load):
+    from eagle.evaluation.benchmark_memory import weight_bytes
+
+    kernels_model, float_model = load("float32"), load(False)
+    assert weight_bytes(kernels_model.base_model) < 100 * 2**20  # the file's blocks (98 MB file)
+    assert weight_bytes(float_model.base_model) > 500 * 2**20  # transformers' float32 copy (540 MB)
