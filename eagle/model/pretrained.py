@@ -57,6 +57,32 @@ def apply_gguf_kernels(base_model, ea_layer, base_model_path, numerics: str) -> 
                 "; the head reads the quantized embedding" if shared else "")
 
 
+def check_options(pack_cpu_weights, thread_policy, gguf_kernels) -> None:
+    """``ValueError`` naming the option and its values for a bad ``pack_cpu_weights``, ``thread_policy`` or
+    ``gguf_kernels`` (before anything loads)."""
+    if pack_cpu_weights not in (True, False, "auto"):
+        raise ValueError(f"pack_cpu_weights must be True, False or 'auto', not {pack_cpu_weights!r}.")
+    if not isinstance(thread_policy, bool):
+        raise ValueError(f"thread_policy must be True or False, not {thread_policy!r}.")
+    if not (gguf_kernels is False or (isinstance(gguf_kernels, str) and gguf_kernels in GGUF_KERNEL_VALUES)):
+        raise ValueError(f"gguf_kernels must be 'auto', 'float32', 'int8' or False, not {gguf_kernels!r}.")
+
+
+def convert_weights(base_model, ea_layer, base_model_path, pack_cpu_weights, gguf_kernels) -> None:
+    """The linear backends ``from_pretrained``'s options ask for: the GGUF kernels first (see
+    :func:`apply_gguf_kernels`), then oneDNN packing of the layers still float (whether to pack is decided on the
+    model as loaded, so the head of a converted model is packed as before)."""
+    pack = pack_cpu_weights is True or (pack_cpu_weights == "auto" and should_auto_pack(base_model))
+    numerics = resolve_gguf_kernels(gguf_kernels, base_model_path, base_model)
+    if numerics is not None:
+        apply_gguf_kernels(base_model, ea_layer, base_model_path, numerics)
+    if pack:
+        backend = linear_backend("onednn")
+        count = backend.convert(base_model) + backend.convert(ea_layer)
+        logger.info("Packed the CPU weights of %d linear layers for oneDNN (pack_cpu_weights=%r)", count,
+                    pack_cpu_weights)
+
+
 def load_pretrained(cls, *, use_eagle3: bool, base_model_path, ea_model_path, tree: dict, threshold: float,
                     pack_cpu_weights, draft_dtype, thread_policy: bool = True, gguf_kernels="auto", **kwargs):
     """An ``EaModel`` (``cls``) for the base model at ``base_model_path`` (a directory, a Hub id, or a ``.gguf``
@@ -87,12 +113,7 @@ def load_pretrained(cls, *, use_eagle3: bool, base_model_path, ea_model_path, tr
     packing then applies to the head (and any layer the kernels leave float), never to a converted layer."""
     del threshold  # the reference's EAGLE-2 drafting never reads it either
     allow_unknown_attention = bool(kwargs.pop("allow_unknown_attention", False))
-    if pack_cpu_weights not in (True, False, "auto"):
-        raise ValueError(f"pack_cpu_weights must be True, False or 'auto', not {pack_cpu_weights!r}.")
-    if not isinstance(thread_policy, bool):
-        raise ValueError(f"thread_policy must be True or False, not {thread_policy!r}.")
-    if not (gguf_kernels is False or (isinstance(gguf_kernels, str) and gguf_kernels in GGUF_KERNEL_VALUES)):
-        raise ValueError(f"gguf_kernels must be 'auto', 'float32', 'int8' or False, not {gguf_kernels!r}.")
+    check_options(pack_cpu_weights, thread_policy, gguf_kernels)
     check_tree_arguments(**tree)  # invalid settings fail before loading
     base_model_path, ea_model_path = model_paths(base_model_path, ea_model_path, kwargs)
     base_model, tokenizer = load_base_model(base_model_path, **kwargs)
@@ -103,15 +124,7 @@ def load_pretrained(cls, *, use_eagle3: bool, base_model_path, ea_model_path, tr
                 base_model_name_or_path=base_model_path, use_eagle3=use_eagle3,
                 lookup_tokens=settings.lookup_tokens, ea_model_path=ea_model_path, thread_policy=thread_policy,
                 allow_unknown_attention=allow_unknown_attention)
-    pack = pack_cpu_weights is True or (pack_cpu_weights == "auto" and should_auto_pack(base_model))
-    numerics = resolve_gguf_kernels(gguf_kernels, base_model_path, base_model)
-    if numerics is not None:
-        apply_gguf_kernels(base_model, ea_layer, base_model_path, numerics)
-    if pack:
-        backend = linear_backend("onednn")
-        count = backend.convert(base_model) + backend.convert(ea_layer)
-        logger.info("Packed the CPU weights of %d linear layers for oneDNN (pack_cpu_weights=%r)", count,
-                    pack_cpu_weights)
+    convert_weights(base_model, ea_layer, base_model_path, pack_cpu_weights, gguf_kernels)
     if tree.get("total_token") == -1:
         from eagle.model.tuning.autotune import tune_tree
 
