@@ -379,6 +379,15 @@ def test_batch_benchmark_reports_every_method_and_lossless_rows(family_dirs, tmp
     assert {p.name for p in tmp_path.iterdir()} >= {"batch_results.json", "batch_report.md", "batch_throughput.png"}
 
 
+def test_batch_benchmark_refuses_too_few_questions_for_a_batch_before_loading(tmp_path):
+    """A batch size larger than --num-questions would time no batch at all (0 tokens/s): refused, naming both."""
+    from eagle.evaluation.benchmark import main
+
+    with pytest.raises(SystemExit, match="--num-questions 4 cannot fill a batch of 8"):
+        main(["--batch-size", "1,8", "--num-questions", "4", "--base-model-path", str(tmp_path / "missing"),
+              "--output-dir", str(tmp_path)])
+
+
 @pytest.mark.skipif(not packing_available(), reason="this torch build cannot pack weights")
 def test_batch_benchmark_unpacked_hf_runs_unpacked_and_repacks(family_dirs):
     """`hf_batched_unpacked` times HF generate on the layers as transformers loads them and leaves the engine's

@@ -219,6 +219,9 @@ def main(argv: list[str] | None = None) -> dict:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     args = build_parser().parse_args(argv)
     sizes = parse_batch_sizes(args.batch_size)
+    if args.num_questions and args.num_questions < max(sizes):
+        raise SystemExit(f"--num-questions {args.num_questions} cannot fill a batch of {max(sizes)}: give at least "
+                         f"{max(sizes)} questions (or leave --num-questions out).")
     resolve_model_args(args)
     model = load_model_from_args(args)
     tokenizer = model.tokenizer
