@@ -18,7 +18,8 @@ from eagle.model.ea_model import EaModel
 from eagle.model.engine import loop
 from eagle.model.target.backends import attention, gguf
 
-pytestmark = pytest.mark.skipif(not kernels.available(), reason="eagle's native kernels are not built here")
+pytestmark = [pytest.mark.skipif(not kernels.available(), reason="eagle's native kernels are not built here"),
+              pytest.mark.e2e]  # the embedded SmolLM2 pair through the kernels
 
 PROMPTS = [
     "What is the capital of France?",

@@ -15,7 +15,8 @@ from eagle import kernels
 from eagle.kernels.linear import QuantLinear
 from eagle.model.target.backends import attention, gguf
 
-pytestmark = pytest.mark.skipif(not kernels.available(), reason="eagle's native kernels are not built here")
+pytestmark = [pytest.mark.skipif(not kernels.available(), reason="eagle's native kernels are not built here"),
+              pytest.mark.e2e]  # Gemma 3 270M, a real GGUF
 
 # Prompts as token ids (<bos> then arbitrary vocabulary entries): the model alone is loaded, not its 262,144-token
 # tokenizer (minutes to build from the GGUF on a loaded 2-core machine); any input must decode alike.
