@@ -88,6 +88,21 @@ def test_the_embedded_head_tree_is_chosen_per_device_by_from_pretrained(monkeypa
         assert on_gpu == REFERENCE_TREE
 
 
+def test_a_backend_s_own_tree_comes_before_the_device_s():
+    from eagle.model.drafting.batch_tree import head_batch_trees
+    from eagle.model.drafting.settings import TreeSettings
+    from eagle.model.tuning.head_tree import head_tree_for
+
+    cpu, own = {"total_token": 8, "depth": 2, "top_k": 4, "lookup_tokens": 16}, {"total_token": 3, "depth": 1}
+    config = {"eagle_tree": {"cpu": cpu, "cpu-gguf": own},
+              "eagle_batch_tree": {"cpu": {"2": {"total_token": 4}}, "cpu-gguf": {"4": {"total_token": 2}}}}
+    device, base = torch.device("cpu"), TreeSettings(8, 2, 4, 0)
+    assert head_tree_for(config, device, "gguf") == own and head_tree_for(config, device) == cpu
+    assert head_tree_for({"eagle_tree": {"cpu": cpu}}, device, "gguf") == cpu  # none of its own: the device's
+    assert list(head_batch_trees(config, device, base, "gguf")) == [4]
+    assert list(head_batch_trees(config, device, base)) == [2]
+
+
 @pytest.fixture
 def loads(monkeypatch):
     """The keyword arguments of every ``EaModel.from_pretrained`` call (which loads nothing here)."""

@@ -137,6 +137,17 @@ def test_off_gives_the_float32_model(load):
     assert not attention.uses_kernel_attention(base.config.get_text_config())
 
 
+def test_each_model_drafts_with_the_tree_the_head_carries_for_its_backend(load):
+    """The kernels' costs differ from the float32 model's (several rows cost several times one): the embedded head
+    carries a tree for each, and from_pretrained picks the one of the backend the model runs on."""
+    from eagle.model.tuning.head_tree import embedded_tree_settings
+
+    for gguf_kernels, kind in (("float32", "cpu-gguf"), (False, "cpu")):
+        settings = load(gguf_kernels).tree_settings
+        assert {key: getattr(settings, key) for key in embedded_tree_settings(kind)} == embedded_tree_settings(kind)
+    assert embedded_tree_settings("cpu-gguf") != embedded_tree_settings("cpu")
+
+
 @pytest.mark.parametrize("value", ["fast", True, "on", 8])
 def test_bad_values_of_the_option_are_clear_errors(value):
     with pytest.raises(ValueError, match="gguf_kernels must be 'auto', 'float32', 'int8' or False"):

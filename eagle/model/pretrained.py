@@ -68,12 +68,11 @@ def check_options(pack_cpu_weights, thread_policy, gguf_kernels) -> None:
         raise ValueError(f"gguf_kernels must be 'auto', 'float32', 'int8' or False, not {gguf_kernels!r}.")
 
 
-def convert_weights(base_model, ea_layer, base_model_path, pack_cpu_weights, gguf_kernels) -> None:
-    """The linear backends ``from_pretrained``'s options ask for: the GGUF kernels first (see
-    :func:`apply_gguf_kernels`), then oneDNN packing of the layers still float (whether to pack is decided on the
-    model as loaded, so the head of a converted model is packed as before)."""
+def convert_weights(base_model, ea_layer, base_model_path, pack_cpu_weights, numerics: str | None) -> None:
+    """The linear backends ``from_pretrained``'s options ask for: the GGUF kernels first in ``numerics`` (None:
+    none; see :func:`apply_gguf_kernels`), then oneDNN packing of the layers still float (whether to pack is decided
+    on the model as loaded, so the head of a converted model is packed as before)."""
     pack = pack_cpu_weights is True or (pack_cpu_weights == "auto" and should_auto_pack(base_model))
-    numerics = resolve_gguf_kernels(gguf_kernels, base_model_path, base_model)
     if numerics is not None:
         apply_gguf_kernels(base_model, ea_layer, base_model_path, numerics)
     if pack:
@@ -119,12 +118,14 @@ def load_pretrained(cls, *, use_eagle3: bool, base_model_path, ea_model_path, tr
     base_model, tokenizer = load_base_model(base_model_path, **kwargs)
     ea_layer = load_ea_layer(ea_model_path, base_model, use_eagle3, draft_dtype=draft_dtype)
     device = base_model.get_input_embeddings().weight.device
-    settings, sources = resolve_tree(tree, head_tree_for(ea_layer.config, device))
+    numerics = resolve_gguf_kernels(gguf_kernels, base_model_path, base_model)
+    backend = "gguf" if numerics is not None else None  # the kernels' costs call for a tree of their own
+    settings, sources = resolve_tree(tree, head_tree_for(ea_layer.config, device, backend))
     model = cls(base_model, ea_layer, tokenizer, settings.total_token, settings.depth, settings.top_k,
                 base_model_name_or_path=base_model_path, use_eagle3=use_eagle3,
                 lookup_tokens=settings.lookup_tokens, ea_model_path=ea_model_path, thread_policy=thread_policy,
                 allow_unknown_attention=allow_unknown_attention)
-    convert_weights(base_model, ea_layer, base_model_path, pack_cpu_weights, gguf_kernels)
+    convert_weights(base_model, ea_layer, base_model_path, pack_cpu_weights, numerics)
     if tree.get("total_token") == -1:
         from eagle.model.tuning.autotune import tune_tree
 
@@ -135,7 +136,7 @@ def load_pretrained(cls, *, use_eagle3: bool, base_model_path, ea_model_path, tr
                     ", ".join(f"{key} from the {source}" if source != "argument" else f"{key} given"
                               for key, source in sources.items()))
     if all(value is None for value in tree.values()):  # an explicit tree applies to every batch size
-        model.set_batch_trees(head_batch_trees(ea_layer.config, device, model.tree_settings))
+        model.set_batch_trees(head_batch_trees(ea_layer.config, device, model.tree_settings, backend))
         if model.batch_trees:
             logger.info("Batch trees: %s", model.engine.plan.describe_batches())
     return model

@@ -25,7 +25,7 @@ per-batch trees again.
 from __future__ import annotations
 
 from eagle.model.drafting.settings import TreeSettings, largest_tree_size, tree_for_batch
-from eagle.model.tuning.head_tree import TREE_KEYS, check_tree_entry, device_kind
+from eagle.model.tuning.head_tree import TREE_KEYS, check_tree_entry, first_tree, tree_kinds
 
 BATCH_TREE_FIELD = "eagle_batch_tree"
 __all__ = ["BATCH_TREE_FIELD", "parse_batch_trees", "head_batch_trees", "tree_for_batch", "largest_tree_size"]
@@ -54,7 +54,8 @@ def parse_batch_trees(value, base: TreeSettings, source: str = "the head's confi
     return trees
 
 
-def head_batch_trees(config, device, base: TreeSettings) -> dict[int, TreeSettings]:
-    """The batch trees a head's config (an ``EConfig`` or a dict) gives for ``device``'s kind; empty if none."""
+def head_batch_trees(config, device, base: TreeSettings, backend: str | None = None) -> dict[int, TreeSettings]:
+    """The batch trees a head's config (an ``EConfig`` or a dict) gives for ``device``'s kind (with ``backend``: see
+    :func:`~eagle.model.tuning.head_tree.tree_kinds`); empty if none."""
     value = config.get(BATCH_TREE_FIELD) if isinstance(config, dict) else getattr(config, BATCH_TREE_FIELD, None)
-    return parse_batch_trees(value, base).get(device_kind(device), {})
+    return first_tree(parse_batch_trees(value, base), tree_kinds(device, backend)) or {}

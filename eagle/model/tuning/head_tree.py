@@ -40,6 +40,19 @@ def device_kind(device) -> str:
     return torch.device(device).type
 
 
+def tree_kinds(device, backend: str | None = None) -> list[str]:
+    """The keys of a head's trees to look up for ``device``, best first: with a linear ``backend`` whose costs
+    differ (``"gguf"``: the GGUF kernels, where verifying ten rows costs several times one row), its own key
+    (``"cpu-gguf"``) before the device's."""
+    kind = device_kind(device)
+    return [f"{kind}-{backend}", kind] if backend else [kind]
+
+
+def first_tree(trees: dict, kinds: list[str]):
+    """The entry of ``trees`` for the first of ``kinds`` it has (None: none)."""
+    return next((trees[kind] for kind in kinds if kind in trees), None)
+
+
 def parse_head_trees(value, source: str = "the head's config.json") -> dict[str, dict[str, int]]:
     """Check an ``eagle_tree`` field (None: no tree) and return it as ``{device kind: {setting: int}}``."""
     if value is None:
@@ -69,10 +82,11 @@ def check_tree_entry(tree, label: str, source: str, expected: str, base: TreeSet
         raise ValueError(f"{label} in {source}: {err}") from None
 
 
-def head_tree_for(config, device) -> dict[str, int]:
-    """The settings a head's config (an ``EConfig`` or a dict) gives for ``device``'s kind; empty if none."""
+def head_tree_for(config, device, backend: str | None = None) -> dict[str, int]:
+    """The settings a head's config (an ``EConfig`` or a dict) gives for ``device``'s kind (with ``backend``:
+    see :func:`tree_kinds`); empty if none."""
     value = config.get(TREE_FIELD) if isinstance(config, dict) else getattr(config, TREE_FIELD, None)
-    return parse_head_trees(value).get(device_kind(device), {})
+    return first_tree(parse_head_trees(value), tree_kinds(device, backend)) or {}
 
 
 def resolve_tree(explicit: dict, head_tree: dict | None = None) -> tuple[TreeSettings, dict[str, str]]:
