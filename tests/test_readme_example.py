@@ -7,6 +7,9 @@ from pathlib import Path
 
 import pytest
 
+from eagle import kernels
+from eagle.model.tuning.head_tree import embedded_tree_settings
+
 pytestmark = pytest.mark.e2e  # README's example on the embedded pair
 
 README = Path(__file__).resolve().parent.parent / "README.md"
@@ -20,7 +23,9 @@ def test_readme_first_python_example_runs(capsys):
     namespace: dict = {}
     exec(compile(example, "README.md (first Python example)", "exec"), namespace)
     model, output_ids, input_ids = namespace["model"], namespace["output_ids"], namespace["input_ids"]
-    assert model.tree_settings.total_token == 8  # the embedded head's own CPU tree, no argument given
+    # the embedded head's own tree for the backend it runs on (the GGUF kernels where built), no argument given
+    kind = "cpu-gguf" if kernels.available() else "cpu"
+    assert model.tree_settings.total_token == embedded_tree_settings(kind)["total_token"]
     assert 0 < output_ids.shape[1] - input_ids.shape[1] <= 32
     assert output_ids.tolist() == model.naivegenerate(input_ids, max_new_tokens=32).tolist()
     assert capsys.readouterr().out.strip()
