@@ -13,7 +13,7 @@ import logging
 from eagle.model.drafting.batch_tree import head_batch_trees
 from eagle.model.heads.loading import load_ea_layer
 from eagle.model.target.backends.gguf import GGUF_KERNEL_VALUES, gguf_file_of, resolve_gguf_kernels
-from eagle.model.target.backends.linear import linear_backend
+from eagle.model.target.backends.linear import linear_backend, switch_backend
 from eagle.model.target.backends.onednn import should_auto_pack
 from eagle.model.target.loading import load_base_model
 from eagle.model.tuning.head_tree import check_tree_arguments, head_tree_for, resolve_tree
@@ -76,8 +76,7 @@ def convert_weights(base_model, ea_layer, base_model_path, pack_cpu_weights, num
     if numerics is not None:
         apply_gguf_kernels(base_model, ea_layer, base_model_path, numerics)
     if pack:
-        backend = linear_backend("onednn")
-        count = backend.convert(base_model) + backend.convert(ea_layer)
+        count = switch_backend("onednn", True, base_model, ea_layer)
         logger.info("Packed the CPU weights of %d linear layers for oneDNN (pack_cpu_weights=%r)", count,
                     pack_cpu_weights)
 
