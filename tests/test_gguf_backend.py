@@ -194,20 +194,51 @@ def test_restore_gives_float_layers_with_the_same_weights(loaded_base):
 def test_our_passes_run_the_position_ordered_kernel(load, monkeypatch):
     from transformers import AttentionInterface
 
+    from eagle.kernels import attention as kernel_attention
+    from eagle.model.target import runner
+
     model = load("float32")
     config = model.base_model.config.get_text_config()
     assert AttentionInterface()[attention.KERNEL_ATTENTION].__module__ == "eagle.kernels.attention"
+    with attention.our_attention(config):
+        assert config._attn_implementation == attention.KERNEL_ATTENTION
+    assert config._attn_implementation == "sdpa"  # the model's own generate sees it as it was
     calls = []
-    kernel = AttentionInterface()[attention.KERNEL_ATTENTION]
-    AttentionInterface.register(attention.KERNEL_ATTENTION, lambda *a, **k: calls.append(1) or kernel(*a, **k))
+    kernel = kernel_attention.tree_attention
+    monkeypatch.setattr(kernel_attention, "tree_attention", lambda *a, **k: calls.append(1) or kernel(*a, **k))
+    assert runner.runner_for(model.base_model) is not None  # the engine's passes skip transformers' forward
+    model.eagenerate(_ids(model, PROMPTS[0]), max_new_tokens=4)
+    assert len(calls) >= 30 * 2  # prefill and at least one verification, every layer
+    calls.clear()
+    runner.remove_runner(model.base_model)  # transformers' forward reaches the kernel through AttentionInterface
     try:
-        with attention.our_attention(config):
-            assert config._attn_implementation == attention.KERNEL_ATTENTION
-        assert config._attn_implementation == "sdpa"  # the model's own generate sees it as it was
         model.eagenerate(_ids(model, PROMPTS[0]), max_new_tokens=4)
     finally:
-        AttentionInterface.register(attention.KERNEL_ATTENTION, kernel)
-    assert len(calls) >= 30 * 2  # prefill and at least one verification, every layer
+        runner.install_runner(model.base_model)
+    assert len(calls) >= 30 * 2
+
+
+def test_the_runner_gives_the_bits_of_transformers_forward_on_the_embedded_model(load):
+    from eagle.model.target import runner
+
+    for numerics in ("float32", "int8"):
+        model = load(numerics)
+        base, target = model.base_model, model.engine.target
+        assert runner.runner_for(base) is not None
+        ids = _ids(model, PROMPTS[2])
+        outputs = []
+        for installed in (True, False):
+            if not installed:
+                runner.remove_runner(base)
+            cache = target.new_cache(ids.shape[1] + 8)
+            first = target.forward(ids, cache, torch.arange(ids.shape[1]))
+            tree = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)
+            second = target.forward(torch.tensor([[42, 7, 99]]), cache, ids.shape[1] + torch.tensor([0, 1, 1]),
+                                    tree_mask=tree)
+            outputs.append([first.logits, first.features, second.logits, second.features])
+        runner.install_runner(base)
+        for mine, reference in zip(*outputs):
+            assert torch.equal(mine, reference), numerics
 
 
 # ------------------------------------------------------------------------------------------------ exactness

@@ -241,6 +241,28 @@ def test_the_thread_count_does_not_change_the_bits(type_name, numerics):
     assert torch.equal(one, two)
 
 
+@needs_kernels
+@pytest.mark.parametrize("numerics", ["float32", "int8"])
+@pytest.mark.parametrize("type_name", ["Q4_1", "Q8_0", "Q4_K", "Q6_K", "F16"])
+def test_wide_weights_give_a_row_the_same_bits_alone_or_among_others_on_any_thread_count(type_name, numerics):
+    """A weight wide enough for the long column runs one- and two-row calls stream (and for the prefetch far ahead
+    of them): row m alone equals row m in calls of 1..12 rows, at one and two threads."""
+    shape = (600, SHAPES[type_name][1])
+    blocks = gguf_bytes(type_name, *shape, seed=6)
+    weight = packed(type_name, blocks, shape, numerics)
+    x = torch.randn(12, shape[1])
+    previous = torch.get_num_threads()
+    try:
+        alone = torch.cat([linear(x[i:i + 1], weight, type_name, shape, numerics) for i in range(12)])
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            for start, size in windows(12, range(1, 13)):
+                y = linear(x[start:start + size], weight, type_name, shape, numerics)
+                assert torch.equal(y, alone[start:start + size]), (threads, start, size)
+    finally:
+        torch.set_num_threads(previous)
+
+
 # ------------------------------------------------------------------------------------------------ malformed input
 @needs_kernels
 def test_malformed_packed_weights_are_refused_with_a_clear_error():

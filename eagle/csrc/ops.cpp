@@ -136,11 +136,18 @@ float* thread_scratch(int64_t floats) {
   return buffer.data();
 }
 
-// columns per work chunk: results never depend on it, only the split of work over threads does
-// (1 or 2 rows: wide chunks, whose 4-column (LAYOUT_N: 4-group) tiles keep more independent work in flight)
+// columns per work chunk: results never depend on it, only the split of work over threads does.
+// LAYOUT_K: the kernel streams the weights, prefetching far ahead of the columns it computes (quant_avx512.cpp):
+// each chunk a long run of consecutive columns keeps that prefetch on what the same thread computes next; two
+// chunks per thread still let a thread that falls behind hand work over.
+// LAYOUT_N (int8): 1 or 2 rows: wide chunks, whose 4-group tiles keep more independent work in flight.
 int64_t chunk_columns(Layout layout, int64_t n, int64_t m) {
   const int64_t wide = layout == quant::LAYOUT_N ? 64 : 32;
-  return (m <= 2 && n >= 4 * wide) ? wide : 16;
+  if (n < 4 * wide) return 16;
+  if (layout == quant::LAYOUT_N) return m <= 2 ? wide : 16;
+  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+  const int64_t per_chunk = (n + 2 * threads - 1) / (2 * threads);
+  return std::max<int64_t>(wide, (per_chunk + 15) / 16 * 16);
 }
 
 // Calls below this many multiply-adds run on the calling thread: waking torch's other threads costs more than they

@@ -42,9 +42,10 @@ def model_paths(base_model_path, ea_model_path, kwargs: dict) -> tuple[str, str]
 
 def apply_gguf_kernels(base_model, ea_layer, base_model_path, numerics: str) -> None:
     """The GGUF backend on ``base_model`` (its layers over the file's blocks, its attention the position-ordered
-    kernel); a head that shared the float embedding reads the quantized one instead, so the float copy is freed."""
+    kernel, its forward :mod:`eagle.model.target.runner`'s where the family allows); a head that shared the float embedding reads the quantized one instead, so the float copy is freed."""
     from eagle.model.target.backends.attention import use_kernel_attention
     from eagle.model.target.backends.gguf import share_embedding_with_head
+    from eagle.model.target.runner import install_runner
 
     old_embedding = base_model.get_input_embeddings().weight
     count = linear_backend("gguf", gguf_path=gguf_file_of(base_model_path), numerics=numerics).convert(base_model)
@@ -53,6 +54,7 @@ def apply_gguf_kernels(base_model, ea_layer, base_model_path, numerics: str) -> 
     if getattr(ea_layer, "eagle_version", None) == 1:  # an EAGLE-1 head drafts with the target's (new) LM head
         ea_layer.attach_target_lm_head(base_model.get_output_embeddings())
     use_kernel_attention(base_model.config.get_text_config())
+    install_runner(base_model)
     logger.info("GGUF kernels (%s activations) on %d modules%s", numerics, count,
                 "; the head reads the quantized embedding" if shared else "")
 

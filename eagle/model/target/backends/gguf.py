@@ -292,7 +292,10 @@ class GGUFLinear(PlainLinear):
 
     def restore(self, module) -> int:
         """The QuantLinear layers back to float32 ``nn.Linear`` with the same (dequantized) weights (the embedding
-        stays a QuantEmbedding)."""
+        stays a QuantEmbedding); the model's forward is transformers' own again."""
+        from eagle.model.target.runner import remove_runner
+
+        remove_runner(module)
         count = 0
         for name, layer in list(module.named_modules()):
             if isinstance(layer, QuantLinear):

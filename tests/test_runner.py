@@ -1,0 +1,126 @@
+"""The runner (eagle.model.target.runner) computes exactly what transformers' forward computes, for the Llama-style
+families it knows, on tiny random models whose linear layers run on the GGUF kernels: prefill and tree verification,
+a left-padded batch, sliding-window layers, both numerics; and it stays out of what it does not know."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from eagle import kernels
+from eagle.kernels.gguf_weights import GGUFWeight
+from eagle.model.target import runner
+from eagle.model.target.backends import attention
+from eagle.model.target.backends.gguf import GGUFQuantLinear
+from eagle.model.target.target import Target
+from tiny_models import target_config
+
+pytestmark = pytest.mark.skipif(not kernels.available(), reason="eagle's native kernels are not built here")
+
+FAMILIES = {
+    "llama": {},
+    "mistral": dict(sliding_window=4),  # every layer a sliding window of 4 positions
+    "qwen2": dict(use_sliding_window=True, sliding_window=4, max_window_layers=1),  # full, then sliding layers
+}
+
+
+def quantized_model(family: str, numerics: str = "float32", **overrides):
+    """A tiny random ``family`` model whose every linear layer computes over Q8_0 blocks of its weight, its attention
+    the position-ordered kernel, as the GGUF backend leaves a model (without a GGUF file)."""
+    import gguf
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    config = target_config(family, layers=3, **{**FAMILIES.get(family, {}), **overrides})
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    for name, layer in list(model.named_modules()):
+        if type(layer) is nn.Linear:
+            blocks = gguf.quants.quantize(layer.weight.detach().numpy(), gguf.GGMLQuantizationType.Q8_0)
+            weight = GGUFWeight(name, "Q8_0", tuple(layer.weight.shape), torch.from_numpy(np.ascontiguousarray(blocks)))
+            parent, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent) if parent else model, child,
+                    GGUFQuantLinear(weight, layer.bias, numerics))
+    attention.use_kernel_attention(model.config.get_text_config())
+    return model
+
+
+def _passes(target: Target) -> list:
+    """A left-padded prefill of two rows, then a 4-node tree per row; every logits and features tensor."""
+    torch.manual_seed(1)
+    prompt = torch.randint(6, 128, (2, 9))
+    valid = torch.ones(2, 9, dtype=torch.bool)
+    valid[1, :3] = False  # row 1: three padding slots on the left
+    positions = (valid.long().cumsum(-1) - 1).clamp(min=0)
+    cache = target.new_cache(32)
+    first = target.forward(prompt, cache, positions, valid=valid)
+    tree = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)
+    depth = torch.tensor([0, 1, 1, 2])
+    tree_positions = positions[:, -1:] + 1 + depth
+    tree_valid = torch.cat([valid, torch.ones(2, 4, dtype=torch.bool)], dim=1)
+    second = target.forward(torch.randint(6, 128, (2, 4)), cache, tree_positions, tree_mask=tree.expand(2, 4, 4),
+                            valid=tree_valid, key_positions=positions)
+    return [first.logits, first.features, second.logits, second.features]
+
+
+@pytest.mark.parametrize("numerics", ["float32", "int8"])
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_the_runner_gives_the_bits_of_transformers_forward(family, numerics):
+    model = quantized_model(family, numerics)
+    assert runner.install_runner(model)
+    target = Target(model, feature_layers=[0, 2, -1])
+    calls = []
+    real_call = runner.DecoderRunner.__call__
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(runner.DecoderRunner, "__call__", lambda self, **kw: calls.append(1) or real_call(self, **kw))
+        ours = _passes(target)
+    assert len(calls) == 2  # both passes ran the runner
+    runner.remove_runner(model)
+    theirs = _passes(target)
+    for mine, reference in zip(ours, theirs):
+        assert torch.equal(mine, reference)
+    if family != "llama":  # the windows are shorter than the prompt: the sliding layers must see fewer keys
+        assert not torch.equal(theirs[0], _passes(Target(_without_window(model), feature_layers=[0, 2, -1]))[0])
+
+
+def _without_window(model):
+    config = model.config.get_text_config()
+    config.sliding_window = None
+    config.layer_types = ["full_attention"] * config.num_hidden_layers
+    return model
+
+
+def test_logits_of_chosen_positions_are_those_of_every_position():
+    model = quantized_model("llama")
+    runner.install_runner(model)
+    ids = torch.randint(6, 128, (1, 7))
+    mask = torch.zeros(1, 1, 7, 7).masked_fill_(~torch.ones(7, 7, dtype=torch.bool).tril_(), float("-inf"))
+    run = runner.runner_for(model)
+    every = run(input_ids=ids, attention_mask=mask, position_ids=torch.arange(7)[None], cache=None,
+                output_hidden_states=True, logits_to_keep=0)
+    chosen = run(input_ids=ids, attention_mask=mask, position_ids=torch.arange(7)[None], cache=None,
+                 output_hidden_states=False, logits_to_keep=torch.tensor([0, 4]))
+    last = run(input_ids=ids, attention_mask=mask, position_ids=torch.arange(7)[None], cache=None,
+               output_hidden_states=False, logits_to_keep=1)
+    assert len(every.hidden_states) == 3 + 1 and chosen.hidden_states is None
+    assert torch.equal(chosen.logits[0], every.logits[0, [0, 4]]) and torch.equal(last.logits[0, 0], every.logits[0, 6])
+
+
+def test_what_the_runner_does_not_know_keeps_transformers_forward():
+    gemma = quantized_model("gemma")
+    assert "GemmaForCausalLM is not one of" in runner.runner_problem(gemma)
+    assert not runner.install_runner(gemma) and runner.runner_for(gemma) is None
+
+    float_layer = quantized_model("llama")
+    float_layer.model.layers[1].mlp.up_proj = nn.Linear(64, 128, bias=False)
+    assert runner.runner_problem(float_layer) == "not every linear layer computes on the GGUF kernels"
+
+    other_attention = quantized_model("llama")
+    attention.use_kernel_attention(other_attention.config.get_text_config(), False)
+    assert runner.runner_problem(other_attention) == "its attention does not run the position-ordered kernel"
+
+    switched = quantized_model("llama")
+    assert runner.install_runner(switched)
+    attention.use_kernel_attention(switched.config.get_text_config(), False)  # switched back after installing
+    assert not runner.runner_for(switched).usable()
