@@ -100,6 +100,17 @@ class _PackedWeight(nn.Module):
                 f"numerics={self.numerics}, {path}")
 
 
+_OP = []
+
+
+def _quant_linear_op():
+    """``torch.ops.eagle.quant_linear.default``, looked up once (a layer calls it hundreds of times per token; the
+    packet's overload resolution and :func:`eagle.kernels.ops` cost more than a small call's work)."""
+    if not _OP:
+        _OP.append(kernels.ops().quant_linear.default)
+    return _OP[0]
+
+
 def _check_input(x: torch.Tensor, features: int, who: str) -> None:
     if not isinstance(x, torch.Tensor) or x.dtype != torch.float32 or x.device.type != "cpu":
         got = f"{x.dtype} on {x.device}" if isinstance(x, torch.Tensor) else type(x).__name__
@@ -135,6 +146,13 @@ class QuantLinear(nn.Module):
         return self.weight.dequantized()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        packed = self._modules["weight"].packed
+        if (packed is not None and type(x) is torch.Tensor and x.dtype is torch.float32 and x.device.type == "cpu"
+                and x.dim() > 0 and x.shape[-1] == self.in_features):  # the common case, checked cheaply
+            rows = x if x.dim() == 2 and x.is_contiguous() else x.reshape(-1, self.in_features).contiguous()
+            y = _quant_linear_op()(rows, packed, self.type_name, self.out_features, self.in_features,
+                                   self._buffers["bias"], self.numerics)
+            return y if rows is x else y.reshape(*x.shape[:-1], self.out_features)
         _check_input(x, self.in_features, "QuantLinear")
         if not self.uses_kernels:
             return F.linear(x, self.weight.dense, self.bias)
