@@ -124,3 +124,15 @@ def test_what_the_runner_does_not_know_keeps_transformers_forward():
     assert runner.install_runner(switched)
     attention.use_kernel_attention(switched.config.get_text_config(), False)  # switched back after installing
     assert not runner.runner_for(switched).usable()
+
+
+def test_an_installed_runner_does_not_keep_its_model_alive():
+    import gc
+    import weakref
+
+    model = quantized_model("llama")
+    assert runner.install_runner(model)
+    alive = weakref.ref(model)
+    del model
+    gc.collect()
+    assert alive() is None

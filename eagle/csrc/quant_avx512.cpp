@@ -587,7 +587,7 @@ void n_run(const LinearArgs& args, int64_t n_begin, int64_t n_end) {
 }  // namespace
 
 bool linear_k_avx512(const LinearArgs& args, int64_t n_begin, int64_t n_end, float* scratch) {
-  if (n_end - n_begin > kStepColumns) {  // a wide chunk (one or two rows): runs of kStepColumns, in order
+  if (n_end - n_begin > kStepColumns) {  // a wide chunk (ops.cpp): runs of kStepColumns, in order
     for (int64_t n = n_begin; n < n_end; n += kStepColumns)
       if (!linear_k_avx512(args, n, n + kStepColumns < n_end ? n + kStepColumns : n_end, scratch)) return false;
     return true;

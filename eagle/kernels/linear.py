@@ -19,6 +19,7 @@ per type why. :class:`QuantEmbedding` is the embedding counterpart (token ids ->
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
@@ -100,15 +101,11 @@ class _PackedWeight(nn.Module):
                 f"numerics={self.numerics}, {path}")
 
 
-_OP = []
-
-
+@functools.cache
 def _quant_linear_op():
     """``torch.ops.eagle.quant_linear.default``, looked up once (a layer calls it hundreds of times per token; the
     packet's overload resolution and :func:`eagle.kernels.ops` cost more than a small call's work)."""
-    if not _OP:
-        _OP.append(kernels.ops().quant_linear.default)
-    return _OP[0]
+    return kernels.ops().quant_linear.default
 
 
 def _check_input(x: torch.Tensor, features: int, who: str) -> None:
@@ -146,20 +143,16 @@ class QuantLinear(nn.Module):
         return self.weight.dequantized()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not (type(x) is torch.Tensor and x.dtype is torch.float32 and x.device.type == "cpu" and x.dim() > 0
+                and x.shape[-1] == self.in_features):  # the common case checked cheaply (hundreds of calls a token)
+            _check_input(x, self.in_features, "QuantLinear")  # says what is wrong (a tensor subclass passes)
         packed = self._modules["weight"].packed
-        if (packed is not None and type(x) is torch.Tensor and x.dtype is torch.float32 and x.device.type == "cpu"
-                and x.dim() > 0 and x.shape[-1] == self.in_features):  # the common case, checked cheaply
-            rows = x if x.dim() == 2 and x.is_contiguous() else x.reshape(-1, self.in_features).contiguous()
-            y = _quant_linear_op()(rows, packed, self.type_name, self.out_features, self.in_features,
-                                   self._buffers["bias"], self.numerics)
-            return y if rows is x else y.reshape(*x.shape[:-1], self.out_features)
-        _check_input(x, self.in_features, "QuantLinear")
-        if not self.uses_kernels:
+        if packed is None:
             return F.linear(x, self.weight.dense, self.bias)
-        rows = x.reshape(-1, self.in_features).contiguous()
-        y = kernels.ops().quant_linear(rows, self.weight.packed, self.type_name, self.out_features, self.in_features,
-                                       self.bias, self.numerics)
-        return y.reshape(*x.shape[:-1], self.out_features)
+        rows = x if x.dim() == 2 and x.is_contiguous() else x.reshape(-1, self.in_features).contiguous()
+        y = _quant_linear_op()(rows, packed, self.type_name, self.out_features, self.in_features,
+                               self._buffers["bias"], self.numerics)
+        return y if rows is x else y.reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         return f"bias={self.bias is not None}"

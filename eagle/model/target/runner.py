@@ -22,6 +22,9 @@ import weakref
 
 import torch
 
+from eagle.kernels.attention import attention_forward
+from eagle.model.target.backends.attention import uses_kernel_attention
+
 logger = logging.getLogger(__name__)
 
 #: The causal-LM classes whose decoder layers are the Llama structure the runner computes (pre-norm RMSNorm,
@@ -33,7 +36,7 @@ _RUNNERS: "weakref.WeakKeyDictionary[torch.nn.Module, DecoderRunner]" = weakref.
 def runner_problem(model) -> str | None:
     """Why :class:`DecoderRunner` cannot compute ``model``'s forward exactly, or None when it can."""
     from eagle.kernels.linear import QuantLinear
-    from eagle.model.target.backends.attention import QueryTemperature, uses_kernel_attention
+    from eagle.model.target.backends.attention import QueryTemperature
 
     name = type(model).__name__
     if name not in RUNNER_CLASSES:
@@ -60,25 +63,21 @@ class DecoderRunner:
     hidden states as transformers gives them (each layer's input, then the final normed state)."""
 
     def __init__(self, model):
-        self.model = model
-        self.inner = model.model
+        # no reference to ``model`` itself: it is the key of the weak dictionary holding this runner
+        self.inner, self.lm_head = model.model, model.lm_head
         self.layers = list(self.inner.layers)
-        self.layer_types = list(getattr(model.config.get_text_config(), "layer_types", None) or [])
-        self.rotary = getattr(sys.modules[type(model).__module__], "apply_rotary_pos_emb")
         self.config = model.config.get_text_config()
+        self.layer_types = list(getattr(self.config, "layer_types", None) or [])
+        self.rotary = getattr(sys.modules[type(model).__module__], "apply_rotary_pos_emb")
 
     def usable(self) -> bool:
         """Whether the model still runs attention through the kernel (it may have been switched back)."""
-        from eagle.model.target.backends.attention import uses_kernel_attention
-
         return uses_kernel_attention(self.config)
 
     def _mask(self, masks, index: int):
         return masks[self.layer_types[index]] if isinstance(masks, dict) else masks
 
     def _layer(self, index: int, hidden: torch.Tensor, mask, cos, sin, cache) -> torch.Tensor:
-        from eagle.kernels.attention import attention_forward
-
         layer = self.layers[index]
         attention, mlp = layer.self_attn, layer.mlp
         batch, length = hidden.shape[:2]
@@ -110,7 +109,7 @@ class DecoderRunner:
         if states is not None:
             states.append(hidden)
         kept = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
-        logits = self.model.lm_head(hidden[:, kept, :])
+        logits = self.lm_head(hidden[:, kept, :])
         return ForwardOutput(logits, tuple(states) if states is not None else None)
 
 
