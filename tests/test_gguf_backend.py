@@ -203,11 +203,20 @@ def test_our_passes_run_the_position_ordered_kernel(load, monkeypatch):
     with attention.our_attention(config):
         assert config._attn_implementation == attention.KERNEL_ATTENTION
     assert config._attn_implementation == "sdpa"  # the model's own generate sees it as it was
+    native = []  # the engine's passes skip transformers' forward: every layer in one eagle::decoder_layers call,
+    real_native = runner.DecoderRunner._native_layers  # whose attention is the kernel's C++ function
+    monkeypatch.setattr(runner.DecoderRunner, "_native_layers",
+                        lambda self, *a: native.append(real_native(self, *a)) or native[-1])
+    assert runner.runner_for(model.base_model) is not None
+    model.eagenerate(_ids(model, PROMPTS[0]), max_new_tokens=4)
+    assert len(native) >= 2 and all(result is not None for result in native)  # prefill and a verification
     calls = []
     kernel = kernel_attention.tree_attention
     monkeypatch.setattr(kernel_attention, "tree_attention", lambda *a, **k: calls.append(1) or kernel(*a, **k))
-    assert runner.runner_for(model.base_model) is not None  # the engine's passes skip transformers' forward
+    plan = runner.runner_for(model.base_model).plan
+    monkeypatch.setattr(runner.runner_for(model.base_model), "plan", None)  # the layers through their modules
     model.eagenerate(_ids(model, PROMPTS[0]), max_new_tokens=4)
+    monkeypatch.setattr(runner.runner_for(model.base_model), "plan", plan)
     assert len(calls) >= 30 * 2  # prefill and at least one verification, every layer
     calls.clear()
     runner.remove_runner(model.base_model)  # transformers' forward reaches the kernel through AttentionInterface
@@ -218,27 +227,45 @@ def test_our_passes_run_the_position_ordered_kernel(load, monkeypatch):
     assert len(calls) >= 30 * 2
 
 
-def test_the_runner_gives_the_bits_of_transformers_forward_on_the_embedded_model(load):
+def test_the_runner_gives_the_bits_of_transformers_forward_on_the_embedded_model(load, monkeypatch):
+    """Through the modules: transformers' bits; the native layers: those of transformers' forward with the
+    layers' norms in the native summation order (lane_rms_norm), and its values to float32 rounding."""
+    from eagle.kernels.reference import lane_rms_norm
     from eagle.model.target import runner
 
     for numerics in ("float32", "int8"):
         model = load(numerics)
         base, target = model.base_model, model.engine.target
-        assert runner.runner_for(base) is not None
+        run = runner.runner_for(base)
+        assert run is not None and run.plan is not None
         ids = _ids(model, PROMPTS[2])
-        outputs = []
-        for installed in (True, False):
-            if not installed:
-                runner.remove_runner(base)
-            cache = target.new_cache(ids.shape[1] + 8)
-            first = target.forward(ids, cache, torch.arange(ids.shape[1]))
-            tree = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)
-            second = target.forward(torch.tensor([[42, 7, 99]]), cache, ids.shape[1] + torch.tensor([0, 1, 1]),
-                                    tree_mask=tree)
-            outputs.append([first.logits, first.features, second.logits, second.features])
-        runner.install_runner(base)
-        for mine, reference in zip(*outputs):
+        outputs = {}
+        for mode in ("native", "modules", "transformers", "transformers, lane norms"):
+            with monkeypatch.context() as patch:
+                if mode == "modules":
+                    patch.setattr(run, "plan", None)
+                if mode.startswith("transformers"):
+                    runner.remove_runner(base)
+                if mode.endswith("lane norms"):
+                    for layer in base.model.layers:
+                        for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+                            patch.setattr(norm, "forward", lambda x, norm=norm: lane_rms_norm(
+                                x, norm.weight, norm.variance_epsilon))
+                cache = target.new_cache(ids.shape[1] + 8)
+                first = target.forward(ids, cache, torch.arange(ids.shape[1]))
+                tree = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)
+                second = target.forward(torch.tensor([[42, 7, 99]]), cache, ids.shape[1] + torch.tensor([0, 1, 1]),
+                                        tree_mask=tree)
+                outputs[mode] = [first.logits, first.features, second.logits, second.features]
+            runner.install_runner(base)
+            run = runner.runner_for(base)
+        for mine, reference in zip(outputs["modules"], outputs["transformers"]):
             assert torch.equal(mine, reference), numerics
+        for mine, lane, reference in zip(outputs["native"], outputs["transformers, lane norms"],
+                                         outputs["transformers"]):
+            assert torch.equal(mine, lane), numerics
+            if numerics == "float32":  # (int8: a norm's last bit can move an activation to the next int8 step)
+                torch.testing.assert_close(mine, reference, rtol=1e-4, atol=1e-3)
 
 
 # ------------------------------------------------------------------------------------------------ exactness

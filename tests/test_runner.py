@@ -10,7 +10,9 @@ import torch
 from torch import nn
 
 from eagle import kernels
+from eagle.kernels.attention import visible_keys
 from eagle.kernels.gguf_weights import GGUFWeight
+from eagle.kernels.reference import lane_rms_norm
 from eagle.model.target import runner
 from eagle.model.target.backends import attention
 from eagle.model.target.backends.gguf import GGUFQuantLinear
@@ -64,24 +66,59 @@ def _passes(target: Target) -> list:
     return [first.logits, first.features, second.logits, second.features]
 
 
+def _runner_passes(model, target: Target, native: bool) -> list:
+    """:func:`_passes` through the installed runner (its native layers or its modules), checking that it ran."""
+    run = runner.runner_for(model)
+    plan = run.plan
+    calls = []
+    real_native = runner.DecoderRunner._native_layers
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(run, "plan", plan if native else None)
+        patch.setattr(runner.DecoderRunner, "_native_layers",
+                      lambda self, *a: calls.append(real_native(self, *a)) or calls[-1])
+        passes = _passes(target)
+    assert len(calls) == 2 and all((call is not None) == native for call in calls)
+    return passes
+
+
+def _lane_norms(patch, model) -> None:
+    """Every decoder layer's RMSNorm computed as the native layers compute it (lane_rms_norm)."""
+    for layer in model.model.layers:
+        for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+            patch.setattr(norm, "forward", lambda x, norm=norm: lane_rms_norm(x, norm.weight,
+                                                                                    norm.variance_epsilon))
+
+
 @pytest.mark.parametrize("numerics", ["float32", "int8"])
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_the_runner_gives_the_bits_of_transformers_forward(family, numerics):
+    """Through the modules: transformers' bits. The native layers: the bits of the same forward with the norms'
+    documented summation order (every other step as transformers rounds it), and transformers' values to float32
+    rounding."""
     model = quantized_model(family, numerics)
-    assert runner.install_runner(model)
+    assert runner.install_runner(model) and runner.runner_for(model).plan is not None
     target = Target(model, feature_layers=[0, 2, -1])
-    calls = []
-    real_call = runner.DecoderRunner.__call__
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(runner.DecoderRunner, "__call__", lambda self, **kw: calls.append(1) or real_call(self, **kw))
-        ours = _passes(target)
-    assert len(calls) == 2  # both passes ran the runner
+    modules = _runner_passes(model, target, native=False)
+    native = _runner_passes(model, target, native=True)
     runner.remove_runner(model)
     theirs = _passes(target)
-    for mine, reference in zip(ours, theirs):
+    with pytest.MonkeyPatch.context() as patch:
+        _lane_norms(patch, model)
+        theirs_lane_norms = _passes(target)
+    for mine, reference in zip(modules, theirs):
         assert torch.equal(mine, reference)
+    for mine, reference, lane in zip(native, theirs, theirs_lane_norms):
+        assert torch.equal(mine, lane)
+        torch.testing.assert_close(mine, reference, rtol=1e-4, atol=1e-3)
     if family != "llama":  # the windows are shorter than the prompt: the sliding layers must see fewer keys
         assert not torch.equal(theirs[0], _passes(Target(_without_window(model), feature_layers=[0, 2, -1]))[0])
+
+
+def test_lane_rms_norm_is_an_rms_norm():
+    torch.manual_seed(3)
+    x, weight = torch.randn(5, 200, dtype=torch.float64), torch.randn(200, dtype=torch.float64)
+    exact = weight * x / torch.sqrt((x * x).mean(-1, keepdim=True) + 1e-6)
+    torch.testing.assert_close(lane_rms_norm(x.float(), weight.float(), 1e-6), exact.float())
 
 
 def _without_window(model):
@@ -136,3 +173,70 @@ def test_an_installed_runner_does_not_keep_its_model_alive():
     del model
     gc.collect()
     assert alive() is None
+
+
+def test_the_native_layers_give_the_same_bits_at_any_thread_count():
+    model = quantized_model("qwen2")
+    assert runner.install_runner(model) and runner.runner_for(model).plan is not None
+    target = Target(model, feature_layers=[0, 2, -1])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = _runner_passes(model, target, native=True)
+        torch.set_num_threads(3)
+        shared = _runner_passes(model, target, native=True)
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(a, b) for a, b in zip(alone, shared))
+
+
+def _native_arguments(model, cache_slots: int = 8, queries: int = 2):
+    plan = runner.runner_for(model).plan
+    batch, hidden = 1, model.config.hidden_size
+    heads, kv_heads, head_dim = plan.dims[:3]
+    layers = len(model.model.layers)
+    lists = visible_keys(torch.ones(1, 1, queries, queries, dtype=torch.bool).tril_(), True)
+    return dict(
+        hidden=torch.randn(batch, queries, hidden), weights=plan.weights, types=plan.types, biases=plan.biases,
+        norms=plan.norms, dims=plan.dims, eps=plan.eps, scale=plan.scale,
+        cos=torch.ones(batch, queries, head_dim), sin=torch.zeros(batch, queries, head_dim),
+        keys=[torch.zeros(batch, kv_heads, cache_slots, head_dim) for _ in range(layers)],
+        values=[torch.zeros(batch, kv_heads, cache_slots, head_dim) for _ in range(layers)], start=0,
+        offsets=[lists.offsets], indices=[lists.indices], layer_masks=[0] * layers, numerics=plan.numerics,
+        keep_states=False)
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(weights=[]), "per layer 7 weights"),
+    (dict(start=7), "exceed the cache's capacity of 8"),
+    (dict(layer_masks=[0, 1, 0]), "names mask list 1 of 1"),
+    (dict(dims=[4, 2, 16]), "dims must be (q_heads, kv_heads, head_dim, intermediate)"),
+    (dict(cos=torch.ones(1, 3, 16)), "cos must be a contiguous tensor of shape [1, 2, 16]"),
+    (dict(hidden=torch.randn(1, 2, 64, dtype=torch.float64)), "hidden must be a float32 CPU tensor"),
+    ("short keys", "a layer's cached keys must be a contiguous tensor of shape"),
+    ("wrong weight", "the packed weight is N="),
+])
+def test_the_native_layers_refuse_what_does_not_fit(change, message):
+    model = quantized_model("llama")
+    assert runner.install_runner(model)
+    arguments = _native_arguments(model)
+    if change == "short keys":
+        arguments["keys"][1] = arguments["keys"][1][:, :, :4].contiguous()
+    elif change == "wrong weight":
+        arguments["weights"] = list(arguments["weights"])
+        arguments["weights"][0], arguments["weights"][1] = arguments["weights"][1], arguments["weights"][0]
+    else:
+        arguments.update(change)
+    with pytest.raises((ValueError, TypeError, RuntimeError)) as error:
+        torch.ops.eagle.decoder_layers(**arguments)
+    assert message in str(error.value)
+
+
+def test_a_forward_past_the_cache_capacity_is_refused_before_anything_is_written():
+    model = quantized_model("llama")
+    assert runner.install_runner(model)
+    target = Target(model, feature_layers=[0, 2, -1])
+    cache = target.new_cache(4)
+    with pytest.raises(ValueError, match="KV cache overflow: 0 cached \\+ 5 new positions exceed its capacity of 4"):
+        target.forward(torch.randint(6, 128, (1, 5)), cache, torch.arange(5))
+    assert cache.length == 0

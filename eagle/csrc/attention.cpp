@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "attention_kernels.h"
+#include "ops.h"
 #include "parallel.h"
 
 namespace eagle {
@@ -325,6 +326,12 @@ std::tuple<at::Tensor, at::Tensor> visible_keys(const at::Tensor& mask, double m
 }
 
 }  // namespace
+
+at::Tensor tree_attention_call(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                               const at::Tensor& offsets, const at::Tensor& indices, double scale) {
+  return tree_attention(q, k, v, offsets, indices, scale, std::nullopt, std::nullopt, "auto");
+}
+
 }  // namespace eagle
 
 TORCH_LIBRARY_FRAGMENT(eagle, m) {

@@ -18,6 +18,7 @@
 #include <string>
 #include <vector>
 
+#include "ops.h"
 #include "parallel.h"
 #include "quant.h"
 
@@ -369,6 +370,11 @@ void set_kernel_isa(const std::string& name) { set_isa_checked(name.empty() ? be
 std::string best_kernel_isa() { return isa_name(best_isa()); }
 
 }  // namespace
+
+at::Tensor quant_linear_call(const at::Tensor& x, const at::Tensor& weight, const std::string& type, int64_t n,
+                             int64_t k, const std::optional<at::Tensor>& bias, const std::string& numerics) {
+  return quant_linear(x, weight, type, n, k, bias, numerics);
+}
 
 TORCH_LIBRARY(eagle, m) {
   m.def("repack(Tensor raw, str type, int n, int k, str numerics='float32') -> Tensor", &repack);

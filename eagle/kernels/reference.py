@@ -1,6 +1,6 @@
 """Slow, plain-PyTorch references for the native kernels: GGUF block decoding and dequantization (bit-equal to
 gguf-py's ``gguf.quants.dequantize``), the int8 activation quantizer, and the two numerics of the linear kernels
-computed in float64.
+computed in float64; the RMSNorm of the native decoder layers (:func:`lane_rms_norm`).
 
 Each quantized type decodes to integer codes ``u`` per element and float32 numbers ``a`` (and ``b``) per group of
 ``group`` elements; the weight is ``a * (u - offset)`` for the symmetric types and ``a * u + b`` for the others (the
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 # elements and bytes per block, as in gguf.GGML_QUANT_SIZES
@@ -179,3 +180,21 @@ def linear_int8_reference(x: torch.Tensor, type_name: str, blocks: torch.Tensor,
     if codes.b is not None:
         out = out + xq.s.double() @ codes.b.reshape(n, k // group).double().T
     return out if bias is None else out + bias.double()
+
+
+def lane_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The RMSNorm of ``eagle::decoder_layers`` (``eagle/csrc/decoder.cpp``) bit for bit, for float32 ``x`` (..., n):
+    ``weight * (x * (1 / sqrt(sum(x^2) / n + eps)))`` per row, the sum of squares over 16 lanes (lane j adds
+    ``x[16 i + j]^2``, i ascending), then lanes 0..15 added in order; the square root and the division correctly
+    rounded (numpy's square root: torch's may not be, depending on the vector library it was built with)."""
+    squares, n = x * x, x.shape[-1]
+    lanes = torch.zeros(*x.shape[:-1], 16, dtype=x.dtype)
+    for start in range(0, n - n % 16, 16):
+        lanes = lanes + squares[..., start:start + 16]
+    tail = squares[..., n - n % 16:]
+    lanes[..., :tail.shape[-1]] = lanes[..., :tail.shape[-1]] + tail
+    total = torch.zeros(*x.shape[:-1], 1, dtype=x.dtype)
+    for lane in range(16):
+        total = total + lanes[..., lane:lane + 1]
+    root = torch.from_numpy(np.sqrt((total / n + eps).detach().numpy()))
+    return weight * (x * (torch.ones_like(root) / root))

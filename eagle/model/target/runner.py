@@ -12,6 +12,14 @@ forward on the same inputs (``tests/test_runner.py``), only cheaper to call.
 on the kernels, attention through the kernel); :class:`~eagle.model.target.model_call.ModelCall` then calls it
 instead of ``model(...)``. Anything it does not know (another family, a float layer left, a query temperature, a
 model switched back to float layers) keeps transformers' forward.
+
+With the engine's :class:`~eagle.model.target.kv_cache.TreeKVCache` the decoder layers run as one native call,
+``eagle::decoder_layers`` (``eagle/csrc/decoder.cpp``): the same steps without a Python call per operation, and
+rows still computed independently of each other (row-invariant). Every step rounds as transformers' operations do
+except the RMSNorm, whose sum of squares runs in a fixed order of its own (16 lanes, then the lanes in order;
+:func:`eagle.kernels.reference.lane_rms_norm` is the PyTorch form ``tests/test_runner.py`` checks the op's bits against), so logits agree
+with transformers' forward to float32 rounding, not bit for bit. Without that cache, with a mask it cannot
+read, or where the op is missing, the layers run through the modules as above.
 """
 
 from __future__ import annotations
@@ -19,11 +27,15 @@ from __future__ import annotations
 import logging
 import sys
 import weakref
+from dataclasses import dataclass
 
 import torch
 
-from eagle.kernels.attention import attention_forward
+from eagle import kernels
+from eagle.kernels.attention import attention_forward, visible_keys
+from eagle.kernels.linear import QuantLinear
 from eagle.model.target.backends.attention import uses_kernel_attention
+from eagle.model.target.kv_cache import TreeKVCache
 
 logger = logging.getLogger(__name__)
 
@@ -35,7 +47,6 @@ _RUNNERS: "weakref.WeakKeyDictionary[torch.nn.Module, DecoderRunner]" = weakref.
 
 def runner_problem(model) -> str | None:
     """Why :class:`DecoderRunner` cannot compute ``model``'s forward exactly, or None when it can."""
-    from eagle.kernels.linear import QuantLinear
     from eagle.model.target.backends.attention import QueryTemperature
 
     name = type(model).__name__
@@ -57,6 +68,77 @@ def runner_problem(model) -> str | None:
     return None
 
 
+@dataclass
+class NativePlan:
+    """What ``eagle::decoder_layers`` takes of the model's layers, gathered once (7 packed weights and their types,
+    3 optional biases and 2 norm weights per layer; heads, head size and MLP width; the norm's epsilon and the
+    attention's scale; the activations' numerics)."""
+
+    weights: list
+    types: list
+    biases: list
+    norms: list
+    dims: list
+    eps: float
+    scale: float
+    numerics: str
+
+
+def _same(values, what: str):
+    values = set(values)
+    if len(values) != 1:
+        raise _NoPlan(f"its layers differ in {what}")
+    return values.pop()
+
+
+class _NoPlan(Exception):
+    pass
+
+
+def _plan_layers(layers) -> NativePlan:
+    weights, types, biases, norms, numerics = [], [], [], [], set()
+    for layer in layers:
+        attention, mlp = layer.self_attn, layer.mlp
+        linears = (attention.q_proj, attention.k_proj, attention.v_proj, attention.o_proj, mlp.gate_proj,
+                   mlp.up_proj, mlp.down_proj)
+        if any(m.bias is not None for m in linears[3:]):
+            raise _NoPlan("an output or MLP projection has a bias")
+        weights += [m.weight.packed for m in linears]
+        types += [m.type_name for m in linears]
+        biases += [m.bias for m in linears[:3]]
+        norms += [layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach()]
+        numerics.update(m.numerics for m in linears)
+    if any(norm.dtype != torch.float32 for norm in norms):
+        raise _NoPlan("a norm weight is not float32")
+    head_dim = _same((layer.self_attn.head_dim for layer in layers), "head size")
+    first = layers[0]
+    dims = [first.self_attn.q_proj.out_features // head_dim, first.self_attn.k_proj.out_features // head_dim,
+            head_dim, first.mlp.gate_proj.out_features]
+    _same(((layer.self_attn.q_proj.out_features, layer.self_attn.k_proj.out_features,
+            layer.self_attn.v_proj.out_features, layer.self_attn.o_proj.in_features,
+            layer.mlp.gate_proj.out_features) for layer in layers), "shapes")
+    if (dims[0] * head_dim, dims[1] * head_dim, dims[1] * head_dim) != (
+            first.self_attn.q_proj.out_features, first.self_attn.k_proj.out_features,
+            first.self_attn.v_proj.out_features) or first.self_attn.o_proj.in_features != dims[0] * head_dim:
+        raise _NoPlan("its projections are not whole heads")
+    eps = _same((norm.variance_epsilon for layer in layers
+                 for norm in (layer.input_layernorm, layer.post_attention_layernorm)), "norm epsilon")
+    scale = _same((float(layer.self_attn.scaling) for layer in layers), "attention scale")
+    return NativePlan(weights, types, biases, norms, dims, float(eps), scale, _same(numerics, "numerics"))
+
+
+def native_plan(layers) -> tuple[NativePlan | None, str | None]:
+    """The plan for ``eagle::decoder_layers`` over ``layers``, or (None, why not)."""
+    if not kernels.available() or not hasattr(torch.ops.eagle, "decoder_layers"):
+        return None, "the compiled extension has no eagle::decoder_layers"
+    try:
+        return _plan_layers(layers), None
+    except _NoPlan as reason:
+        return None, str(reason)
+    except AttributeError as error:  # a layer without the modules or attributes of the Llama structure
+        return None, f"a layer lacks what the native layers read ({error})"
+
+
 class DecoderRunner:
     """``model``'s forward (a :data:`RUNNER_CLASSES` model checked by :func:`runner_problem`), called like
     :class:`~eagle.model.target.model_call.ModelCall`: returns the kept positions' logits and, when asked, the
@@ -69,6 +151,10 @@ class DecoderRunner:
         self.config = model.config.get_text_config()
         self.layer_types = list(getattr(self.config, "layer_types", None) or [])
         self.rotary = getattr(sys.modules[type(model).__module__], "apply_rotary_pos_emb")
+        #: the native layers' plan (None: every layer runs through its modules); see :func:`native_plan`
+        self.plan, why = native_plan(self.layers)
+        if self.plan is None:
+            logger.info("The decoder layers run through their modules, not eagle::decoder_layers: %s.", why)
 
     def usable(self) -> bool:
         """Whether the model still runs attention through the kernel (it may have been switched back)."""
@@ -95,16 +181,66 @@ class DecoderRunner:
         normed = layer.post_attention_layernorm(hidden)
         return hidden + mlp.down_proj(mlp.act_fn(mlp.gate_proj(normed)) * mlp.up_proj(normed))
 
+    def _mask_lists(self, masks, queries: int, slots: int):
+        """The visible-key lists of the layers' masks and which list each layer reads, or None when a mask is not a
+        (B or 1, 1, T, S) tensor for this call."""
+        chosen = [self._mask(masks, index) for index in range(len(self.layers))]
+        unique: dict[int, int] = {}
+        offsets, indices, layer_masks = [], [], []
+        for mask in chosen:
+            if not isinstance(mask, torch.Tensor) or mask.dim() != 4 or mask.shape[-2:] != (queries, slots):
+                return None
+            if id(mask) not in unique:
+                lists = visible_keys(mask, True)
+                unique[id(mask)] = len(offsets)
+                offsets.append(lists.offsets)
+                indices.append(lists.indices)
+            layer_masks.append(unique[id(mask)])
+        return offsets, indices, layer_masks
+
+    def _native_layers(self, hidden, masks, cos, sin, cache, keep_states):
+        """Every decoder layer in one ``eagle::decoder_layers`` call, writing ``cache`` in place; returns the
+        output of the last layer and, with ``keep_states``, each layer's input; None where it cannot run."""
+        plan = self.plan
+        if plan is None or type(cache) is not TreeKVCache or len(cache.layers) != len(self.layers):
+            return None
+        batch, queries = hidden.shape[:2]
+        layers = cache.layers
+        start = layers[0].length
+        lists = self._mask_lists(masks, queries, start + queries)
+        if lists is None or cos.shape[-1] != plan.dims[2]:
+            return None
+        if start + queries > layers[0].capacity:
+            raise ValueError(f"KV cache overflow: {start} cached + {queries} new positions exceed its capacity of "
+                             f"{layers[0].capacity}.")
+        for layer in layers:
+            if not layer.is_initialized:
+                layer.lazy_initialization(hidden.new_empty(batch, plan.dims[1], 0, plan.dims[2]),
+                                          hidden.new_empty(batch, plan.dims[1], 0, plan.dims[2]))
+        if cos.shape[0] != batch:
+            cos, sin = cos.expand(batch, -1, -1), sin.expand(batch, -1, -1)
+        out = torch.ops.eagle.decoder_layers(
+            hidden.contiguous(), plan.weights, plan.types, plan.biases, plan.norms, plan.dims, plan.eps, plan.scale,
+            cos.contiguous(), sin.contiguous(), [layer.keys for layer in layers], [layer.values for layer in layers],
+            start, lists[0], lists[1], lists[2], plan.numerics, keep_states)
+        for layer in layers:
+            layer.length = start + queries
+        return out[0], out[1:]
+
     def __call__(self, *, input_ids, attention_mask, position_ids, cache, output_hidden_states, logits_to_keep=0):
         from eagle.model.target.model_call import ForwardOutput
 
         hidden = self.inner.embed_tokens(input_ids)
         cos, sin = self.inner.rotary_emb(hidden, position_ids=position_ids)
-        states = [] if output_hidden_states else None
-        for index in range(len(self.layers)):
-            if states is not None:
-                states.append(hidden)
-            hidden = self._layer(index, hidden, attention_mask, cos, sin, cache)
+        native = self._native_layers(hidden, attention_mask, cos, sin, cache, output_hidden_states)
+        if native is not None:
+            hidden, states = native[0], list(native[1]) if output_hidden_states else None
+        else:
+            states = [] if output_hidden_states else None
+            for index in range(len(self.layers)):
+                if states is not None:
+                    states.append(hidden)
+                hidden = self._layer(index, hidden, attention_mask, cos, sin, cache)
         hidden = self.inner.norm(hidden)
         if states is not None:
             states.append(hidden)

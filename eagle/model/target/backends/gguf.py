@@ -285,9 +285,14 @@ class GGUFLinear(PlainLinear):
         self.gguf_path, self.numerics = gguf_path, numerics
 
     def convert(self, module) -> int:
+        """The model's linear layers over the file's blocks; a runner attached before (it holds the packed weights
+        of the layers replaced here) is removed: ``install_runner`` attaches one for the new layers."""
+        from eagle.model.target.runner import remove_runner
+
         if self.gguf_path is None:
             raise ValueError("The gguf linear backend needs the GGUF file the model was loaded from "
                              "(linear_backend('gguf', gguf_path=...)).")
+        remove_runner(module)
         return convert_gguf_model(module, self.gguf_path, self.numerics)
 
     def restore(self, module) -> int:

@@ -1,0 +1,213 @@
+// eagle::decoder_layers: the decoder layers of a Llama-style model (Llama, Mistral, Qwen2: pre-norm RMSNorm, rotary
+// q/k, grouped-query attention, gated SiLU MLP, a residual after each block) over the GGUF kernels, in one call.
+//
+// Per layer, for the M = B * T rows of the call:
+//   n = rms_norm(x, w_in)                     one fixed summation order per row (rms_norm_row)
+//   q, k, v = n W_q (+ b_q), n W_k (+ b_k), n W_v (+ b_v)          eagle::quant_linear
+//   q, k = rotary(q), rotary(k)               transformers' rotate_half form, each product and sum rounded alone
+//   cache[:, :, start : start + T] = k, v     the preallocated TreeKVCache tensors, written in place
+//   a = attention(q, cache[:, :, : start + T]) over the visible-key lists of the layer's mask (eagle::tree_attention)
+//   h = x + a W_o
+//   n = rms_norm(h, w_post)
+//   x' = h + (silu(n W_gate) * (n W_up)) W_down                     silu: ATen's, as transformers calls it
+// Every step computes a row from that row alone (and attention from its visible keys) by a sequence of operations
+// that does not depend on M, the row's place or the thread count, so the layers are row-invariant like each kernel.
+// Against transformers' forward on the same weights only the RMSNorm's summation order differs (torch's reduction
+// order is its own); every other step rounds as transformers' ops do.
+#pragma GCC optimize("fp-contract=off")
+
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "ops.h"
+
+namespace eagle {
+namespace {
+
+constexpr int kLanes = 16;
+constexpr int64_t kWeights = 7;  // per layer: q, k, v, o, gate, up, down
+constexpr int64_t kBiases = 3;   // per layer: q, k, v (each may be None)
+constexpr int64_t kNorms = 2;    // per layer: input, post-attention
+constexpr const char* kOp = "eagle::decoder_layers";
+
+// w * (x * (1 / sqrt(sum(x^2) / n + eps))) for one row. Lane j sums x[16 i + j]^2 over i ascending, then the lanes
+// are added in order: one sequence of roundings per row, whatever else is in the call.
+void rms_norm_row(const float* x, const float* w, int64_t n, float eps, float* y) {
+  float lanes[kLanes] = {};
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes)
+    for (int j = 0; j < kLanes; ++j) lanes[j] += x[i + j] * x[i + j];
+  for (int j = 0; i + j < n; ++j) lanes[j] += x[i + j] * x[i + j];
+  float sum = 0.0f;
+  for (int j = 0; j < kLanes; ++j) sum += lanes[j];
+  const float inv = 1.0f / std::sqrt(sum / static_cast<float>(n) + eps);
+  for (int64_t e = 0; e < n; ++e) y[e] = w[e] * (x[e] * inv);
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, float eps) {
+  const int64_t rows = x.size(0), n = x.size(1);
+  at::Tensor y = at::empty({rows, n}, x.options());
+  const float *src = x.data_ptr<float>(), *weight = w.data_ptr<float>();
+  float* dst = y.data_ptr<float>();
+  for (int64_t r = 0; r < rows; ++r) rms_norm_row(src + r * n, weight, n, eps, dst + r * n);
+  return y;
+}
+
+// transformers' apply_rotary_pos_emb: x * cos + rotate_half(x) * sin, rotate_half(x) = (-x2, x1). (-a) * b + p is
+// p - a * b exactly, so each output is the two rounded products and one rounded sum torch computes.
+void rotate_row(const float* x, const float* c, const float* s, int64_t d, float* out) {
+  const int64_t half = d / 2;
+  for (int64_t i = 0; i < half; ++i) out[i] = x[i] * c[i] - x[i + half] * s[i];
+  for (int64_t i = half; i < d; ++i) out[i] = x[i] * c[i] + x[i - half] * s[i];
+}
+
+struct Shape {
+  int64_t batch, queries, hidden, q_heads, kv_heads, head_dim, inter, capacity, start;
+  int64_t rows() const { return batch * queries; }
+};
+
+struct Layer {
+  const at::Tensor* weights;  // kWeights packed tensors
+  const std::string* types;   // their GGUF type names
+  std::optional<at::Tensor> biases[kBiases];
+  const at::Tensor *norm_in, *norm_post, *keys, *values, *offsets, *indices;
+};
+
+struct Call {
+  Shape shape;
+  float eps;
+  double scale;
+  const float *cos, *sin;
+  std::string numerics;
+};
+
+at::Tensor linear(const Layer& L, int w, const at::Tensor& x, int64_t n, int64_t k, const Call& C) {
+  return quant_linear_call(x, L.weights[w], L.types[w], n, k, w < kBiases ? L.biases[w] : std::nullopt,
+                           C.numerics);
+}
+
+// Rotates q in place and writes the rotated k and v of every row into the cache slots start + t.
+void rotate_and_cache(const Layer& L, const Call& C, at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+  const Shape& S = C.shape;
+  const int64_t D = S.head_dim;
+  std::vector<float> tmp(D);
+  float *qp = q.data_ptr<float>(), *kc = L.keys->data_ptr<float>(), *vc = L.values->data_ptr<float>();
+  const float *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
+  for (int64_t r = 0; r < S.rows(); ++r) {
+    const int64_t b = r / S.queries, t = r % S.queries;
+    const float *c = C.cos + r * D, *s = C.sin + r * D;
+    for (int64_t h = 0; h < S.q_heads; ++h) {
+      float* row = qp + (r * S.q_heads + h) * D;
+      rotate_row(row, c, s, D, tmp.data());
+      std::memcpy(row, tmp.data(), D * sizeof(float));
+    }
+    for (int64_t g = 0; g < S.kv_heads; ++g) {
+      const int64_t slot = ((b * S.kv_heads + g) * S.capacity + S.start + t) * D;
+      rotate_row(kp + (r * S.kv_heads + g) * D, c, s, D, kc + slot);
+      std::memcpy(vc + slot, vp + (r * S.kv_heads + g) * D, D * sizeof(float));
+    }
+  }
+}
+
+at::Tensor run_layer(const Layer& L, const Call& C, const at::Tensor& x) {
+  const Shape& S = C.shape;
+  const int64_t H = S.hidden, D = S.head_dim, qn = S.q_heads * D, kvn = S.kv_heads * D;
+  at::Tensor normed = rms_norm(x, *L.norm_in, C.eps);
+  at::Tensor q = linear(L, 0, normed, qn, H, C), k = linear(L, 1, normed, kvn, H, C);
+  at::Tensor v = linear(L, 2, normed, kvn, H, C);
+  rotate_and_cache(L, C, q, k, v);
+  const at::Tensor queries = q.view({S.batch, S.queries, S.q_heads, D}).permute({0, 2, 1, 3});
+  const int64_t slots = S.start + S.queries;
+  at::Tensor attended = tree_attention_call(queries, L.keys->narrow(2, 0, slots), L.values->narrow(2, 0, slots),
+                                            *L.offsets, *L.indices, C.scale);
+  at::Tensor h = at::add(x, linear(L, 3, attended.view({S.rows(), qn}), H, qn, C));
+  normed = rms_norm(h, *L.norm_post, C.eps);
+  at::Tensor gate = linear(L, 4, normed, S.inter, H, C);
+  at::silu_(gate);
+  gate.mul_(linear(L, 5, normed, S.inter, H, C));
+  h.add_(linear(L, 6, gate, H, S.inter, C));
+  return h;
+}
+
+void check_float(const at::Tensor& t, const char* what, at::IntArrayRef shape) {
+  TORCH_CHECK_TYPE(t.defined() && t.device().is_cpu() && t.scalar_type() == at::kFloat, kOp, ": ", what,
+                   " must be a float32 CPU tensor");
+  TORCH_CHECK_VALUE(t.sizes() == shape && t.is_contiguous(), kOp, ": ", what, " must be a contiguous tensor of shape ",
+                    shape, ", got ", t.sizes(), t.is_contiguous() ? "" : " (not contiguous)");
+}
+
+Shape check_shape(const at::Tensor& hidden, at::IntArrayRef dims, at::TensorList keys, int64_t start) {
+  TORCH_CHECK_VALUE(dims.size() == 4, kOp, ": dims must be (q_heads, kv_heads, head_dim, intermediate), got ", dims);
+  TORCH_CHECK_TYPE(hidden.device().is_cpu() && hidden.scalar_type() == at::kFloat && hidden.dim() == 3, kOp,
+                   ": hidden must be a float32 CPU tensor (B, T, hidden), got ", hidden.scalar_type(), " ",
+                   hidden.sizes());
+  Shape S{hidden.size(0), hidden.size(1), hidden.size(2), dims[0], dims[1], dims[2], dims[3], 0, start};
+  TORCH_CHECK_VALUE(S.batch >= 1 && S.queries >= 1 && S.hidden >= 1, kOp, ": hidden must hold at least one row, got ",
+                    hidden.sizes());
+  TORCH_CHECK_VALUE(S.q_heads >= 1 && S.kv_heads >= 1 && S.q_heads % S.kv_heads == 0 && S.head_dim >= 2 &&
+                        S.head_dim % 2 == 0 && S.inter >= 1,
+                    kOp, ": dims must be positive with kv_heads dividing q_heads and an even head_dim, got ", dims);
+  TORCH_CHECK_VALUE(!keys.empty() && keys[0].dim() == 4, kOp, ": keys must be (B, kv_heads, capacity, head_dim) "
+                    "tensors, one per layer");
+  S.capacity = keys[0].size(2);
+  TORCH_CHECK_VALUE(start >= 0 && start + S.queries <= S.capacity, kOp, ": ", start, " cached + ", S.queries,
+                    " new positions exceed the cache's capacity of ", S.capacity);
+  return S;
+}
+
+std::vector<at::Tensor> decoder_layers(const at::Tensor& hidden, at::TensorList weights,
+                                       const std::vector<std::string>& types,
+                                       const c10::List<std::optional<at::Tensor>>& biases, at::TensorList norms,
+                                       at::IntArrayRef dims, double eps, double scale, const at::Tensor& cos,
+                                       const at::Tensor& sin, at::TensorList keys, at::TensorList values,
+                                       int64_t start, at::TensorList offsets, at::TensorList indices,
+                                       at::IntArrayRef layer_masks, const std::string& numerics, bool keep_states) {
+  const int64_t layers = static_cast<int64_t>(layer_masks.size());
+  TORCH_CHECK_VALUE(layers >= 1 && static_cast<int64_t>(weights.size()) == kWeights * layers &&
+                        static_cast<int64_t>(types.size()) == kWeights * layers &&
+                        static_cast<int64_t>(biases.size()) == kBiases * layers &&
+                        static_cast<int64_t>(norms.size()) == kNorms * layers &&
+                        static_cast<int64_t>(keys.size()) == layers && static_cast<int64_t>(values.size()) == layers,
+                    kOp, ": per layer 7 weights and types, 3 biases, 2 norms, 1 key and 1 value tensor; got ", layers,
+                    " layers and ", weights.size(), ", ", types.size(), ", ", biases.size(), ", ", norms.size(), ", ",
+                    keys.size(), ", ", values.size());
+  TORCH_CHECK_VALUE(!offsets.empty() && offsets.size() == indices.size(), kOp,
+                    ": offsets and indices must be lists of the same length >= 1");
+  const Shape S = check_shape(hidden, dims, keys, start);
+  check_float(hidden, "hidden", hidden.sizes());
+  check_float(cos, "cos", {S.batch, S.queries, S.head_dim});
+  check_float(sin, "sin", {S.batch, S.queries, S.head_dim});
+  const Call C{S, static_cast<float>(eps), scale, cos.data_ptr<float>(), sin.data_ptr<float>(), numerics};
+  std::vector<at::Tensor> out(1);
+  at::Tensor x = hidden.reshape({S.rows(), S.hidden});
+  for (int64_t i = 0; i < layers; ++i) {
+    TORCH_CHECK_VALUE(layer_masks[i] >= 0 && layer_masks[i] < static_cast<int64_t>(offsets.size()), kOp,
+                      ": layer ", i, " names mask list ", layer_masks[i], " of ", offsets.size());
+    check_float(norms[kNorms * i], "an input norm weight", {S.hidden});
+    check_float(norms[kNorms * i + 1], "a post-attention norm weight", {S.hidden});
+    check_float(keys[i], "a layer's cached keys", {S.batch, S.kv_heads, S.capacity, S.head_dim});
+    check_float(values[i], "a layer's cached values", {S.batch, S.kv_heads, S.capacity, S.head_dim});
+    Layer L{&weights[kWeights * i], &types[kWeights * i], {}, &norms[kNorms * i], &norms[kNorms * i + 1], &keys[i],
+            &values[i], &offsets[layer_masks[i]], &indices[layer_masks[i]]};
+    for (int64_t j = 0; j < kBiases; ++j) L.biases[j] = biases.get(kBiases * i + j);
+    if (keep_states) out.push_back(x.view(hidden.sizes()));
+    x = run_layer(L, C, x);
+  }
+  out[0] = x.view(hidden.sizes());
+  return out;
+}
+
+}  // namespace
+}  // namespace eagle
+
+TORCH_LIBRARY_FRAGMENT(eagle, m) {
+  m.def("decoder_layers(Tensor hidden, Tensor[] weights, str[] types, Tensor?[] biases, Tensor[] norms, int[] dims, "
+        "float eps, float scale, Tensor cos, Tensor sin, Tensor[] keys, Tensor[] values, int start, Tensor[] offsets, "
+        "Tensor[] indices, int[] layer_masks, str numerics, bool keep_states) -> Tensor[]",
+        &eagle::decoder_layers);
+}
