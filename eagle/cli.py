@@ -19,7 +19,7 @@ Without argparse (a server, a notebook)::
 - ``--base-model-path`` (``--base-model``), ``--ea-model-path`` (``--eagle-model``);
 - ``--use-eagle3`` / ``--no-eagle3`` (also ``--use_eagle3`` / ``--no_eagle3``);
 - ``--total-token`` (-1: timed on this device), ``--depth``, ``--top-k``, ``--lookup-tokens`` (0 = off);
-- ``--device`` (auto = the best accelerator), ``--dtype`` and ``--draft-dtype`` (auto or a name of
+- ``--device`` (auto = the best accelerator), ``--dtype`` and ``--draft-dtype`` (auto, q8_0 or a name of
   :data:`eagle.model.heads.loading.DTYPES_BY_NAME`), ``--pack-cpu-weights`` (auto, on, off), ``--gguf-kernels``
   (auto, float32, int8, off: a GGUF base model on the CPU computed over its quantized blocks);
 - ``--load-in-8bit`` / ``--load-in-4bit`` (bitsandbytes, CUDA only).
@@ -176,9 +176,11 @@ def add_placement_arguments(parser: argparse.ArgumentParser, draft_dtype: bool =
     parser.add_argument("--dtype", default="auto", choices=["auto", *DTYPES_BY_NAME],
                         help="weights dtype; auto = float16 on an accelerator, float32 on the CPU")
     if draft_dtype:
-        parser.add_argument("--draft-dtype", default="auto", choices=["auto", *DTYPES_BY_NAME],
-                            help="draft head dtype; auto = bfloat16 for the EAGLE-3 head of a float32 model on a CPU "
-                            "with native bfloat16 (AVX512-BF16/AMX), else the model dtype")
+        parser.add_argument("--draft-dtype", default="auto", choices=["auto", "q8_0", *DTYPES_BY_NAME],
+                            help="draft head dtype; q8_0 = its linear layers over Q8_0 blocks with int8 activations "
+                            "on eagle's CPU kernels; auto = q8_0 for an EAGLE-3 head when the base model runs on the "
+                            "GGUF kernels, else bfloat16 for the EAGLE-3 head of a float32 model on a CPU with native "
+                            "bfloat16 (AVX512-BF16/AMX), else the model dtype")
 
 
 def model_options(args: argparse.Namespace, need_head: bool = True) -> ModelOptions:

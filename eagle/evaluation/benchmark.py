@@ -69,6 +69,7 @@ import torch
 from tqdm import tqdm
 
 from eagle.cli import HelpFormatter, add_model_arguments, load_model_from_args, resolve_model_args
+from eagle.model.heads.quantized import draft_dtype_name
 from eagle.model.target.backends.onednn import pack_linear_layers, packed_layer_count, unpack_linear_layers
 from eagle.templates import TEMPLATES, encode_prompt, get_template
 
@@ -397,7 +398,7 @@ def _settings(args, model, device, dtype, questions) -> dict:
         "packed_cpu_linear_layers": packed_layer_count(model),
         "gguf_kernels": getattr(args, "gguf_kernels", None),  # of eagle / plain / hf_generate; *_gguf: their own
         "dtype": str(dtype).replace("torch.", ""),
-        "draft_dtype": str(head.weight.dtype).replace("torch.", "") if head is not None else None,
+        "draft_dtype": draft_dtype_name(head) if head is not None else None,
         "torch_threads": torch.get_num_threads(),
         "torch_version": torch.__version__,
         "transformers_version": transformers.__version__,

@@ -14,6 +14,7 @@ from eagle.model.drafting.batch_tree import head_batch_trees
 from eagle.model.heads.loading import load_ea_layer
 from eagle.model.target.backends.gguf import GGUF_KERNEL_VALUES, gguf_file_of, resolve_gguf_kernels
 from eagle.model.target.backends.linear import linear_backend, switch_backend
+from eagle.model.heads.quantized import apply_draft_quantization, draft_load_dtype
 from eagle.model.target.backends.onednn import should_auto_pack
 from eagle.model.target.loading import load_base_model
 from eagle.model.tuning.head_tree import check_tree_arguments, head_tree_for, resolve_tree
@@ -70,13 +71,16 @@ def check_options(pack_cpu_weights, thread_policy, gguf_kernels) -> None:
         raise ValueError(f"gguf_kernels must be 'auto', 'float32', 'int8' or False, not {gguf_kernels!r}.")
 
 
-def convert_weights(base_model, ea_layer, base_model_path, pack_cpu_weights, numerics: str | None) -> None:
+def convert_weights(base_model, ea_layer, base_model_path, pack_cpu_weights, numerics: str | None,
+                    draft_dtype="auto") -> None:
     """The linear backends ``from_pretrained``'s options ask for: the GGUF kernels first in ``numerics`` (None:
-    none; see :func:`apply_gguf_kernels`), then oneDNN packing of the layers still float (whether to pack is decided
+    none; see :func:`apply_gguf_kernels`), the head's Q8_0 layers where ``draft_dtype`` asks for them
+    (:mod:`eagle.model.heads.quantized`), then oneDNN packing of the layers still float (whether to pack is decided
     on the model as loaded, so the head of a converted model is packed as before)."""
     pack = pack_cpu_weights is True or (pack_cpu_weights == "auto" and should_auto_pack(base_model))
     if numerics is not None:
         apply_gguf_kernels(base_model, ea_layer, base_model_path, numerics)
+    apply_draft_quantization(ea_layer, base_model, draft_dtype, numerics is not None)
     if pack:
         count = switch_backend("onednn", True, base_model, ea_layer)
         logger.info("Packed the CPU weights of %d linear layers for oneDNN (pack_cpu_weights=%r)", count,
@@ -97,8 +101,10 @@ def load_pretrained(cls, *, use_eagle3: bool, base_model_path, ea_model_path, tr
 
     ``pack_cpu_weights``: the oneDNN linear backend: ``"auto"`` packs float32 CPU models whose linear weights take
     at most 2 GiB; ``True`` packs whatever can be packed; ``False`` leaves the layers alone. ``draft_dtype``: the
-    head's dtype (``"auto"``: bfloat16 for the EAGLE-3 head of a float32 model on a CPU that computes in bfloat16
-    natively, else the base model's); the output never depends on it. ``allow_unknown_attention`` (default False):
+    head's dtype (``"auto"``: with the target on the GGUF kernels, ``"q8_0"`` for an EAGLE-3 head; else bfloat16
+    for the EAGLE-3 head of a float32 model on a CPU that computes in bfloat16 natively, else the base model's;
+    ``"q8_0"``: its linear layers over Q8_0 blocks of its weights with int8 activations on eagle's kernels, see
+    :mod:`eagle.model.heads.quantized`); the output never depends on it. ``allow_unknown_attention`` (default False):
     serve a base model whose attention EAGLE's tree masks may not reproduce exactly (a layer type or feature of
     :mod:`eagle.model.target.families`; remote code failing the mask check) instead of refusing it.
     ``thread_policy``: True (default) lets the generation loop of a CPU model choose torch's thread count as the
@@ -117,16 +123,17 @@ def load_pretrained(cls, *, use_eagle3: bool, base_model_path, ea_model_path, tr
     check_tree_arguments(**tree)  # invalid settings fail before loading
     base_model_path, ea_model_path = model_paths(base_model_path, ea_model_path, kwargs)
     base_model, tokenizer = load_base_model(base_model_path, **kwargs)
-    ea_layer = load_ea_layer(ea_model_path, base_model, use_eagle3, draft_dtype=draft_dtype)
-    device = base_model.get_input_embeddings().weight.device
     numerics = resolve_gguf_kernels(gguf_kernels, base_model_path, base_model)
+    ea_layer = load_ea_layer(ea_model_path, base_model, use_eagle3,
+                             draft_dtype=draft_load_dtype(draft_dtype, numerics is not None))
+    device = base_model.get_input_embeddings().weight.device
     backend = "gguf" if numerics is not None else None  # the kernels' costs call for a tree of their own
     settings, sources = resolve_tree(tree, head_tree_for(ea_layer.config, device, backend))
     model = cls(base_model, ea_layer, tokenizer, settings.total_token, settings.depth, settings.top_k,
                 base_model_name_or_path=base_model_path, use_eagle3=use_eagle3,
                 lookup_tokens=settings.lookup_tokens, ea_model_path=ea_model_path, thread_policy=thread_policy,
                 allow_unknown_attention=allow_unknown_attention)
-    convert_weights(base_model, ea_layer, base_model_path, pack_cpu_weights, numerics)
+    convert_weights(base_model, ea_layer, base_model_path, pack_cpu_weights, numerics, draft_dtype)
     if tree.get("total_token") == -1:
         from eagle.model.tuning.autotune import tune_tree
 

@@ -1,0 +1,104 @@
+"""A draft head whose linear layers compute over Q8_0 blocks of its own weights, on eagle's CPU kernels
+(``draft_dtype="q8_0"``; what ``"auto"`` picks for an EAGLE-3 head when the target runs on the GGUF kernels).
+
+A draft pass of a small head is bound by reading its weights (and, between target forwards that stream the
+target's weights, they are no longer in the cache): Q8_0 reads 1.06 bytes per weight against bfloat16's 2, and the
+kernels' int8 activations (``numerics="int8"``, as llama.cpp computes) cost about one row's time for the few rows a
+draft pass has. The head's proposals change slightly; the output never does, since the target verifies every token.
+The layers are quantized at load (gguf-py's Q8_0 quantizer: per 32 weights a float16 scale and 32 int8 codes), the
+rest of the head (norms, embedding, rotary, attention) runs in float32.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+#: the ``draft_dtype`` value that selects this
+QUANTIZED_DRAFT = "q8_0"
+QUANT_TYPE = "Q8_0"
+BLOCK = 32  # inputs per Q8_0 block: a layer's input size must be a multiple of it
+
+
+def head_quantization_problem(head) -> str | None:
+    """Why ``head`` cannot run on the kernels' Q8_0 layers, or None when it can."""
+    from eagle import kernels
+
+    if not kernels.available():
+        return f"eagle's native kernels are unavailable ({kernels.unavailable_reason()})"
+    if getattr(head, "eagle_version", None) != 3:
+        return "an EAGLE-1 head shares the base model's LM head and runs in the base model's dtype"
+    if head.weight.device.type != "cpu":
+        return f"the head is on {head.weight.device}; the kernels compute on the CPU"
+    return None
+
+
+def _set_module(root: nn.Module, name: str, module: nn.Module) -> None:
+    parent, _, child = name.rpartition(".")
+    setattr(root.get_submodule(parent) if parent else root, child, module)
+
+
+def quantize_head(head: nn.Module, shared: nn.Module | None = None) -> int:
+    """Replace ``head``'s own ``nn.Linear`` layers (not those of ``shared``, e.g. a target LM head the head
+    borrows) by kernel layers over Q8_0 blocks of their weights with int8 activations; returns how many. A layer
+    whose input size is not a multiple of 32 stays float32. The head must be float32 on the CPU."""
+    import gguf
+
+    from eagle.kernels.gguf_weights import GGUFWeight
+    from eagle.kernels.linear import QuantLinear
+
+    borrowed = {id(module) for module in shared.modules()} if shared is not None else set()
+    count = 0
+    for name, layer in list(head.named_modules()):
+        if not isinstance(layer, nn.Linear) or id(layer) in borrowed:
+            continue
+        if layer.in_features % BLOCK:
+            logger.info("The draft head's %s (%d inputs, not a multiple of %d) stays float32.", name,
+                        layer.in_features, BLOCK)
+            continue
+        weight = layer.weight.detach().to(torch.float32).numpy()
+        blocks = gguf.quants.quantize(weight, gguf.GGMLQuantizationType.Q8_0)
+        packed = GGUFWeight(name, QUANT_TYPE, tuple(weight.shape), torch.from_numpy(np.ascontiguousarray(blocks)))
+        bias = layer.bias.detach().to(torch.float32) if layer.bias is not None else None
+        _set_module(head, name, QuantLinear(packed, bias, "int8"))
+        count += 1
+    return count
+
+
+def draft_load_dtype(draft_dtype, target_on_kernels: bool):
+    """The ``draft_dtype`` to load the head in: float32 where it is then quantized (``"q8_0"``, or ``"auto"`` with
+    the target on the GGUF kernels), else ``draft_dtype`` itself."""
+    if draft_dtype == QUANTIZED_DRAFT or (draft_dtype in (None, "auto") and target_on_kernels):
+        return "float32"
+    return draft_dtype
+
+
+def apply_draft_quantization(head, base_model, draft_dtype, target_on_kernels: bool) -> bool:
+    """Quantize ``head`` (loaded by :func:`draft_load_dtype`'s dtype) where ``draft_dtype`` asks for it: ``"q8_0"``
+    (refused, with the reason, where the kernels cannot run it) or ``"auto"`` with the target on the GGUF kernels
+    (where possible; else the head stays float32, logged). Returns whether it did."""
+    wanted = draft_dtype == QUANTIZED_DRAFT
+    if not wanted and not (draft_dtype in (None, "auto") and target_on_kernels):
+        return False
+    problem = head_quantization_problem(head)
+    if problem is not None:
+        if wanted:
+            raise ValueError(f"draft_dtype='{QUANTIZED_DRAFT}' is not possible here: {problem}.")
+        logger.info("The draft head stays float32: %s.", problem)
+        return False
+    count = quantize_head(head, shared=base_model)
+    logger.info("The draft head's %d linear layers compute over Q8_0 blocks with int8 activations (draft_dtype=%r).",
+                count, draft_dtype)
+    return count > 0
+
+
+def draft_dtype_name(head) -> str:
+    """How ``head`` computes, as ``draft_dtype`` names it: ``"q8_0"`` for a quantized head, else its dtype."""
+    if getattr(head.weight, "type_name", None) == QUANT_TYPE:  # the packed weight of a kernel layer
+        return QUANTIZED_DRAFT
+    return str(head.weight.dtype).replace("torch.", "")
