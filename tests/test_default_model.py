@@ -42,14 +42,20 @@ def test_default_pair_is_lossless_and_accepted(default_model):
     assert model.use_eagle3 and model.base_model.config.num_hidden_layers == 30
     settings = model.tree_settings
     kind = "cpu-gguf" if kernels.available() else "cpu"  # the tree of the backend the default pair runs on
-    assert settings.lookup_tokens == embedded_tree_settings(kind)["lookup_tokens"] > 0
+    assert {key: getattr(settings, key) for key in embedded_tree_settings(kind)} == embedded_tree_settings(kind)
     emitted = forwards = 0
     cpu = embedded_tree_settings("cpu")
+    assert cpu["lookup_tokens"] > 0
     for prompt in PROMPTS:
         ids = model.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
                                                   return_tensors="pt", return_dict=True)["input_ids"]
         plain = model.naivegenerate(ids, max_new_tokens=64)
-        assert model.eagenerate(ids, max_new_tokens=64).tolist() == plain.tolist(), prompt  # with the lookup branch
+        assert model.eagenerate(ids, max_new_tokens=64).tolist() == plain.tolist(), prompt  # the default tree
+        model.set_tree(cpu["total_token"], cpu["depth"], cpu["top_k"], lookup_tokens=cpu["lookup_tokens"])
+        try:  # the CPU tree with its prompt-lookup branch
+            assert model.eagenerate(ids, max_new_tokens=64).tolist() == plain.tolist(), prompt
+        finally:
+            model.set_tree(settings.total_token, settings.depth, settings.top_k, settings.lookup_tokens)
         # the head alone, on the CPU tree (8/2/4) whatever the backend's own tree: a measure of the head
         model.set_tree(cpu["total_token"], cpu["depth"], cpu["top_k"], lookup_tokens=0)
         try:

@@ -3,13 +3,14 @@
 //
 // Per layer, for the M = B * T rows of the call:
 //   n = rms_norm(x, w_in)                     one fixed summation order per row (rms_norm_row)
-//   q, k, v = n W_q (+ b_q), n W_k (+ b_k), n W_v (+ b_v)          eagle::quant_linear
+//   q, k, v = n W_q (+ b_q), n W_k (+ b_k), n W_v (+ b_v)          eagle::quant_linear, the three in one call
 //   q, k = rotary(q), rotary(k)               transformers' rotate_half form, each product and sum rounded alone
 //   cache[:, :, start : start + T] = k, v     the preallocated TreeKVCache tensors, written in place
 //   a = attention(q, cache[:, :, : start + T]) over the visible-key lists of the layer's mask (eagle::tree_attention)
 //   h = x + a W_o
 //   n = rms_norm(h, w_post)
-//   x' = h + (silu(n W_gate) * (n W_up)) W_down                     silu: ATen's, as transformers calls it
+//   x' = h + (silu(n W_gate) * (n W_up)) W_down                     silu: ATen's, as transformers calls it; gate and
+//                                                                   up in one call
 // Every step computes a row from that row alone (and attention from its visible keys) by a sequence of operations
 // that does not depend on M, the row's place or the thread count, so the layers are row-invariant like each kernel.
 // Against transformers' forward on the same weights only the RMSNorm's summation order differs (torch's reduction
@@ -117,19 +118,25 @@ void rotate_and_cache(const Layer& L, const Call& C, at::Tensor& q, const at::Te
 at::Tensor run_layer(const Layer& L, const Call& C, const at::Tensor& x) {
   const Shape& S = C.shape;
   const int64_t H = S.hidden, D = S.head_dim, qn = S.q_heads * D, kvn = S.kv_heads * D;
+  const std::optional<at::Tensor> none;
   at::Tensor normed = rms_norm(x, *L.norm_in, C.eps);
-  at::Tensor q = linear(L, 0, normed, qn, H, C), k = linear(L, 1, normed, kvn, H, C);
-  at::Tensor v = linear(L, 2, normed, kvn, H, C);
-  rotate_and_cache(L, C, q, k, v);
+  std::vector<at::Tensor> qkv = quant_linear_group_call(
+      normed, {{&L.weights[0], &L.types[0], qn, &L.biases[0]}, {&L.weights[1], &L.types[1], kvn, &L.biases[1]},
+               {&L.weights[2], &L.types[2], kvn, &L.biases[2]}}, C.numerics);
+  rotate_and_cache(L, C, qkv[0], qkv[1], qkv[2]);
+  const at::Tensor& q = qkv[0];
   const at::Tensor queries = q.view({S.batch, S.queries, S.q_heads, D}).permute({0, 2, 1, 3});
   const int64_t slots = S.start + S.queries;
   at::Tensor attended = tree_attention_call(queries, L.keys->narrow(2, 0, slots), L.values->narrow(2, 0, slots),
                                             *L.offsets, *L.indices, C.scale);
   at::Tensor h = at::add(x, linear(L, 3, attended.view({S.rows(), qn}), H, qn, C));
   normed = rms_norm(h, *L.norm_post, C.eps);
-  at::Tensor gate = linear(L, 4, normed, S.inter, H, C);
+  std::vector<at::Tensor> gate_up = quant_linear_group_call(
+      normed, {{&L.weights[4], &L.types[4], S.inter, &none}, {&L.weights[5], &L.types[5], S.inter, &none}},
+      C.numerics);
+  at::Tensor& gate = gate_up[0];
   at::silu_(gate);
-  gate.mul_(linear(L, 5, normed, S.inter, H, C));
+  gate.mul_(gate_up[1]);
   h.add_(linear(L, 6, gate, H, S.inter, C));
   return h;
 }

@@ -243,66 +243,102 @@ std::vector<at::Tensor> quantize_rows_op(const at::Tensor& x_in) {
   return {q, d, s, sum16};
 }
 
-at::Tensor quant_linear(const at::Tensor& x_in, const at::Tensor& weight, const std::string& type, int64_t n,
-                        int64_t k, const std::optional<at::Tensor>& bias, const std::string& numerics) {
-  const char* op = "eagle::quant_linear";
-  const TypeInfo& t = checked_type(type, op);
+using Kernel = bool (*)(const quant::LinearArgs&, int64_t, int64_t, float*);
+
+Kernel kernel_for(Layout layout, int isa) {
+  if (layout == quant::LAYOUT_K)
+    return isa == quant::ISA_AVX512 ? quant::linear_k_avx512
+           : isa == quant::ISA_AVX2 ? quant::linear_k_avx2 : quant::linear_k_portable;
+  return isa == quant::ISA_AVX512 ? quant::linear_n_avx512
+         : isa == quant::ISA_AVX2 ? quant::linear_n_avx2 : quant::linear_n_portable;
+}
+
+// One weight of a call, checked, with its output allocated and its work split in chunks of columns.
+struct Prepared {
+  const TypeInfo* t;
+  Layout layout;
+  quant::LinearArgs args;
+  at::Tensor y;
+  int64_t width, chunks;
+};
+
+Prepared prepare(const at::Tensor& x, const LinearSpec& w, const std::string& numerics, const char* op) {
+  const TypeInfo& t = checked_type(*w.type, op);
   const Layout wanted = layout_for(t, numerics, op);
-  const Layout layout = check_packed(weight, t, n, k, op);
+  const int64_t n = w.n, k = x.size(1);
+  const Layout layout = check_packed(*w.weight, t, n, k, op);
   TORCH_CHECK_VALUE(layout == wanted, op, ": the weight was packed for ",
               layout == quant::LAYOUT_N ? "int8" : "float32", " numerics, the call asks for ", numerics,
               ": repack it with numerics='", numerics, "'");
-  const at::Tensor x = check_rows(x_in, k, op);
   const float* bias_ptr = nullptr;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK_VALUE(bias->device().is_cpu() && bias->scalar_type() == at::kFloat && bias->dim() == 1 &&
-                    bias->size(0) == n && bias->is_contiguous(),
-                op, ": bias must be a contiguous float32 CPU tensor of shape (", n, "), got ", bias->scalar_type(),
-                " ", bias->sizes());
-    bias_ptr = bias->data_ptr<float>();
+  if (w.bias != nullptr && w.bias->has_value() && (*w.bias)->defined()) {
+    const at::Tensor& bias = **w.bias;
+    TORCH_CHECK_VALUE(bias.device().is_cpu() && bias.scalar_type() == at::kFloat && bias.dim() == 1 &&
+                    bias.size(0) == n && bias.is_contiguous(),
+                op, ": bias must be a contiguous float32 CPU tensor of shape (", n, "), got ", bias.scalar_type(),
+                " ", bias.sizes());
+    bias_ptr = bias.data_ptr<float>();
   }
   const int64_t m = x.size(0);
   at::Tensor y = at::empty({m, n}, at::kFloat);
-  if (m == 0) return y;
-  const int isa = current_isa();
-  quant::LinearArgs args{&t, weight.data_ptr<uint8_t>() + quant::kHeaderBytes, n, k, m, x.data_ptr<float>(),
+  const int64_t width = chunk_columns(layout, n, m);
+  quant::LinearArgs args{&t, w.weight->data_ptr<uint8_t>() + quant::kHeaderBytes, n, k, m, x.data_ptr<float>(),
                          nullptr, bias_ptr, y.data_ptr<float>()};
+  return {&t, layout, args, y, width, (n + width - 1) / width};
+}
+
+// Computes every prepared weight over the same rows x in one parallel region (its chunks after one another), with
+// x quantized once when a weight takes int8 activations.
+void run_prepared(std::vector<Prepared>& calls, const at::Tensor& x, const char* op) {
+  const int64_t m = x.size(0), k = x.size(1);
+  if (m == 0) return;
+  const int isa = current_isa();
   std::vector<int8_t> q;
   std::vector<float> d, s;
   std::vector<int32_t> sum16;
   quant::QuantizedRows rows{};
-  if (layout == quant::LAYOUT_N) {
-    q.resize(m * k);
-    d.resize(m * k / 32);
-    s.resize(m * k / 32);
-    sum16.resize(m * k / 16);
-    rows = {m, k, q.data(), d.data(), s.data(), sum16.data()};
-    if (isa == quant::ISA_AVX512) {
-      quant::quantize_rows_avx512(args.x, 0, m, rows);
-    } else {
-      quant::quantize_rows_portable(args.x, 0, m, rows);
+  int64_t total = 0, work = 0, scratch = 0;
+  std::vector<int64_t> first(calls.size() + 1, 0);
+  for (size_t i = 0; i < calls.size(); ++i) {
+    if (calls[i].layout == quant::LAYOUT_N && rows.q == nullptr) {
+      q.resize(m * k);
+      d.resize(m * k / 32);
+      s.resize(m * k / 32);
+      sum16.resize(m * k / 16);
+      rows = {m, k, q.data(), d.data(), s.data(), sum16.data()};
+      if (isa == quant::ISA_AVX512) {
+        quant::quantize_rows_avx512(x.data_ptr<float>(), 0, m, rows);
+      } else {
+        quant::quantize_rows_portable(x.data_ptr<float>(), 0, m, rows);
+      }
     }
-    args.xq = &rows;
+    if (calls[i].layout == quant::LAYOUT_N) calls[i].args.xq = &rows;
+    first[i + 1] = total += calls[i].chunks;
+    work += m * calls[i].args.n * k;
+    scratch = std::max<int64_t>(scratch, quant::scratch_floats(*calls[i].t, k));
   }
-  using Kernel = bool (*)(const quant::LinearArgs&, int64_t, int64_t, float*);
-  Kernel kernel;
-  if (layout == quant::LAYOUT_K) {
-    kernel = isa == quant::ISA_AVX512 ? quant::linear_k_avx512
-             : isa == quant::ISA_AVX2 ? quant::linear_k_avx2 : quant::linear_k_portable;
-  } else {
-    kernel = isa == quant::ISA_AVX512 ? quant::linear_n_avx512
-             : isa == quant::ISA_AVX2 ? quant::linear_n_avx2 : quant::linear_n_portable;
-  }
-  const int64_t width = chunk_columns(layout, n, m);
-  const int64_t chunks = (n + width - 1) / width;
-  const int64_t scratch = quant::scratch_floats(t, k);
-  std::atomic<bool> handled{true};
-  for_chunks(chunks, m * n * k, [&](int64_t c) {
-    const int64_t begin = c * width, end = std::min(n, begin + width);
-    if (!kernel(args, begin, end, thread_scratch(scratch))) handled.store(false);
+  std::atomic<int> unhandled{-1};
+  for_chunks(total, work, [&](int64_t c) {
+    size_t i = 0;
+    while (c >= first[i + 1]) ++i;
+    const Prepared& p = calls[i];
+    const int64_t begin = (c - first[i]) * p.width, end = std::min(p.args.n, begin + p.width);
+    if (!kernel_for(p.layout, isa)(p.args, begin, end, thread_scratch(scratch))) unhandled.store(static_cast<int>(i));
   });
-  TORCH_CHECK(handled.load(), op, ": no ", isa_name(isa), " kernel for ", t.name, " weights");
-  return y;
+  TORCH_CHECK(unhandled.load() < 0, op, ": no ", isa_name(isa), " kernel for ",
+              calls[std::max(0, unhandled.load())].t->name, " weights");
+}
+
+at::Tensor quant_linear(const at::Tensor& x_in, const at::Tensor& weight, const std::string& type, int64_t n,
+                        int64_t k, const std::optional<at::Tensor>& bias, const std::string& numerics) {
+  const char* op = "eagle::quant_linear";
+  const TypeInfo& t = checked_type(type, op);  // the weight's checks before the input's, as always
+  layout_for(t, numerics, op);
+  check_packed(weight, t, n, k, op);
+  const at::Tensor x = check_rows(x_in, k, op);
+  std::vector<Prepared> calls{prepare(x, LinearSpec{&weight, &type, n, &bias}, numerics, op)};
+  run_prepared(calls, x, op);
+  return calls[0].y;
 }
 
 // Decodes column n of a packed weight into w[K] float32 (what the float32 model holds).
@@ -377,6 +413,19 @@ std::string best_kernel_isa() { return isa_name(best_isa()); }
 at::Tensor quant_linear_call(const at::Tensor& x, const at::Tensor& weight, const std::string& type, int64_t n,
                              int64_t k, const std::optional<at::Tensor>& bias, const std::string& numerics) {
   return quant_linear(x, weight, type, n, k, bias, numerics);
+}
+
+std::vector<at::Tensor> quant_linear_group_call(const at::Tensor& x_in, const std::vector<LinearSpec>& weights,
+                                                const std::string& numerics) {
+  const char* op = "eagle::quant_linear";
+  TORCH_CHECK_VALUE(x_in.dim() == 2, op, ": x must have shape (M, K), got ", x_in.sizes());
+  const at::Tensor x = check_rows(x_in, x_in.size(1), op);
+  std::vector<Prepared> calls;
+  for (const LinearSpec& w : weights) calls.push_back(prepare(x, w, numerics, op));
+  run_prepared(calls, x, op);
+  std::vector<at::Tensor> out;
+  for (const Prepared& p : calls) out.push_back(p.y);
+  return out;
 }
 
 TORCH_LIBRARY(eagle, m) {

@@ -124,8 +124,7 @@ def load_pretrained(cls, *, use_eagle3: bool, base_model_path, ea_model_path, tr
     base_model_path, ea_model_path = model_paths(base_model_path, ea_model_path, kwargs)
     base_model, tokenizer = load_base_model(base_model_path, **kwargs)
     numerics = resolve_gguf_kernels(gguf_kernels, base_model_path, base_model)
-    ea_layer = load_ea_layer(ea_model_path, base_model, use_eagle3,
-                             draft_dtype=draft_load_dtype(draft_dtype, numerics is not None))
+    ea_layer = load_ea_layer(ea_model_path, base_model, use_eagle3, draft_load_dtype(draft_dtype, numerics is not None))
     device = base_model.get_input_embeddings().weight.device
     backend = "gguf" if numerics is not None else None  # the kernels' costs call for a tree of their own
     settings, sources = resolve_tree(tree, head_tree_for(ea_layer.config, device, backend))
