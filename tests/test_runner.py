@@ -193,7 +193,7 @@ def test_the_native_layers_give_the_same_bits_at_any_thread_count():
 def _native_arguments(model, cache_slots: int = 8, queries: int = 2):
     plan = runner.runner_for(model).plan
     batch, hidden = 1, model.config.hidden_size
-    heads, kv_heads, head_dim = plan.dims[:3]
+    kv_heads, head_dim = plan.dims[1:3]
     layers = len(model.model.layers)
     lists = visible_keys(torch.ones(1, 1, queries, queries, dtype=torch.bool).tril_(), True)
     return dict(

@@ -262,14 +262,20 @@ struct Prepared {
   int64_t width, chunks;
 };
 
-Prepared prepare(const at::Tensor& x, const LinearSpec& w, const std::string& numerics, const char* op) {
-  const TypeInfo& t = checked_type(*w.type, op);
+// The weight's checks (its type, header, byte count and layout for `numerics`); returns its layout.
+Layout check_weight(const TypeInfo& t, const at::Tensor& weight, int64_t n, int64_t k, const std::string& numerics,
+                    const char* op) {
   const Layout wanted = layout_for(t, numerics, op);
-  const int64_t n = w.n, k = x.size(1);
-  const Layout layout = check_packed(*w.weight, t, n, k, op);
+  const Layout layout = check_packed(weight, t, n, k, op);
   TORCH_CHECK_VALUE(layout == wanted, op, ": the weight was packed for ",
               layout == quant::LAYOUT_N ? "int8" : "float32", " numerics, the call asks for ", numerics,
               ": repack it with numerics='", numerics, "'");
+  return layout;
+}
+
+// x: checked rows (M, K); the weight checked by check_weight, whose layout is `layout`.
+Prepared prepare(const at::Tensor& x, const TypeInfo& t, Layout layout, const LinearSpec& w, const char* op) {
+  const int64_t n = w.n, k = x.size(1);
   const float* bias_ptr = nullptr;
   if (w.bias != nullptr && w.bias->has_value() && (*w.bias)->defined()) {
     const at::Tensor& bias = **w.bias;
@@ -333,10 +339,9 @@ at::Tensor quant_linear(const at::Tensor& x_in, const at::Tensor& weight, const 
                         int64_t k, const std::optional<at::Tensor>& bias, const std::string& numerics) {
   const char* op = "eagle::quant_linear";
   const TypeInfo& t = checked_type(type, op);  // the weight's checks before the input's, as always
-  layout_for(t, numerics, op);
-  check_packed(weight, t, n, k, op);
+  const Layout layout = check_weight(t, weight, n, k, numerics, op);
   const at::Tensor x = check_rows(x_in, k, op);
-  std::vector<Prepared> calls{prepare(x, LinearSpec{&weight, &type, n, &bias}, numerics, op)};
+  std::vector<Prepared> calls{prepare(x, t, layout, LinearSpec{&weight, &type, n, &bias}, op)};
   run_prepared(calls, x, op);
   return calls[0].y;
 }
@@ -421,7 +426,10 @@ std::vector<at::Tensor> quant_linear_group_call(const at::Tensor& x_in, const st
   TORCH_CHECK_VALUE(x_in.dim() == 2, op, ": x must have shape (M, K), got ", x_in.sizes());
   const at::Tensor x = check_rows(x_in, x_in.size(1), op);
   std::vector<Prepared> calls;
-  for (const LinearSpec& w : weights) calls.push_back(prepare(x, w, numerics, op));
+  for (const LinearSpec& w : weights) {
+    const TypeInfo& t = checked_type(*w.type, op);
+    calls.push_back(prepare(x, t, check_weight(t, *w.weight, w.n, x.size(1), numerics, op), w, op));
+  }
   run_prepared(calls, x, op);
   std::vector<at::Tensor> out;
   for (const Prepared& p : calls) out.push_back(p.y);

@@ -124,16 +124,16 @@ def resolve_draft_dtype(draft_dtype, base_dtype: torch.dtype, device: torch.devi
     head's proposals are as good, see docs/USAGE.md), otherwise the base model's dtype. A dtype (or its
     name: "float32", "bfloat16", "float16") is taken as given. Verification by the target decides every emitted
     token, so the head's precision changes the speed, never the output."""
-    if draft_dtype == "q8_0":  # loaded in float32, then quantized (eagle.model.heads.quantized)
-        draft_dtype = "float32"
     if draft_dtype is None or draft_dtype == "auto":
         if device.type == "cpu" and base_dtype == torch.float32 and eagle_version == 3 and native_bfloat16():
             return torch.bfloat16
         return base_dtype
     if isinstance(draft_dtype, str):
         if draft_dtype not in DTYPES_BY_NAME:
-            raise ValueError(f"draft_dtype must be 'auto', 'q8_0', a torch dtype or one of "
-                             f"{sorted(DTYPES_BY_NAME)}, not {draft_dtype!r}.")
+            quantized = (" ('q8_0' quantizes a loaded float32 head: EaModel.from_pretrained does it)"
+                         if draft_dtype == "q8_0" else "")
+            raise ValueError(f"draft_dtype must be 'auto', a torch dtype or one of {sorted(DTYPES_BY_NAME)}, "
+                             f"not {draft_dtype!r}{quantized}.")
         draft_dtype = DTYPES_BY_NAME[draft_dtype]
     if not isinstance(draft_dtype, torch.dtype) or not draft_dtype.is_floating_point:
         raise ValueError(f"draft_dtype must be 'auto' or a floating-point torch dtype, not {draft_dtype!r}.")

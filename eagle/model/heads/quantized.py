@@ -38,11 +38,6 @@ def head_quantization_problem(head) -> str | None:
     return None
 
 
-def _set_module(root: nn.Module, name: str, module: nn.Module) -> None:
-    parent, _, child = name.rpartition(".")
-    setattr(root.get_submodule(parent) if parent else root, child, module)
-
-
 def quantize_head(head: nn.Module, shared: nn.Module | None = None) -> int:
     """Replace ``head``'s own ``nn.Linear`` layers (not those of ``shared``, e.g. a target LM head the head
     borrows) by kernel layers over Q8_0 blocks of their weights with int8 activations; returns how many. A layer
@@ -51,6 +46,7 @@ def quantize_head(head: nn.Module, shared: nn.Module | None = None) -> int:
 
     from eagle.kernels.gguf_weights import GGUFWeight
     from eagle.kernels.linear import QuantLinear
+    from eagle.model.target.backends.gguf import set_module
 
     borrowed = {id(module) for module in shared.modules()} if shared is not None else set()
     count = 0
@@ -65,7 +61,7 @@ def quantize_head(head: nn.Module, shared: nn.Module | None = None) -> int:
         blocks = gguf.quants.quantize(weight, gguf.GGMLQuantizationType.Q8_0)
         packed = GGUFWeight(name, QUANT_TYPE, tuple(weight.shape), torch.from_numpy(np.ascontiguousarray(blocks)))
         bias = layer.bias.detach().to(torch.float32) if layer.bias is not None else None
-        _set_module(head, name, QuantLinear(packed, bias, "int8"))
+        set_module(head, name, QuantLinear(packed, bias, "int8"))
         count += 1
     return count
 

@@ -36,14 +36,19 @@ class TreeKVLayer(CacheLayerMixin):
         self.values = value_states.new_zeros(bsz, heads, self.capacity, value_states.shape[-1])
         self.is_initialized = True
 
+    def check_room(self, new: int) -> None:
+        """ValueError unless ``new`` more positions fit after the ``length`` held."""
+        if self.length + new > self.capacity:
+            raise ValueError(
+                f"KV cache overflow: {self.length} cached + {new} new positions exceed its capacity of "
+                f"{self.capacity}."
+            )
+
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         start, new = self.length, key_states.shape[-2]
-        if start + new > self.capacity:
-            raise ValueError(
-                f"KV cache overflow: {start} cached + {new} new positions exceed its capacity of {self.capacity}."
-            )
+        self.check_room(new)
         self.keys[:, :, start : start + new] = key_states
         self.values[:, :, start : start + new] = value_states
         self.length = start + new

@@ -17,8 +17,8 @@ With the engine's :class:`~eagle.model.target.kv_cache.TreeKVCache` the decoder 
 ``eagle::decoder_layers`` (``eagle/csrc/decoder.cpp``): the same steps without a Python call per operation, and
 rows still computed independently of each other (row-invariant). Every step rounds as transformers' operations do
 except the RMSNorm, whose sum of squares runs in a fixed order of its own (16 lanes, then the lanes in order;
-:func:`eagle.kernels.reference.lane_rms_norm` is the PyTorch form ``tests/test_runner.py`` checks the op's bits against), so logits agree
-with transformers' forward to float32 rounding, not bit for bit. Without that cache, with a mask it cannot
+:func:`eagle.kernels.reference.lane_rms_norm` is the PyTorch form ``tests/test_runner.py`` checks the op's
+bits against), so logits agree with transformers' forward to float32 rounding, not bit for bit. Without that cache, with a mask it cannot
 read, or where the op is missing, the layers run through the modules as above.
 """
 
@@ -210,9 +210,7 @@ class DecoderRunner:
         lists = self._mask_lists(masks, queries, start + queries)
         if lists is None or cos.shape[-1] != plan.dims[2]:
             return None
-        if start + queries > layers[0].capacity:
-            raise ValueError(f"KV cache overflow: {start} cached + {queries} new positions exceed its capacity of "
-                             f"{layers[0].capacity}.")
+        layers[0].check_room(queries)
         for layer in layers:
             if not layer.is_initialized:
                 layer.lazy_initialization(hidden.new_empty(batch, plan.dims[1], 0, plan.dims[2]),

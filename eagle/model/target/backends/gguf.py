@@ -183,7 +183,8 @@ def _note_unhandled(what: str) -> None:
         logger.warning("GGUF kernels: %s stays a float32 layer.", what)
 
 
-def _set_module(model: nn.Module, name: str, new: nn.Module) -> None:
+def set_module(model: nn.Module, name: str, new: nn.Module) -> None:
+    """Put ``new`` where ``model``'s submodule ``name`` (a dotted path) is."""
     parent_name, _, child = name.rpartition(".")
     setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
 
@@ -218,7 +219,7 @@ def _convert_linears(model, weights, names, numerics, permuted, skip: set[str]) 
             continue
         quant = GGUFQuantLinear(_hf_rows(weight, f"{name}.weight", config, permuted), layer.bias, numerics)
         _check_equal(quant, layer.weight, gguf_name)
-        _set_module(model, name, quant)
+        set_module(model, name, quant)
         count += 1
     return count
 
@@ -238,10 +239,10 @@ def _convert_embeddings(model, weights, names, numerics) -> tuple[int, set[str]]
     scale = getattr(embedding, "embed_scale", None)
     new_embedding = QuantEmbedding(shared) if scale is None else ScaledQuantEmbedding(shared, scale)
     _check_equal(new_embedding, embedding.weight, gguf_name)
-    _set_module(model, embed_name, new_embedding)
+    set_module(model, embed_name, new_embedding)
     if not tied:
         return 1, set()
-    _set_module(model, head_name, shared)
+    set_module(model, head_name, shared)
     return 2, {head_name}
 
 
@@ -308,6 +309,6 @@ class GGUFLinear(PlainLinear):
                 dense.weight = nn.Parameter(layer.dequantized_weight().clone(), requires_grad=False)
                 if layer.bias is not None:
                     dense.bias = nn.Parameter(layer.bias.clone(), requires_grad=False)
-                _set_module(module, name, dense)
+                set_module(module, name, dense)
                 count += 1
         return count
