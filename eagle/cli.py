@@ -211,12 +211,13 @@ def resolve_model_args(args: argparse.Namespace, need_head: bool = True) -> Mode
     return options
 
 
-def load_model_from_args(args: argparse.Namespace, **hf_kwargs):
+def load_model_from_args(args: argparse.Namespace, need_head: bool = True, **hf_kwargs):
     """The ``EaModel`` the flags describe (:func:`model_options`, then :func:`load_model`; ``args`` are left as
-    parsed: call :func:`resolve_model_args` first to record the paths that were used). A model that cannot be
-    loaded (missing files, a head that does not fit the base model) exits with the reason."""
+    parsed: call :func:`resolve_model_args` first to record the paths that were used; ``need_head`` False with no
+    head path: the base model alone). A model that cannot be loaded (missing files, a head that does not fit the
+    base model) exits with the reason."""
     try:
-        return load_model(model_options(args), **hf_kwargs)
+        return load_model(model_options(args, need_head), **hf_kwargs)
     except (OSError, ValueError) as err:
         raise SystemExit(f"error: could not load the model: {err}") from err
 
@@ -317,12 +318,16 @@ def load_model(options: ModelOptions, **hf_kwargs):
     _warn_on_head_version(options.ea_model_path, options.use_eagle3)
     _, kwargs = placement_kwargs(options)
     kwargs.update(hf_kwargs)
-    logger.info("Loading base model %s and EAGLE-%d head %s", options.base_model_path, 3 if options.use_eagle3 else 1,
-                options.ea_model_path)
+    load_head = options.ea_model_path is not None  # None only where need_head is False: the base model alone
+    if load_head:
+        logger.info("Loading base model %s and EAGLE-%d head %s", options.base_model_path,
+                    3 if options.use_eagle3 else 1, options.ea_model_path)
+    else:
+        logger.info("Loading base model %s alone (no head: plain decoding only)", options.base_model_path)
     return EaModel.from_pretrained(use_eagle3=options.use_eagle3, base_model_path=options.base_model_path,
                                    ea_model_path=options.ea_model_path, pack_cpu_weights=options.pack_cpu_weights,
                                    gguf_kernels=options.gguf_kernels, draft_dtype=options.draft_dtype,
-                                   **options.tree, **kwargs)
+                                   load_head=load_head, **options.tree, **kwargs)
 
 
 def load_default_model(base_model_path: str | None = None, ea_model_path: str | None = None, use_eagle3: bool = True,

@@ -11,6 +11,7 @@ Styles:
 - ``colon``: ``SYSTEM USER: q ASSISTANT: a</s>USER: q2 ASSISTANT:`` (Vicuna v1.1);
 - ``llama2``: ``[INST] <<SYS>>\\nSYSTEM\\n<</SYS>>\\n\\nq [/INST] a </s><s>[INST] q2 [/INST]`` (Llama-2-chat);
 - ``chatml``: ``<|im_start|>role\\ntext<|im_end|>\\n`` blocks (Qwen);
+- ``turns``: ``<start_of_turn>role\\ntext<end_of_turn>\\n`` blocks (Gemma; a GGUF without a chat template);
 - ``chat_template``: ``tokenizer.apply_chat_template`` (Llama-3, DeepSeek-R1-Distill, ``auto``).
 """
 
@@ -31,7 +32,7 @@ VICUNA_SYSTEM_PROMPT = (
     "The assistant gives helpful, detailed, and polite answers to the user's questions."
 )
 
-STYLES = ("colon", "llama2", "chatml", "chat_template")
+STYLES = ("colon", "llama2", "chatml", "turns", "chat_template")
 
 
 @dataclass(frozen=True)
@@ -94,6 +95,10 @@ TEMPLATES: dict[str, PromptTemplate] = {
             "llama3chat", "chat_template", LLAMA_SYSTEM_PROMPT, stop_tokens=("<|eot_id|>",), is_llama3=True,
         ),
         PromptTemplate("ds", "chat_template", "", stop_tokens=("<|eot_id|>",), first_turn_only=True),
+        PromptTemplate(
+            "gemma", "turns", "", ("user", "model"), stop_strings=("<end_of_turn>",),
+            stop_tokens=("<end_of_turn>",),
+        ),
         PromptTemplate("auto", "chat_template", ""),
     )
 }
@@ -152,6 +157,13 @@ def render_text(template: PromptTemplate, conversation: Conversation) -> str:
             text += f"<|im_start|>{user_role}\n{user}<|im_end|>\n<|im_start|>{assistant_role}\n"
             if answer is not None:
                 text += f"{template.answer_prefix}{answer}<|im_end|>\n"
+    elif template.style == "turns":  # Gemma's: a system message, if any, opens the first user turn
+        text = ""
+        for index, (user, answer) in enumerate(conversation):
+            system = f"{template.system_message}\n\n" if index == 0 and template.system_message else ""
+            text += f"<start_of_turn>{user_role}\n{system}{user}<end_of_turn>\n<start_of_turn>{assistant_role}\n"
+            if answer is not None:
+                text += f"{template.answer_prefix}{answer}<end_of_turn>\n"
     else:
         raise ValueError(f"Template {template.name!r} uses the tokenizer's chat template, not a text format.")
     return text + template.prompt_suffix

@@ -144,3 +144,19 @@ def test_the_embedded_pair_module_imports_nothing_of_the_engine():
     code = ("import sys, eagle.defaults; "
             "sys.exit(sorted(m for m in sys.modules if m.startswith(('eagle.model', 'eagle.cli'))) != [])")
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+def test_a_base_model_alone_decodes_plainly_and_with_head_less_drafters(tiny_pair, chain_registered):
+    from eagle.model.ea_model import EaModel
+
+    base = str(tiny_pair[0])
+    model = EaModel.from_pretrained(base_model_path=base, load_head=False)
+    assert model.ea_layer is None and not model.use_eagle3
+    prompt = [1, 44, 45, 46, 47]
+    expected = _greedy(tiny_pair[0], prompt, 12)
+    assert model.naivegenerate(torch.tensor([prompt]), temperature=0.0, max_new_tokens=12)[0].tolist() == expected
+    assert prompt + _run(model, [prompt], "chain", max_new_tokens=12)[0][0] == expected  # a drafter without a head
+    with pytest.raises(ValueError, match="no draft head"):
+        model.eagenerate(torch.tensor([prompt]), temperature=0.0, max_new_tokens=4)
+    with pytest.raises(ValueError, match="load_head=False loads the base model alone"):
+        EaModel.from_pretrained(base_model_path=base, ea_model_path=str(tiny_pair[1]), load_head=False)

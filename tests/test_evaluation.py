@@ -76,8 +76,12 @@ def test_text_templates_render_the_reference_prompts():
         "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n"
         "<|im_start|>assistant\n"
     )
+    assert render_text(get_template("gemma"), conversation) == (
+        "<start_of_turn>user\nHi<end_of_turn>\n<start_of_turn>model\nHello!<end_of_turn>\n"
+        "<start_of_turn>user\nQ2<end_of_turn>\n<start_of_turn>model\n"
+    )
     assert get_template("ds").first_turn_only
-    with pytest.raises(KeyError, match="available: auto, ds"):
+    with pytest.raises(KeyError, match="available: auto, ds, gemma"):
         get_template("nope")
 
 
@@ -354,6 +358,25 @@ def test_benchmark_writes_report_plots_and_json(tmp_path, tiny_pair):
         assert heading in report
     assert "Every method's tokens equal HF generate's in all 6 runs" in report
     assert str(tmp_path) not in report
+
+
+def test_benchmark_of_head_less_methods_loads_the_base_model_alone(tmp_path, tiny_pair):
+    # a base model without a head of its own: plain decoding beside Hugging Face generate (no embedded head is
+    # filled in, which would not fit this base model)
+    results = benchmark.main([
+        "--base-model-path", str(tiny_pair[0]), "--question-file", str(MT_BENCH), "--num-questions", "2",
+        "--max-new-tokens", "6", "--methods", "plain,hf_generate", "--output-dir", str(tmp_path / "bench"),
+    ])
+    assert list(results["methods"]) == ["plain", "hf_generate"] and results["settings"]["ea_model_path"] is None
+    assert results["settings"]["draft_dtype"] is None and results["acceptance"] is None
+    check = results["greedy_check"]
+    assert (check["reference"], check["checked"], check["identical"]) == ("hf_generate", 2, 2)
+    assert results["methods"]["plain"]["new_tokens"] == results["methods"]["hf_generate"]["new_tokens"] > 0
+    # a method that drafts needs a head: with none given, the embedded one is filled in, and it does not fit
+    with pytest.raises(SystemExit, match="could not load the model"):
+        benchmark.main(["--base-model-path", str(tiny_pair[0]), "--question-file", str(MT_BENCH),
+                        "--num-questions", "1", "--max-new-tokens", "2", "--methods", "eagle,plain",
+                        "--output-dir", str(tmp_path / "bench2")])
 
 
 def test_benchmark_runs_the_draft_head_in_the_dtype_asked_for(tmp_path, tiny_pair):

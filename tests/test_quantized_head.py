@@ -10,8 +10,11 @@ from torch import nn
 
 from eagle import kernels
 from eagle.kernels.linear import QuantLinear
+from eagle.kernels.norm import KernelRMSNorm
+from eagle.kernels.reference import lane_rms_norm
 from eagle.model.ea_model import EaModel
 from eagle.model.heads import quantized
+from eagle.model.heads.draft_layers import RMSNorm
 from tiny_models import make_tiny_pair
 
 needs_kernels = pytest.mark.skipif(not kernels.available(), reason="eagle's native kernels are not built here")
@@ -35,6 +38,13 @@ def test_q8_0_puts_every_linear_layer_of_the_head_on_the_kernels_and_keeps_the_o
     assert len(layers) == sum(isinstance(m, nn.Linear) for m in float_model.ea_layer.modules()) > 0
     assert all(layer.type_name == "Q8_0" and layer.numerics == "int8" for layer in layers)
     assert not any(isinstance(m, nn.Linear) for m in model.ea_layer.modules())
+    # its norms run on the kernels' row norm too, with the same weights and epsilon
+    norms = [(name, m) for name, m in float_model.ea_layer.named_modules() if isinstance(m, RMSNorm)]
+    assert norms and not any(isinstance(m, RMSNorm) for m in model.ea_layer.modules())
+    for name, norm in norms:
+        replaced = model.ea_layer.get_submodule(name)
+        assert isinstance(replaced, KernelRMSNorm) and torch.equal(replaced.weight, norm.weight)
+        assert replaced.variance_epsilon == norm.variance_epsilon
     assert quantized.draft_dtype_name(model.ea_layer) == "q8_0"
     assert quantized.draft_dtype_name(float_model.ea_layer) == "float32"
     assert not any(isinstance(m, QuantLinear) for m in model.base_model.modules())  # the target is left alone
@@ -43,6 +53,25 @@ def test_q8_0_puts_every_linear_layer_of_the_head_on_the_kernels_and_keeps_the_o
     plain = model.naivegenerate(ids, max_new_tokens=24)
     assert torch.equal(model.eagenerate(ids, max_new_tokens=24), plain)
     assert torch.equal(float_model.eagenerate(ids, max_new_tokens=24), plain)
+
+
+@needs_kernels
+@pytest.mark.parametrize("shape", [(1, 576), (3, 7, 64), (2, 5, 1728), (4, 17)])
+def test_the_kernels_rms_norm_is_the_lane_order_norm_row_by_row(shape):
+    torch.manual_seed(shape[-1])
+    x, weight = torch.randn(shape) * 3, torch.rand(shape[-1]) + 0.5
+    norm = KernelRMSNorm(weight, 1e-5)
+    got = norm(x)
+    assert got.shape == x.shape and torch.equal(got, lane_rms_norm(x, weight, 1e-5))
+    rows = x.reshape(-1, shape[-1])
+    assert torch.equal(norm(rows[-1:])[0], got.reshape(-1, shape[-1])[-1])  # a row alone: the same bits
+    torch.testing.assert_close(got, RMSNorm(shape[-1], eps=1e-5).requires_grad_(False).to(x).forward(x) * weight)
+    # other dtypes take the float32 formula; bad shapes are clear errors
+    assert norm(x.to(torch.bfloat16)).dtype == torch.float32
+    with pytest.raises(ValueError, match="float32 CPU vector of"):
+        kernels.ops().rms_norm(x, weight[:-1], 1e-5)
+    with pytest.raises(ValueError, match="must be a float32 CPU tensor"):
+        kernels.ops().rms_norm(x.double(), weight, 1e-5)
 
 
 @needs_kernels
@@ -87,3 +116,44 @@ def test_auto_leaves_the_head_of_a_model_off_the_kernels_as_before(tiny_pair):
     model = _load(tiny_pair)
     assert not any(isinstance(m, QuantLinear) for m in model.ea_layer.modules())
     assert quantized.draft_dtype_name(model.ea_layer) in ("float32", "bfloat16")
+
+
+@needs_kernels
+def test_the_native_head_layer_computes_what_the_head_modules_compute(tiny_pair):
+    """The quantized head's decoder layer in one native call (eagle::eagle3_layer) against its modules: the same
+    keys and values, outputs to float rounding (attention sums in its own order), in a causal pass after a past and
+    in a tree-masked pass of two rows."""
+    head = _load(tiny_pair, draft_dtype="q8_0").ea_layer
+    plan = head.native_layer
+    assert plan is not None and plan.numerics == "int8"
+    torch.manual_seed(2)
+    features = torch.randn(2, 7, head.feature_size)
+    ids = torch.randint(3, 120, (2, 7))
+    mask = torch.rand(2, 1, 3, 10) > 0.4
+    mask[..., 7:] = torch.eye(3, dtype=torch.bool)  # every node sees itself
+    results = {}
+    with torch.inference_mode():
+        for name, layer in (("native", plan), ("modules", None)):
+            head.native_layer = layer
+            hidden, past = head(features, ids, use_cache=True)
+            tree_hidden, tree_past = head(hidden[:, -3:], ids[:, :3], attention_mask=mask,
+                                          position_ids=torch.tensor([[7, 8, 8], [7, 7, 8]]), past_key_values=past,
+                                          use_cache=True)
+            results[name] = (hidden, past, tree_hidden, tree_past)
+    head.native_layer = plan
+    native, modules = results["native"], results["modules"]
+    for got, want in ((native[0], modules[0]), (native[2], modules[2])):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    # keys and values come from the layer's input alone: the same bits; after a pass, the same past with new slots
+    assert all(torch.equal(a, b) for a, b in zip(native[1][0], modules[1][0]))
+    for (k1, v1), (k2, v2) in ((native[1][0], modules[1][0]), (native[3][0], modules[3][0])):
+        assert k1.shape == k2.shape == v1.shape == v2.shape
+        torch.testing.assert_close(k1, k2, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(v1, v2, rtol=1e-4, atol=1e-4)
+    assert native[3][0][0].shape[2] == 10 and torch.equal(native[3][0][0][:, :, :7], native[1][0][0])
+    with pytest.raises(ValueError, match="past keys must be"):
+        torch.ops.eagle.eagle3_layer(
+            features[..., :head.config.hidden_size].contiguous(), features[..., :head.config.hidden_size].contiguous(),
+            plan.weights, plan.types, plan.norms, plan.dims, plan.eps, plan.scale, torch.zeros(2, 7, plan.dims[2]),
+            torch.zeros(2, 7, plan.dims[2]), torch.zeros(3), torch.zeros(3), torch.zeros(1, dtype=torch.long),
+            torch.zeros(0, dtype=torch.int32), plan.numerics, False)

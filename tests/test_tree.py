@@ -122,6 +122,29 @@ def test_trees_from_parents_equals_tree_from_parents_per_row(size):
             assert got.dtype == want.dtype and torch.equal(got, want), (b, field, got, want)
 
 
+@pytest.mark.parametrize("size", [1, 2, 4, 12, 32])
+def test_small_trees_built_from_python_lists_equal_the_tensor_construction(size):
+    """Small CPU trees (the embedded pair's) derive their structure from Python lists: every field equals the
+    tensor construction's (values, dtype, shape), for chains, stars and random shapes."""
+    from eagle.model.drafting import tree as trees
+
+    assert size <= trees.SMALL_TREE_NODES
+    gen = torch.Generator().manual_seed(size)
+    parents = torch.tensor([[-1] + [int(torch.randint(0, node, (1,), generator=gen)) for node in range(1, size)]
+                            for _ in range(6)] + [[-1] + list(range(size - 1)), [-1] + [0] * (size - 1)])
+    tokens = torch.randint(0, 100, parents.shape, generator=gen)
+    scores = -torch.rand(parents.shape, generator=gen)
+    small = trees._small_trees_from_parents(tokens, parents, scores)
+    assert small is not None
+    for got_tree, want_tree in zip(small, trees._tensor_trees_from_parents(tokens, parents, scores), strict=True):
+        for field in ("tokens", "parents", "depths", "ancestor_mask", "retrieve_indices", "scores"):
+            got, want = getattr(got_tree, field), getattr(want_tree, field)
+            assert got.dtype == want.dtype and torch.equal(got, want), (field, got, want)
+    if size > 1:  # a parent after its node: left to the tensor construction
+        assert trees._small_trees_from_parents(tokens[:1], torch.tensor([[-1, size - 1] + [0] * (size - 2)]),
+                                               scores[:1]) is None
+
+
 def test_spec_worked_example():
     """EAGLE_SPEC section 5: K=3, D=2, N=6, best flat indices [0,1,2,3,4,6]."""
     parents = torch.tensor([-1, -1, -1, 0, 0, 0, 1, 1, 1, 2, 2, 2])
@@ -214,6 +237,35 @@ def test_cache_keeps_accepted_path(tiny_target):
     for mine, theirs in zip(cache.layers, reference.layers):
         torch.testing.assert_close(mine.keys[:, :, :11], theirs.keys[:, :, :11], atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(mine.values[:, :, :11], theirs.values[:, :, :11], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_keeping_a_path_moves_every_layers_entries_as_the_layer_by_layer_copy(dtype):
+    from eagle import kernels
+    from eagle.model.target.kv_cache import TreeKVCache
+
+    if not kernels.available():
+        pytest.skip("eagle's native kernels are not built here")
+    torch.manual_seed(0)
+    native, layered = TreeKVCache(3, 24), TreeKVCache(3, 24)
+    for a, b in zip(native.layers, layered.layers):
+        keys, values = torch.randn(2, 3, 15, 8).to(dtype), torch.randn(2, 3, 15, 8).to(dtype)
+        a.update(keys, values)
+        b.update(keys.clone(), values.clone())
+    path = torch.tensor([9, 10, 12, 14])  # the root stays, one node moves by one slot, one by two
+    native.keep_path(path, 9)
+    for layer in layered.layers:
+        layer.keep(path, 9)
+    assert native.length == layered.length == 13
+    for a, b in zip(native.layers, layered.layers):
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+    keys = native.layers[0].keys
+    for positions, start, message in [([11, 10], 9, "ascend strictly"), ([8], 9, "ascend strictly"),
+                                      ([9, 30], 9, "past the tensor's 24 slots")]:
+        with pytest.raises(ValueError, match=message):
+            kernels.ops().keep_slots([keys], positions, start)
+    with pytest.raises(ValueError, match="contiguous 4-D"):
+        kernels.ops().keep_slots([keys.transpose(1, 2)], [9], 9)
 
 
 def test_greedy_verification_picks_longest_matching_path():

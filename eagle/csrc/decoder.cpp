@@ -115,22 +115,27 @@ void rotate_and_cache(const Layer& L, const Call& C, at::Tensor& q, const at::Te
   }
 }
 
-at::Tensor run_layer(const Layer& L, const Call& C, const at::Tensor& x) {
+std::vector<at::Tensor> project_qkv(const Layer& L, const Call& C, const at::Tensor& normed) {
   const Shape& S = C.shape;
-  const int64_t H = S.hidden, D = S.head_dim, qn = S.q_heads * D, kvn = S.kv_heads * D;
-  const std::optional<at::Tensor> none;
-  at::Tensor normed = rms_norm(x, *L.norm_in, C.eps);
-  std::vector<at::Tensor> qkv = quant_linear_group_call(
+  const int64_t qn = S.q_heads * S.head_dim, kvn = S.kv_heads * S.head_dim;
+  return quant_linear_group_call(
       normed, {{&L.weights[0], &L.types[0], qn, &L.biases[0]}, {&L.weights[1], &L.types[1], kvn, &L.biases[1]},
                {&L.weights[2], &L.types[2], kvn, &L.biases[2]}}, C.numerics);
+}
+
+// After q/k/v: rotary, cache write, attention, o_proj added to `residual`, then the MLP block.
+at::Tensor finish_layer(const Layer& L, const Call& C, const at::Tensor& residual, std::vector<at::Tensor>& qkv) {
+  const Shape& S = C.shape;
+  const int64_t H = S.hidden, D = S.head_dim, qn = S.q_heads * D;
+  const std::optional<at::Tensor> none;
   rotate_and_cache(L, C, qkv[0], qkv[1], qkv[2]);
   const at::Tensor& q = qkv[0];
   const at::Tensor queries = q.view({S.batch, S.queries, S.q_heads, D}).permute({0, 2, 1, 3});
   const int64_t slots = S.start + S.queries;
   at::Tensor attended = tree_attention_call(queries, L.keys->narrow(2, 0, slots), L.values->narrow(2, 0, slots),
                                             *L.offsets, *L.indices, C.scale);
-  at::Tensor h = at::add(x, linear(L, 3, attended.view({S.rows(), qn}), H, qn, C));
-  normed = rms_norm(h, *L.norm_post, C.eps);
+  at::Tensor h = at::add(residual, linear(L, 3, attended.view({S.rows(), qn}), H, qn, C));
+  at::Tensor normed = rms_norm(h, *L.norm_post, C.eps);
   std::vector<at::Tensor> gate_up = quant_linear_group_call(
       normed, {{&L.weights[4], &L.types[4], S.inter, &none}, {&L.weights[5], &L.types[5], S.inter, &none}},
       C.numerics);
@@ -139,6 +144,11 @@ at::Tensor run_layer(const Layer& L, const Call& C, const at::Tensor& x) {
   gate.mul_(gate_up[1]);
   h.add_(linear(L, 6, gate, H, S.inter, C));
   return h;
+}
+
+at::Tensor run_layer(const Layer& L, const Call& C, const at::Tensor& x) {
+  std::vector<at::Tensor> qkv = project_qkv(L, C, rms_norm(x, *L.norm_in, C.eps));
+  return finish_layer(L, C, x, qkv);
 }
 
 void check_float(const at::Tensor& t, const char* what, at::IntArrayRef shape) {
@@ -209,10 +219,90 @@ std::vector<at::Tensor> decoder_layers(const at::Tensor& hidden, at::TensorList 
   return out;
 }
 
+constexpr const char* kHeadOp = "eagle::eagle3_layer";
+
+void check_head_float(const at::Tensor& t, const char* what, at::IntArrayRef shape) {
+  TORCH_CHECK_TYPE(t.defined() && t.device().is_cpu() && t.scalar_type() == at::kFloat, kHeadOp, ": ", what,
+                   " must be a float32 CPU tensor");
+  TORCH_CHECK_VALUE(t.sizes() == shape && t.is_contiguous(), kHeadOp, ": ", what, " must be a contiguous tensor of "
+                    "shape ", shape, ", got ", t.sizes(), t.is_contiguous() ? "" : " (not contiguous)");
+}
+
+// The decoder layer of an EAGLE-3 draft head (draft_layers.Eagle3DecoderLayer) over the kernels:
+//   e, n = rms_norm(embeds, w_in), rms_norm(hidden, w_hidden)
+//   q, k, v = [e, n] W_q, [e, n] W_k, [e, n] W_v                  the 2H concatenation, embedding first
+//   keys, values = [past keys, rotary(k)], [past values, v]        new tensors of P + T slots (returned)
+//   h = r + attention(rotary(q), keys, values) W_o                  r = hidden, or n (norm_before_residual)
+//   out = h + (silu(m W_gate) * (m W_up)) W_down, m = rms_norm(h, w_post)
+// The visible-key lists (offsets, indices) are those of the (B or 1, 1, T, P + T) mask the head attends with.
+std::vector<at::Tensor> eagle3_layer(const at::Tensor& embeds, const at::Tensor& hidden, at::TensorList weights,
+                                     const std::vector<std::string>& types, at::TensorList norms, at::IntArrayRef dims,
+                                     double eps, double scale, const at::Tensor& cos, const at::Tensor& sin,
+                                     const at::Tensor& past_keys, const at::Tensor& past_values,
+                                     const at::Tensor& offsets, const at::Tensor& indices, const std::string& numerics,
+                                     bool norm_before_residual) {
+  TORCH_CHECK_VALUE(weights.size() == kWeights && types.size() == kWeights && norms.size() == 3, kHeadOp,
+                    ": 7 weights and types (q, k, v, o, gate, up, down) and 3 norms (input, hidden, post-attention), "
+                    "got ", weights.size(), ", ", types.size(), ", ", norms.size());
+  TORCH_CHECK_VALUE(dims.size() == 4, kHeadOp, ": dims must be (q_heads, kv_heads, head_dim, intermediate), got ",
+                    dims);
+  TORCH_CHECK_TYPE(hidden.device().is_cpu() && hidden.scalar_type() == at::kFloat && hidden.dim() == 3, kHeadOp,
+                   ": hidden must be a float32 CPU tensor (B, T, hidden), got ", hidden.scalar_type(), " ",
+                   hidden.sizes());
+  const int64_t B = hidden.size(0), T = hidden.size(1), H = hidden.size(2);
+  TORCH_CHECK_VALUE(B >= 1 && T >= 1 && H >= 1, kHeadOp, ": hidden must hold at least one row, got ", hidden.sizes());
+  TORCH_CHECK_VALUE(dims[0] >= 1 && dims[1] >= 1 && dims[0] % dims[1] == 0 && dims[2] >= 2 && dims[2] % 2 == 0 &&
+                        dims[3] >= 1, kHeadOp,
+                    ": dims must be positive with kv_heads dividing q_heads and an even head_dim, got ", dims);
+  const int64_t D = dims[2], kv = dims[1];
+  TORCH_CHECK_VALUE(past_keys.dim() == 4, kHeadOp, ": past keys must be (B, kv_heads, P, head_dim), got ",
+                    past_keys.sizes());
+  const int64_t P = past_keys.size(2);
+  check_head_float(hidden, "hidden", {B, T, H});
+  check_head_float(embeds, "embeds", {B, T, H});
+  check_head_float(past_keys, "past keys", {B, kv, P, D});
+  check_head_float(past_values, "past values", {B, kv, P, D});
+  check_head_float(cos, "cos", {B, T, D});
+  check_head_float(sin, "sin", {B, T, D});
+  for (int i = 0; i < 3; ++i) check_head_float(norms[i], "a norm weight", {H});
+  // P + T slots: the past copied in, the new keys written by rotate_and_cache at slot P + t
+  at::Tensor keys = at::empty({B, kv, P + T, D}, hidden.options());
+  at::Tensor values = at::empty({B, kv, P + T, D}, hidden.options());
+  keys.narrow(2, 0, P).copy_(past_keys);
+  values.narrow(2, 0, P).copy_(past_values);
+  const Shape S{B, T, H, dims[0], kv, D, dims[3], P + T, P};
+  const Call C{S, static_cast<float>(eps), scale, cos.data_ptr<float>(), sin.data_ptr<float>(), numerics};
+  Layer L{weights.data(), types.data(), {}, nullptr, &norms[2], &keys, &values, &offsets, &indices};
+  const at::Tensor x = hidden.view({B * T, H});
+  const at::Tensor normed_hidden = rms_norm(x, norms[1], C.eps);
+  const at::Tensor input = at::cat({rms_norm(embeds.view({B * T, H}), norms[0], C.eps), normed_hidden}, 1);
+  std::vector<at::Tensor> qkv = project_qkv(L, C, input);
+  at::Tensor out = finish_layer(L, C, norm_before_residual ? normed_hidden : x, qkv);
+  return {out.view({B, T, H}), keys, values};
+}
+
 }  // namespace
+
+// The layers' RMSNorm as an op of its own: x (..., n) float32, w (n,) float32; each row as rms_norm_row computes it.
+at::Tensor rms_norm_op(const at::Tensor& x, const at::Tensor& w, double eps) {
+  TORCH_CHECK_VALUE(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() >= 1, "eagle::rms_norm: x must "
+                    "be a float32 CPU tensor (..., n), got ", x.scalar_type(), " ", x.sizes(), " on ", x.device());
+  const int64_t n = x.size(-1);
+  TORCH_CHECK_VALUE(n > 0, "eagle::rms_norm: x's last size must be positive, got ", x.sizes());
+  TORCH_CHECK_VALUE(w.device().is_cpu() && w.scalar_type() == at::kFloat && w.dim() == 1 && w.size(0) == n,
+                    "eagle::rms_norm: the weight must be a float32 CPU vector of ", n, " (x's last size), got ",
+                    w.scalar_type(), " ", w.sizes());
+  at::Tensor rows = x.contiguous().view({-1, n});
+  return rms_norm(rows, w.contiguous(), static_cast<float>(eps)).view(x.sizes());
+}
+
 }  // namespace eagle
 
 TORCH_LIBRARY_FRAGMENT(eagle, m) {
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor", &eagle::rms_norm_op);
+  m.def("eagle3_layer(Tensor embeds, Tensor hidden, Tensor[] weights, str[] types, Tensor[] norms, int[] dims, "
+        "float eps, float scale, Tensor cos, Tensor sin, Tensor past_keys, Tensor past_values, Tensor offsets, "
+        "Tensor indices, str numerics, bool norm_before_residual) -> Tensor[]", &eagle::eagle3_layer);
   m.def("decoder_layers(Tensor hidden, Tensor[] weights, str[] types, Tensor?[] biases, Tensor[] norms, int[] dims, "
         "float eps, float scale, Tensor cos, Tensor sin, Tensor[] keys, Tensor[] values, int start, Tensor[] offsets, "
         "Tensor[] indices, int[] layer_masks, str numerics, bool keep_states) -> Tensor[]",

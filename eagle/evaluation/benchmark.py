@@ -94,6 +94,7 @@ GGUF_METHODS = {"eagle_gguf": "float32", "plain_gguf": "float32", "eagle_gguf_in
                 "plain_gguf_int8": "int8"}
 EXTRA_METHODS = UNPACKED_METHODS + ("eagle_no_lookup",) + tuple(GGUF_METHODS)
 EAGLE_METHODS = ("eagle", "eagle_no_lookup", "eagle_gguf", "eagle_gguf_int8")
+HEAD_METHODS = EAGLE_METHODS + ("llamacpp_eagle3",)  # the others run without a head (a base model alone)
 ENGINE_METHODS = EAGLE_METHODS + ("plain",)  # the methods the engine (and its thread policy) runs
 LABELS = {
     "eagle": "EAGLE (eagenerate)",
@@ -201,6 +202,7 @@ class TimedMethods:
         self.stop_ids = stop_ids
         self.args = args
         self.threads = ThreadSettings(model)
+        self.need_head = model.ea_layer is not None  # the GGUF methods' models load what this one did
         self.gguf_models: dict[str, object] = {}  # numerics -> EaModel with the GGUF kernels
         self.hf_configs = {
             "hf_generate": hf_generation_config(
@@ -251,7 +253,7 @@ def _gguf_model(self, numerics: str):
 
         from eagle.cli import load_model, model_options
 
-        options = dataclasses.replace(model_options(self.args), gguf_kernels=numerics)
+        options = dataclasses.replace(model_options(self.args, self.need_head), gguf_kernels=numerics)
         self.gguf_models[numerics] = load_model(options)
     return self.gguf_models[numerics]
 
@@ -265,10 +267,14 @@ def _resident_bytes(self, method: str) -> int | None:
         return None if server is None else process_rss_bytes(server.process.pid)
     if method in GGUF_METHODS:
         model = self.gguf_model(GGUF_METHODS[method])
-        return weight_bytes(model.base_model, model.ea_layer)
+        return weight_bytes(*_weights_of(model))
     if method.startswith("hf_generate") or method.startswith("prompt_lookup"):
         return weight_bytes(self.model.base_model)
-    return weight_bytes(self.model.base_model, self.model.ea_layer)
+    return weight_bytes(*_weights_of(self.model))
+
+
+def _weights_of(model) -> list:
+    return [m for m in (model.base_model, model.ea_layer) if m is not None]
 
 
 TimedMethods.gguf_model = _gguf_model
@@ -440,8 +446,11 @@ def run(args: argparse.Namespace) -> dict:
     thread_settings = parse_thread_settings(args.threads)
     questions = _checked_questions(args)
     torch.manual_seed(args.seed)
-    resolve_model_args(args)  # the report records the paths and tree that were used
-    model = load_model_from_args(args)
+    # A head is loaded where a method drafts with it; else the base model alone (--base-model-path without a head
+    # of its own, e.g. plain decoding on the GGUF kernels beside llama.cpp plain).
+    need_head = any(m in HEAD_METHODS for m in methods)
+    resolve_model_args(args, need_head)  # the report records the paths and tree that were used
+    model = load_model_from_args(args, need_head)
     device = model_device(model)
     dtype = model.base_model.dtype
     _check_methods_fit(methods, model)

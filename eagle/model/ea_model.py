@@ -37,11 +37,14 @@ class EaModel(nn.Module):
         super().__init__()
         self.base_model, self.ea_layer, self.tokenizer, self.config = base_model, ea_layer, tokenizer, base_model.config
         self.base_model_name_or_path, self.ea_model_path = base_model_name_or_path, ea_model_path
-        self.use_eagle3 = ea_layer.eagle_version == 3 if use_eagle3 is None else use_eagle3
+        if ea_layer is None:  # the base model alone (from_pretrained(load_head=False)): plain decoding only
+            self.use_eagle3, layers = False, None
+        else:
+            self.use_eagle3 = ea_layer.eagle_version == 3 if use_eagle3 is None else use_eagle3
+            layers = feature_layers(ea_layer, self.use_eagle3, base_model.config.get_text_config().num_hidden_layers)
         self.hidden_size, self.vocab_size = base_model.get_output_embeddings().weight.shape[::-1]
-        layers = feature_layers(ea_layer, self.use_eagle3, base_model.config.get_text_config().num_hidden_layers)
         plan = TreePlan(TreeSettings(total_token, depth, top_k, lookup_tokens))
-        self.engine = Engine(base_model, ea_layer, tokenizer, plan, list(layers), thread_policy=thread_policy,
+        self.engine = Engine(base_model, ea_layer, tokenizer, plan, layers, thread_policy=thread_policy,
                              allow_unknown_attention=allow_unknown_attention)
 
     @classmethod
@@ -98,7 +101,7 @@ class EaModel(nn.Module):
     def set_cpu_weight_packing(self, enabled: bool) -> int:
         """Pack (or unpack) the float32 CPU weights of the base model's and the head's linear layers for oneDNN
         (the ``"onednn"`` linear backend, :mod:`eagle.model.target.backends.linear`). Returns how many changed."""
-        return switch_backend("onednn", enabled, self.base_model, self.ea_layer)
+        return switch_backend("onednn", enabled, *(m for m in (self.base_model, self.ea_layer) if m is not None))
 
     @property
     def thread_policy(self):  # see Engine

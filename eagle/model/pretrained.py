@@ -22,14 +22,24 @@ from eagle.model.tuning.head_tree import check_tree_arguments, head_tree_for, re
 logger = logging.getLogger(__name__)
 
 
-def model_paths(base_model_path, ea_model_path, kwargs: dict) -> tuple[str, str]:
+def model_paths(base_model_path, ea_model_path, kwargs: dict, load_head: bool = True) -> tuple[str, str | None]:
     """The two paths to load: as given (``eagle_model_path`` in ``kwargs`` is another name for ``ea_model_path``),
-    or the embedded default pair when neither is given."""
+    or the embedded default pair when neither is given; with ``load_head`` False, the base model's path alone (the
+    embedded base model's when none is given) and None."""
     if "eagle_model_path" in kwargs:
         alias = kwargs.pop("eagle_model_path")
         if ea_model_path is not None and ea_model_path != alias:
             raise ValueError("Pass the draft head path once: ea_model_path and eagle_model_path differ.")
         ea_model_path = alias
+    if not load_head:
+        if ea_model_path is not None:
+            raise ValueError(f"load_head=False loads the base model alone, but a head was given ({ea_model_path!r}): "
+                             "drop ea_model_path, or load the head (load_head=True).")
+        if base_model_path is None:
+            from eagle.defaults import default_base_model_path
+
+            base_model_path = default_base_model_path()
+        return base_model_path, None
     if base_model_path is None and ea_model_path is None:
         from eagle.defaults import default_base_model_path, default_ea_model_path
 
@@ -80,15 +90,17 @@ def convert_weights(base_model, ea_layer, base_model_path, pack_cpu_weights, num
     pack = pack_cpu_weights is True or (pack_cpu_weights == "auto" and should_auto_pack(base_model))
     if numerics is not None:
         apply_gguf_kernels(base_model, ea_layer, base_model_path, numerics)
-    apply_draft_quantization(ea_layer, base_model, draft_dtype, numerics is not None)
+    if ea_layer is not None:
+        apply_draft_quantization(ea_layer, base_model, draft_dtype, numerics is not None)
     if pack:
-        count = switch_backend("onednn", True, base_model, ea_layer)
+        count = switch_backend("onednn", True, *(m for m in (base_model, ea_layer) if m is not None))
         logger.info("Packed the CPU weights of %d linear layers for oneDNN (pack_cpu_weights=%r)", count,
                     pack_cpu_weights)
 
 
 def load_pretrained(cls, *, use_eagle3: bool, base_model_path, ea_model_path, tree: dict, threshold: float,
-                    pack_cpu_weights, draft_dtype, thread_policy: bool = True, gguf_kernels="auto", **kwargs):
+                    pack_cpu_weights, draft_dtype, thread_policy: bool = True, gguf_kernels="auto", load_head=True,
+                    **kwargs):
     """An ``EaModel`` (``cls``) for the base model at ``base_model_path`` (a directory, a Hub id, or a ``.gguf``
     file / directory holding one) and the head at ``ea_model_path`` (``config.json`` + ``model.safetensors`` or
     ``pytorch_model.bin``); with neither path, the embedded default pair (nothing is downloaded). Other keyword
@@ -116,18 +128,24 @@ def load_pretrained(cls, *, use_eagle3: bool, base_model_path, ea_model_path, tr
     file's quantized blocks and attention runs the position-ordered kernel (:mod:`eagle.model.target.backends.gguf`):
     ``"auto"`` (float32 activations where the kernels are available, else the float32 model with one warning),
     ``"float32"``, ``"int8"`` (int8 activations) or ``False`` (the float32 model transformers dequantizes). oneDNN
-    packing then applies to the head (and any layer the kernels leave float), never to a converted layer."""
+    packing then applies to the head (and any layer the kernels leave float), never to a converted layer.
+
+    ``load_head=False``: the base model alone (no ``ea_model_path``), for plain decoding on the same engine and
+    backends (``naivegenerate``, ``generate(use_eagle=False)``, the benchmark's head-less baselines); EAGLE
+    generation then says the model has no head."""
     del threshold  # the reference's EAGLE-2 drafting never reads it either
     allow_unknown_attention = bool(kwargs.pop("allow_unknown_attention", False))
     check_options(pack_cpu_weights, thread_policy, gguf_kernels)
     check_tree_arguments(**tree)  # invalid settings fail before loading
-    base_model_path, ea_model_path = model_paths(base_model_path, ea_model_path, kwargs)
+    base_model_path, ea_model_path = model_paths(base_model_path, ea_model_path, kwargs, load_head)
     base_model, tokenizer = load_base_model(base_model_path, **kwargs)
     numerics = resolve_gguf_kernels(gguf_kernels, base_model_path, base_model)
-    ea_layer = load_ea_layer(ea_model_path, base_model, use_eagle3, draft_load_dtype(draft_dtype, numerics is not None))
+    ea_layer = None if not load_head else load_ea_layer(ea_model_path, base_model, use_eagle3,
+                                                         draft_load_dtype(draft_dtype, numerics is not None))
+    head_config = {} if ea_layer is None else ea_layer.config
     device = base_model.get_input_embeddings().weight.device
     backend = "gguf" if numerics is not None else None  # the kernels' costs call for a tree of their own
-    settings, sources = resolve_tree(tree, head_tree_for(ea_layer.config, device, backend))
+    settings, sources = resolve_tree(tree, head_tree_for(head_config, device, backend))
     model = cls(base_model, ea_layer, tokenizer, settings.total_token, settings.depth, settings.top_k,
                 base_model_name_or_path=base_model_path, use_eagle3=use_eagle3,
                 lookup_tokens=settings.lookup_tokens, ea_model_path=ea_model_path, thread_policy=thread_policy,
@@ -143,7 +161,7 @@ def load_pretrained(cls, *, use_eagle3: bool, base_model_path, ea_model_path, tr
                     ", ".join(f"{key} from the {source}" if source != "argument" else f"{key} given"
                               for key, source in sources.items()))
     if all(value is None for value in tree.values()):  # an explicit tree applies to every batch size
-        model.set_batch_trees(head_batch_trees(ea_layer.config, device, model.tree_settings, backend))
+        model.set_batch_trees(head_batch_trees(head_config, device, model.tree_settings, backend))
         if model.batch_trees:
             logger.info("Batch trees: %s", model.engine.plan.describe_batches())
     return model

@@ -136,8 +136,54 @@ def select_trees(roots: torch.Tensor, cand_tokens: torch.Tensor, cand_scores: to
     return trees_from_parents(tokens, parents, scores)
 
 
+# Trees of at most this many nodes on the CPU derive their structure from Python lists: a handful of tensors built
+# once instead of a few dozen tensor operations, the same fields bit for bit (see _small_trees_from_parents).
+SMALL_TREE_NODES = 32
+
+
 def trees_from_parents(tokens: torch.Tensor, parents: torch.Tensor, scores: torch.Tensor) -> list[DraftTree]:
     """:func:`tree_from_parents` for B trees of the same node count at once: tokens/parents/scores (B, N+1)."""
+    if tokens.shape[1] <= SMALL_TREE_NODES and tokens.device.type == "cpu":
+        trees = _small_trees_from_parents(tokens, parents, scores)
+        if trees is not None:
+            return trees
+    return _tensor_trees_from_parents(tokens, parents, scores)
+
+
+def _small_trees_from_parents(tokens: torch.Tensor, parents: torch.Tensor,
+                              scores: torch.Tensor) -> list[DraftTree] | None:
+    """:func:`trees_from_parents` by walking each row's parent list in Python (None when a parent does not
+    precede its node: the tensor path handles any order)."""
+    batch, size = tokens.shape
+    masks, depths, retrieves = [], [], []
+    for row in parents.tolist():
+        ancestors: list[list[bool]] = []
+        depth: list[int] = []
+        has_child = [False] * size
+        for node, parent in enumerate(row):
+            if parent >= node or (parent < 0 and node > 0):
+                return None
+            marks = list(ancestors[parent]) if parent >= 0 else [False] * size
+            marks[node] = True
+            ancestors.append(marks)
+            depth.append(depth[parent] + 1 if parent >= 0 else 0)
+            if parent >= 0:
+                has_child[parent] = True
+        width = max(depth) + 1
+        paths = []
+        for node in range(size):
+            if not has_child[node]:  # a leaf: its ancestors, root first (node ids ascend along a path)
+                path = [i for i in range(size) if ancestors[node][i]]
+                paths.append(path + [-1] * (width - len(path)))
+        masks.append(ancestors)
+        depths.append(depth)
+        retrieves.append(torch.tensor(paths, dtype=torch.long))
+    masks, depths = torch.tensor(masks, dtype=torch.bool), torch.tensor(depths, dtype=torch.long)
+    return [DraftTree(tokens[b], parents[b], depths[b], masks[b], retrieves[b], scores[b]) for b in range(batch)]
+
+
+def _tensor_trees_from_parents(tokens: torch.Tensor, parents: torch.Tensor, scores: torch.Tensor) -> list[DraftTree]:
+    """:func:`trees_from_parents` with tensor operations only (any device, any node order)."""
     batch, size = tokens.shape
     device = tokens.device
     nodes = torch.arange(size, device=device)

@@ -132,6 +132,9 @@ class Eagle3DraftHead(DraftHead):
         self._target_lm_head: list[nn.Module] = []  # the target's, when the checkpoint has none (not registered)
         self.lm_head = (None if getattr(config, "lm_head_from_target", False)
                         else nn.Linear(hidden, self.draft_vocab_size, bias=False))
+        #: the decoder layer in one native call (a HeadLayerPlan of eagle.model.heads.native), set where the head
+        #: is quantized and the layer allows it; None: its modules
+        self.native_layer = None
         self.register_buffer("d2t", torch.zeros(self.draft_vocab_size, dtype=torch.long))
         self.register_buffer("t2d", torch.zeros(config.vocab_size, dtype=torch.bool))
         if load_emb and path is not None:
@@ -159,6 +162,9 @@ class Eagle3DraftHead(DraftHead):
         if self.fc is not None and hidden.shape[-1] != embeds.shape[-1]:
             hidden = self.fuse(hidden)  # target features (B, T, 3 Ht) -> (B, T, H); draft states pass as they are
         past = past_key_values or [None] * (1 + len(getattr(self, "layers", ())))
+        if self.native_layer is not None and hidden.dtype == torch.float32 and not torch.is_grad_enabled():
+            hidden, present = self.native_layer(embeds, hidden, cos, sin, attention_mask, past[0])
+            return hidden, [present]
         hidden, present = self.midlayer(embeds, hidden, cos, sin, attention_mask, past[0])
         presents = [present]
         for i, layer in enumerate(getattr(self, "layers", {}).values(), 1):

@@ -6,7 +6,8 @@ target's weights, they are no longer in the cache): Q8_0 reads 1.06 bytes per we
 kernels' int8 activations (``numerics="int8"``, as llama.cpp computes) cost about one row's time for the few rows a
 draft pass has. The head's proposals change slightly; the output never does, since the target verifies every token.
 The layers are quantized at load (gguf-py's Q8_0 quantizer: per 32 weights a float16 scale and 32 int8 codes), the
-rest of the head (norms, embedding, rotary, attention) runs in float32.
+RMSNorms run on the kernels' row norm (:class:`eagle.kernels.norm.KernelRMSNorm`), the rest of the head
+(embedding, rotary, attention) in float32.
 """
 
 from __future__ import annotations
@@ -63,7 +64,23 @@ def quantize_head(head: nn.Module, shared: nn.Module | None = None) -> int:
         bias = layer.bias.detach().to(torch.float32) if layer.bias is not None else None
         set_module(head, name, QuantLinear(packed, bias, "int8"))
         count += 1
+    _norms_on_kernels(head, borrowed)
+    if hasattr(head, "native_layer"):
+        from eagle.model.heads.native import head_layer_plan
+
+        head.native_layer = head_layer_plan(head)
     return count
+
+
+def _norms_on_kernels(head: nn.Module, borrowed: set[int]) -> None:
+    """The head's own RMSNorms on the kernels' row norm (one call each, instead of eight tensor operations)."""
+    from eagle.kernels.norm import KernelRMSNorm
+    from eagle.model.heads.draft_layers import RMSNorm
+    from eagle.model.target.backends.gguf import set_module
+
+    for name, norm in list(head.named_modules()):
+        if isinstance(norm, RMSNorm) and id(norm) not in borrowed:
+            set_module(head, name, KernelRMSNorm.from_norm(norm))
 
 
 def draft_load_dtype(draft_dtype, target_on_kernels: bool):

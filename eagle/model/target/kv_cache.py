@@ -124,6 +124,21 @@ class TreeKVLayer(CacheLayerMixin):
         self.length = start + positions.numel()
 
 
+def _cpu_layer_tensors(layers: list[TreeKVLayer]) -> list[torch.Tensor] | None:
+    """Every layer's keys and values, when all are written, contiguous, on the CPU and the native kernels are
+    available; else None."""
+    from eagle import kernels
+
+    tensors = []
+    for layer in layers:
+        if not layer.is_initialized:
+            return None
+        tensors += (layer.keys, layer.values)
+    if not all(t.device.type == "cpu" and t.is_contiguous() for t in tensors) or not kernels.available():
+        return None
+    return tensors
+
+
 def _flat_entries(rows: torch.Tensor, slots: torch.Tensor, heads: int, capacity: int, device) -> torch.Tensor:
     """The entries (row ``rows[i]``, every head, slot ``slots[i, j]``) of a (B, heads, capacity, dim) tensor, as
     indices into its (B * heads * capacity, dim) view: (R * heads * M,), row-major."""
@@ -149,9 +164,19 @@ class TreeKVCache(Cache):
             layer.length = min(layer.length, length)
 
     def keep_path(self, positions: torch.Tensor, start: int) -> None:
-        """Keep the accepted tree nodes: entries at absolute ``positions`` move to ``start, start+1, ...``."""
+        """Keep the accepted tree nodes: entries at absolute ``positions`` (ascending, all >= start) move to
+        ``start, start+1, ...``. On the CPU every layer's entries move in one native call (``eagle::keep_slots``,
+        where the kernels are built), else layer by layer."""
+        tensors = _cpu_layer_tensors(self.layers)
+        if tensors is None or not positions.numel():
+            for layer in self.layers:
+                layer.keep(positions, start)
+            return
+        from eagle import kernels
+
+        kernels.ops().keep_slots(tensors, positions.tolist(), start)
         for layer in self.layers:
-            layer.keep(positions, start)
+            layer.length = start + positions.numel()
 
     @property
     def batch_size(self) -> int | None:
