@@ -27,8 +27,8 @@ def _drafter(use_eagle: bool) -> str:
 
 
 class EaModel(nn.Module):
-    """A base model (``base_model``), its draft head (``ea_layer``) and tokenizer (``tokenizer``); ``engine`` runs
-    them. Build it with :meth:`from_pretrained`. Generation takes one sequence or a left-padded batch."""
+    """A base model (``base_model``), its draft head (``ea_layer``; None: plain decoding only) and tokenizer; ``engine``
+    runs them. Build it with :meth:`from_pretrained`. Generation takes one sequence or a left-padded batch."""
 
     def __init__(self, base_model, ea_layer, tokenizer=None, total_token: int = 60, depth: int = 7, top_k: int = 10,
                  *, base_model_name_or_path: str | None = None, use_eagle3: bool | None = None, lookup_tokens: int = 0,
@@ -37,11 +37,8 @@ class EaModel(nn.Module):
         super().__init__()
         self.base_model, self.ea_layer, self.tokenizer, self.config = base_model, ea_layer, tokenizer, base_model.config
         self.base_model_name_or_path, self.ea_model_path = base_model_name_or_path, ea_model_path
-        if ea_layer is None:  # the base model alone (from_pretrained(load_head=False)): plain decoding only
-            self.use_eagle3, layers = False, None
-        else:
-            self.use_eagle3 = ea_layer.eagle_version == 3 if use_eagle3 is None else use_eagle3
-            layers = feature_layers(ea_layer, self.use_eagle3, base_model.config.get_text_config().num_hidden_layers)
+        self.use_eagle3 = ea_layer is not None and (ea_layer.eagle_version == 3 if use_eagle3 is None else use_eagle3)
+        layers = feature_layers(ea_layer, self.use_eagle3, base_model.config.get_text_config().num_hidden_layers)
         self.hidden_size, self.vocab_size = base_model.get_output_embeddings().weight.shape[::-1]
         plan = TreePlan(TreeSettings(total_token, depth, top_k, lookup_tokens))
         self.engine = Engine(base_model, ea_layer, tokenizer, plan, layers, thread_policy=thread_policy,

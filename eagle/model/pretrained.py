@@ -151,6 +151,13 @@ def load_pretrained(cls, *, use_eagle3: bool, base_model_path, ea_model_path, tr
                 lookup_tokens=settings.lookup_tokens, ea_model_path=ea_model_path, thread_policy=thread_policy,
                 allow_unknown_attention=allow_unknown_attention)
     convert_weights(base_model, ea_layer, base_model_path, pack_cpu_weights, numerics, draft_dtype)
+    finish_tree(model, tree, sources, head_config, device, backend)
+    return model
+
+
+def finish_tree(model, tree: dict, sources: dict, head_config, device, backend) -> None:
+    """The tree settings of ``model`` once loaded: tuned on this device (``total_token=-1``) or logged, and the
+    head's batch trees where no setting was given."""
     if tree.get("total_token") == -1:
         from eagle.model.tuning.autotune import tune_tree
 
@@ -164,4 +171,3 @@ def load_pretrained(cls, *, use_eagle3: bool, base_model_path, ea_model_path, tr
         model.set_batch_trees(head_batch_trees(head_config, device, model.tree_settings, backend))
         if model.batch_trees:
             logger.info("Batch trees: %s", model.engine.plan.describe_batches())
-    return model

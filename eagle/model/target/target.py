@@ -27,10 +27,12 @@ def eagle3_layer_ids(num_layers: int) -> list[int]:
     return [min(max(i, 0), num_layers) for i in (2, num_layers // 2, num_layers - 3)]
 
 
-def feature_layers(head, use_eagle3: bool, num_layers: int) -> list[int]:
+def feature_layers(head, use_eagle3: bool, num_layers: int) -> list[int] | None:
     """What ``head`` reads from a target of ``num_layers`` layers: an EAGLE-3 head the inputs of three layers (its
     config's layer ids, else :func:`eagle3_layer_ids`); EAGLE-1, or an EAGLE-3 head without aux hidden states, the
-    final normed hidden state (``[-1]``)."""
+    final normed hidden state (``[-1]``); no head, nothing (None)."""
+    if head is None:
+        return None
     if use_eagle3 and getattr(head, "reads_aux_hidden_states", True):
         return list(head_layer_ids(head.config) or eagle3_layer_ids(num_layers))
     return [-1]
