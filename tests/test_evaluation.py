@@ -369,6 +369,7 @@ def test_benchmark_of_head_less_methods_loads_the_base_model_alone(tmp_path, tin
     ])
     assert list(results["methods"]) == ["plain", "hf_generate"] and results["settings"]["ea_model_path"] is None
     assert results["settings"]["draft_dtype"] is None and results["acceptance"] is None
+    assert {results["settings"][key] for key in ("use_eagle3", "total_token", "depth", "top_k")} == {None}
     check = results["greedy_check"]
     assert (check["reference"], check["checked"], check["identical"]) == ("hf_generate", 2, 2)
     assert results["methods"]["plain"]["new_tokens"] == results["methods"]["hf_generate"]["new_tokens"] > 0

@@ -382,14 +382,15 @@ def _settings(args, model, device, dtype, questions) -> dict:
     head = getattr(model, "ea_layer", None)
     import transformers
 
+    drafts = head is not None  # a base model alone: no head, no tree
     return {
         "base_model_path": display_path(args.base_model_path),
         "ea_model_path": display_path(args.ea_model_path),
-        "use_eagle3": args.use_eagle3,
-        "total_token": tree.total_token,
-        "depth": tree.depth,
-        "top_k": tree.top_k,
-        "lookup_tokens": tree.lookup_tokens,
+        "use_eagle3": args.use_eagle3 if drafts else None,
+        "total_token": tree.total_token if drafts else None,
+        "depth": tree.depth if drafts else None,
+        "top_k": tree.top_k if drafts else None,
+        "lookup_tokens": tree.lookup_tokens if drafts else None,
         "temperature": args.temperature,
         "max_new_tokens": args.max_new_tokens,
         "prompt_lookup_num_tokens": args.prompt_lookup_num_tokens,
