@@ -287,6 +287,28 @@ def test_eagle_logits_equal_plain_decoding_bit_for_bit(load, monkeypatch, numeri
         _assert_bit_equal(eagle_logits[b], plain_logits[0], emitted, f"{numerics}, batch row {b}")
 
 
+def test_an_eagle1_head_drafts_on_the_kernels_with_the_targets_quantized_lm_head(load, loaded_base, monkeypatch,
+                                                                                  tmp_path):
+    """An EAGLE-1 head (a random one for SmolLM2: it drafts with the target's LM head, here the kernels' layer over
+    the file's Q8_0 blocks) on a target on the kernels: greedy EAGLE's logits equal plain decoding's bit for bit."""
+    from tiny_models import make_head
+
+    load("float32")  # the fixture's loader (a copy of the float32 model) is in place while it lives
+    make_head(tmp_path / "eagle1", loaded_base[0], eagle3=False)
+    model = EaModel.from_pretrained(base_model_path=defaults.default_base_model_path(),
+                                    ea_model_path=str(tmp_path / "eagle1"), use_eagle3=False, gguf_kernels="float32",
+                                    total_token=6, depth=2, top_k=3)
+    lm_head = model.base_model.get_output_embeddings()
+    assert model.ea_layer.eagle_version == 1 and isinstance(lm_head, QuantLinear) and lm_head.uses_kernels
+    assert model.ea_layer._target_lm_head == [lm_head]  # not the float32 copy, which is freed
+    assert not any(isinstance(m, QuantLinear) for m in model.ea_layer.modules())  # the head itself stays float32
+    prompt = _ids(model, PROMPTS[0])
+    eagle_tokens, eagle_logits = _generate_recording(monkeypatch, model.eagenerate, [prompt])
+    plain_tokens, plain_logits = _generate_recording(monkeypatch, model.naivegenerate, [prompt])
+    assert eagle_tokens == plain_tokens
+    _assert_bit_equal(eagle_logits[0], plain_logits[0], len(plain_tokens[0]), "EAGLE-1 on the kernels")
+
+
 def test_float32_kernels_decode_as_hugging_face_generate_on_the_float32_model(load, loaded_base):
     model = load("float32")
     reference = loaded_base[0]

@@ -157,7 +157,9 @@ def load_pretrained(cls, *, use_eagle3: bool, base_model_path, ea_model_path, tr
 
 def finish_tree(model, tree: dict, sources: dict, head_config, device, backend) -> None:
     """The tree settings of ``model`` once loaded: tuned on this device (``total_token=-1``) or logged, and the
-    head's batch trees where no setting was given."""
+    head's batch trees where no setting was given. A base model alone drafts no tree: nothing to do."""
+    if model.ea_layer is None:
+        return
     if tree.get("total_token") == -1:
         from eagle.model.tuning.autotune import tune_tree
 
