@@ -6,7 +6,9 @@ with ``pip install --no-build-isolation ...`` (torch must be importable while bu
 float32 path instead (``eagle.kernels.unavailable_reason()`` says why).
 
 ``EAGLE_SANITIZE=1`` builds the kernels with AddressSanitizer and UBSan (``-fsanitize=address,undefined -g``); a
-Python process then needs ``LD_PRELOAD=$(g++ -print-file-name=libasan.so) ASAN_OPTIONS=detect_leaks=0``.
+Python process then needs ``LD_PRELOAD="$(g++ -print-file-name=libasan.so) $(g++ -print-file-name=libstdc++.so.6)"
+ASAN_OPTIONS=detect_leaks=0`` (libstdc++ preloaded too: without it ASan's interceptor of C++ exceptions finds no
+``__cxa_throw`` and aborts at the first exception torch raises).
 """
 
 import glob
