@@ -267,14 +267,10 @@ def _resident_bytes(self, method: str) -> int | None:
         return None if server is None else process_rss_bytes(server.process.pid)
     if method in GGUF_METHODS:
         model = self.gguf_model(GGUF_METHODS[method])
-        return weight_bytes(*_weights_of(model))
+        return weight_bytes(model.base_model, model.ea_layer)
     if method.startswith("hf_generate") or method.startswith("prompt_lookup"):
         return weight_bytes(self.model.base_model)
-    return weight_bytes(*_weights_of(self.model))
-
-
-def _weights_of(model) -> list:
-    return [m for m in (model.base_model, model.ea_layer) if m is not None]
+    return weight_bytes(self.model.base_model, self.model.ea_layer)
 
 
 TimedMethods.gguf_model = _gguf_model

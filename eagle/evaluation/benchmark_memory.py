@@ -22,10 +22,13 @@ def _tensors(module: torch.nn.Module):
                     yield tensor
 
 
-def weight_bytes(*modules: torch.nn.Module) -> int:
-    """Bytes of the weights ``modules`` hold (each storage counted once, shared ones too)."""
+def weight_bytes(*modules: torch.nn.Module | None) -> int:
+    """Bytes of the weights ``modules`` hold (each storage counted once, shared ones too; None, e.g. a model's
+    absent head, holds none)."""
     seen, total = set(), 0
     for module in modules:
+        if module is None:
+            continue
         for tensor in _tensors(module):
             if tensor.device.type == "meta":
                 continue

@@ -98,7 +98,7 @@ class EaModel(nn.Module):
     def set_cpu_weight_packing(self, enabled: bool) -> int:
         """Pack (or unpack) the float32 CPU weights of the base model's and the head's linear layers for oneDNN
         (the ``"onednn"`` linear backend, :mod:`eagle.model.target.backends.linear`). Returns how many changed."""
-        return switch_backend("onednn", enabled, *(m for m in (self.base_model, self.ea_layer) if m is not None))
+        return switch_backend("onednn", enabled, self.base_model, self.ea_layer)
 
     @property
     def thread_policy(self):  # see Engine

@@ -93,7 +93,7 @@ def convert_weights(base_model, ea_layer, base_model_path, pack_cpu_weights, num
     if ea_layer is not None:
         apply_draft_quantization(ea_layer, base_model, draft_dtype, numerics is not None)
     if pack:
-        count = switch_backend("onednn", True, *(m for m in (base_model, ea_layer) if m is not None))
+        count = switch_backend("onednn", True, base_model, ea_layer)
         logger.info("Packed the CPU weights of %d linear layers for oneDNN (pack_cpu_weights=%r)", count,
                     pack_cpu_weights)
 

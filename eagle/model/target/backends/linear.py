@@ -186,8 +186,9 @@ def linear_backend(name: str, **options) -> LinearBackend:
     return LINEAR_BACKENDS[name](**options)
 
 
-def switch_backend(name: str, enabled: bool, *modules: torch.nn.Module) -> int:
-    """Convert (``enabled``) or restore the linear layers of ``modules`` with backend ``name``; how many changed."""
+def switch_backend(name: str, enabled: bool, *modules: torch.nn.Module | None) -> int:
+    """Convert (``enabled``) or restore the linear layers of ``modules`` (None, e.g. a model's absent head, is
+    skipped) with backend ``name``; how many changed."""
     backend = linear_backend(name)
     change = backend.convert if enabled else backend.restore
-    return sum(change(module) for module in modules)
+    return sum(change(module) for module in modules if module is not None)
