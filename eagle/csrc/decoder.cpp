@@ -151,10 +151,10 @@ at::Tensor run_layer(const Layer& L, const Call& C, const at::Tensor& x) {
   return finish_layer(L, C, x, qkv);
 }
 
-void check_float(const at::Tensor& t, const char* what, at::IntArrayRef shape) {
-  TORCH_CHECK_TYPE(t.defined() && t.device().is_cpu() && t.scalar_type() == at::kFloat, kOp, ": ", what,
+void check_float(const at::Tensor& t, const char* what, at::IntArrayRef shape, const char* op = kOp) {
+  TORCH_CHECK_TYPE(t.defined() && t.device().is_cpu() && t.scalar_type() == at::kFloat, op, ": ", what,
                    " must be a float32 CPU tensor");
-  TORCH_CHECK_VALUE(t.sizes() == shape && t.is_contiguous(), kOp, ": ", what, " must be a contiguous tensor of shape ",
+  TORCH_CHECK_VALUE(t.sizes() == shape && t.is_contiguous(), op, ": ", what, " must be a contiguous tensor of shape ",
                     shape, ", got ", t.sizes(), t.is_contiguous() ? "" : " (not contiguous)");
 }
 
@@ -221,13 +221,6 @@ std::vector<at::Tensor> decoder_layers(const at::Tensor& hidden, at::TensorList 
 
 constexpr const char* kHeadOp = "eagle::eagle3_layer";
 
-void check_head_float(const at::Tensor& t, const char* what, at::IntArrayRef shape) {
-  TORCH_CHECK_TYPE(t.defined() && t.device().is_cpu() && t.scalar_type() == at::kFloat, kHeadOp, ": ", what,
-                   " must be a float32 CPU tensor");
-  TORCH_CHECK_VALUE(t.sizes() == shape && t.is_contiguous(), kHeadOp, ": ", what, " must be a contiguous tensor of "
-                    "shape ", shape, ", got ", t.sizes(), t.is_contiguous() ? "" : " (not contiguous)");
-}
-
 // The decoder layer of an EAGLE-3 draft head (draft_layers.Eagle3DecoderLayer) over the kernels:
 //   e, n = rms_norm(embeds, w_in), rms_norm(hidden, w_hidden)
 //   q, k, v = [e, n] W_q, [e, n] W_k, [e, n] W_v                  the 2H concatenation, embedding first
@@ -258,13 +251,13 @@ std::vector<at::Tensor> eagle3_layer(const at::Tensor& embeds, const at::Tensor&
   TORCH_CHECK_VALUE(past_keys.dim() == 4, kHeadOp, ": past keys must be (B, kv_heads, P, head_dim), got ",
                     past_keys.sizes());
   const int64_t P = past_keys.size(2);
-  check_head_float(hidden, "hidden", {B, T, H});
-  check_head_float(embeds, "embeds", {B, T, H});
-  check_head_float(past_keys, "past keys", {B, kv, P, D});
-  check_head_float(past_values, "past values", {B, kv, P, D});
-  check_head_float(cos, "cos", {B, T, D});
-  check_head_float(sin, "sin", {B, T, D});
-  for (int i = 0; i < 3; ++i) check_head_float(norms[i], "a norm weight", {H});
+  check_float(hidden, "hidden", {B, T, H}, kHeadOp);
+  check_float(embeds, "embeds", {B, T, H}, kHeadOp);
+  check_float(past_keys, "past keys", {B, kv, P, D}, kHeadOp);
+  check_float(past_values, "past values", {B, kv, P, D}, kHeadOp);
+  check_float(cos, "cos", {B, T, D}, kHeadOp);
+  check_float(sin, "sin", {B, T, D}, kHeadOp);
+  for (int i = 0; i < 3; ++i) check_float(norms[i], "a norm weight", {H}, kHeadOp);
   // P + T slots: the past copied in, the new keys written by rotate_and_cache at slot P + t
   at::Tensor keys = at::empty({B, kv, P + T, D}, hidden.options());
   at::Tensor values = at::empty({B, kv, P + T, D}, hidden.options());
