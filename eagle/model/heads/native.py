@@ -65,14 +65,20 @@ def head_layer_plan(head) -> HeadLayerPlan | None:
         return None
     layer = head.midlayer
     attention, mlp = layer.self_attn, layer.mlp
-    linears = (attention.q_proj, attention.k_proj, attention.v_proj, attention.o_proj, mlp.gate_proj, mlp.up_proj,
-               mlp.down_proj)
-    norms = (layer.input_layernorm, layer.hidden_norm, layer.post_attention_layernorm)
+    linears, norms = _parts(layer)
     return HeadLayerPlan(
         [m.weight.packed for m in linears], [m.type_name for m in linears], [n.weight.detach() for n in norms],
         [attention.num_heads, attention.num_kv_heads, attention.head_dim, mlp.gate_proj.out_features],
         float(norms[0].variance_epsilon), 1.0 / math.sqrt(attention.head_dim), linears[0].numerics,
         layer.norm_before_residual)
+
+
+def _parts(layer) -> tuple[tuple, tuple]:
+    """The layer's projections (q, k, v, o, gate, up, down) and norms (input, hidden, post-attention), in the order
+    ``eagle::eagle3_layer`` takes them."""
+    attention, mlp = layer.self_attn, layer.mlp
+    return ((attention.q_proj, attention.k_proj, attention.v_proj, attention.o_proj, mlp.gate_proj, mlp.up_proj,
+             mlp.down_proj), (layer.input_layernorm, layer.hidden_norm, layer.post_attention_layernorm))
 
 
 def _plan_problem(head) -> str | None:
@@ -87,17 +93,15 @@ def _plan_problem(head) -> str | None:
         return "the head has more than one decoder layer"
     layer = head.midlayer
     attention, mlp = layer.self_attn, layer.mlp
-    linears = (attention.q_proj, attention.k_proj, attention.v_proj, attention.o_proj, mlp.gate_proj, mlp.up_proj,
-               mlp.down_proj)
+    linears, norms = _parts(layer)
     if not all(isinstance(m, QuantLinear) and m.uses_kernels for m in linears):
         return "its projections are not all on the kernels"
     if any(m.bias is not None for m in linears):
         return "a projection has a bias"
     if len({m.numerics for m in linears}) != 1:
         return "its projections mix numerics"
-    if getattr(mlp.act_fn, "__class__", type(None)).__name__ not in ("SiLU", "SiLUActivation"):
+    if type(mlp.act_fn).__name__ not in ("SiLU", "SiLUActivation"):
         return f"its MLP activation is {type(mlp.act_fn).__name__}, not SiLU"
-    norms = (layer.input_layernorm, layer.hidden_norm, layer.post_attention_layernorm)
     if len({n.variance_epsilon for n in norms}) != 1 or any(n.weight.dtype != torch.float32 for n in norms):
         return "its norms differ in epsilon or are not float32"
     if (attention.num_heads * attention.head_dim, attention.num_kv_heads * attention.head_dim) != (
