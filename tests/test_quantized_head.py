@@ -10,11 +10,11 @@ from torch import nn
 
 from eagle import kernels
 from eagle.kernels.linear import QuantLinear
-from eagle.kernels.norm import KernelRMSNorm
 from eagle.kernels.reference import lane_rms_norm
 from eagle.model.ea_model import EaModel
 from eagle.model.heads import quantized
 from eagle.model.heads.draft_layers import RMSNorm
+from eagle.model.heads.quantized import KernelRMSNorm
 from tiny_models import make_tiny_pair
 
 needs_kernels = pytest.mark.skipif(not kernels.available(), reason="eagle's native kernels are not built here")
@@ -40,7 +40,7 @@ def test_q8_0_puts_every_linear_layer_of_the_head_on_the_kernels_and_keeps_the_o
     assert not any(isinstance(m, nn.Linear) for m in model.ea_layer.modules())
     # its norms run on the kernels' row norm too, with the same weights and epsilon
     norms = [(name, m) for name, m in float_model.ea_layer.named_modules() if isinstance(m, RMSNorm)]
-    assert norms and not any(isinstance(m, RMSNorm) for m in model.ea_layer.modules())
+    assert norms and not any(type(m) is RMSNorm for m in model.ea_layer.modules())
     for name, norm in norms:
         replaced = model.ea_layer.get_submodule(name)
         assert isinstance(replaced, KernelRMSNorm) and torch.equal(replaced.weight, norm.weight)
@@ -60,7 +60,9 @@ def test_q8_0_puts_every_linear_layer_of_the_head_on_the_kernels_and_keeps_the_o
 def test_the_kernels_rms_norm_is_the_lane_order_norm_row_by_row(shape):
     torch.manual_seed(shape[-1])
     x, weight = torch.randn(shape) * 3, torch.rand(shape[-1]) + 0.5
-    norm = KernelRMSNorm(weight, 1e-5)
+    plain = RMSNorm(shape[-1], eps=1e-5).requires_grad_(False)
+    plain.weight.copy_(weight)
+    norm = KernelRMSNorm.from_norm(plain)
     got = norm(x)
     assert got.shape == x.shape and torch.equal(got, lane_rms_norm(x, weight, 1e-5))
     rows = x.reshape(-1, shape[-1])

@@ -6,7 +6,7 @@ target's weights, they are no longer in the cache): Q8_0 reads 1.06 bytes per we
 kernels' int8 activations (``numerics="int8"``, as llama.cpp computes) cost about one row's time for the few rows a
 draft pass has. The head's proposals change slightly; the output never does, since the target verifies every token.
 The layers are quantized at load (gguf-py's Q8_0 quantizer: per 32 weights a float16 scale and 32 int8 codes), the
-RMSNorms run on the kernels' row norm (:class:`eagle.kernels.norm.KernelRMSNorm`), the rest of the head
+RMSNorms run on the kernels' row norm (:class:`KernelRMSNorm`), the rest of the head
 (embedding, rotary, attention) in float32.
 """
 
@@ -17,6 +17,8 @@ import logging
 import numpy as np
 import torch
 from torch import nn
+
+from eagle.model.heads.draft_layers import RMSNorm
 
 logger = logging.getLogger(__name__)
 
@@ -72,14 +74,33 @@ def quantize_head(head: nn.Module, shared: nn.Module | None = None) -> int:
     return count
 
 
+class KernelRMSNorm(RMSNorm):
+    """The head's RMSNorm on eagle's CPU kernels (``eagle::rms_norm``): each float32 CPU row normalised by one fixed
+    sequence of roundings (the decoder layers' norm, :func:`eagle.kernels.reference.lane_rms_norm` bit for bit), in
+    one native call instead of the eight tensor operations of :class:`RMSNorm`'s formula, which other inputs (another
+    dtype or device, the kernels unavailable) still take."""
+
+    @classmethod
+    def from_norm(cls, norm: RMSNorm) -> "KernelRMSNorm":
+        """A kernel norm with ``norm``'s weight (its float32 storage shared, frozen) and epsilon."""
+        new = cls(norm.weight.shape[0], eps=norm.variance_epsilon)
+        new.weight = nn.Parameter(norm.weight.detach().to(torch.float32), requires_grad=False)
+        return new
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from eagle import kernels
+
+        if x.dtype == torch.float32 and x.device.type == "cpu" and x.shape[-1] and kernels.available():
+            return kernels.ops().rms_norm(x, self.weight, self.variance_epsilon)
+        return super().forward(x)
+
+
 def _norms_on_kernels(head: nn.Module, borrowed: set[int]) -> None:
     """The head's own RMSNorms on the kernels' row norm (one call each, instead of eight tensor operations)."""
-    from eagle.kernels.norm import KernelRMSNorm
-    from eagle.model.heads.draft_layers import RMSNorm
     from eagle.model.target.backends.gguf import set_module
 
     for name, norm in list(head.named_modules()):
-        if isinstance(norm, RMSNorm) and id(norm) not in borrowed:
+        if type(norm) is RMSNorm and id(norm) not in borrowed:
             set_module(head, name, KernelRMSNorm.from_norm(norm))
 
 
