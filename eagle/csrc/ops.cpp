@@ -225,6 +225,17 @@ int64_t packed_nbytes(const std::string& type, int64_t n, int64_t k, const std::
   return quant::kHeaderBytes + quant::payload_bytes(t, layout_for(t, numerics, "eagle::packed_nbytes"), n, k);
 }
 
+// the int8 activation quantizer of an instruction set (all three give the same bits)
+void quantize_rows_with(int isa, const float* x, int64_t m, quant::QuantizedRows& rows) {
+  if (isa == quant::ISA_AVX512) {
+    quant::quantize_rows_avx512(x, 0, m, rows);
+  } else if (isa == quant::ISA_AVX2) {
+    quant::quantize_rows_avx2(x, 0, m, rows);
+  } else {
+    quant::quantize_rows_portable(x, 0, m, rows);
+  }
+}
+
 std::vector<at::Tensor> quantize_rows_op(const at::Tensor& x_in) {
   const char* op = "eagle::quantize_rows";
   TORCH_CHECK_VALUE(x_in.dim() == 2, op, ": x must have shape (M, K), got ", x_in.sizes());
@@ -235,11 +246,7 @@ std::vector<at::Tensor> quantize_rows_op(const at::Tensor& x_in) {
   at::Tensor s = at::empty({m, k / 32}, at::kFloat), sum16 = at::empty({m, k / 16}, at::kInt);
   quant::QuantizedRows rows{m, k, q.data_ptr<int8_t>(), d.data_ptr<float>(), s.data_ptr<float>(),
                             sum16.data_ptr<int32_t>()};
-  if (current_isa() == quant::ISA_AVX512) {
-    quant::quantize_rows_avx512(x.data_ptr<float>(), 0, m, rows);
-  } else {
-    quant::quantize_rows_portable(x.data_ptr<float>(), 0, m, rows);
-  }
+  quantize_rows_with(current_isa(), x.data_ptr<float>(), m, rows);
   return {q, d, s, sum16};
 }
 
@@ -312,11 +319,7 @@ void run_prepared(std::vector<Prepared>& calls, const at::Tensor& x, const char*
       s.resize(m * k / 32);
       sum16.resize(m * k / 16);
       rows = {m, k, q.data(), d.data(), s.data(), sum16.data()};
-      if (isa == quant::ISA_AVX512) {
-        quant::quantize_rows_avx512(x.data_ptr<float>(), 0, m, rows);
-      } else {
-        quant::quantize_rows_portable(x.data_ptr<float>(), 0, m, rows);
-      }
+      quantize_rows_with(isa, x.data_ptr<float>(), m, rows);
     }
     if (calls[i].layout == quant::LAYOUT_N) calls[i].args.xq = &rows;
     first[i + 1] = total += calls[i].chunks;

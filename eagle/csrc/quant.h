@@ -178,6 +178,7 @@ bool linear_k_avx2(const LinearArgs& a, int64_t n_begin, int64_t n_end, float* s
 bool linear_n_avx2(const LinearArgs& a, int64_t n_begin, int64_t n_end, float* scratch);
 bool linear_k_avx512(const LinearArgs& a, int64_t n_begin, int64_t n_end, float* scratch);
 bool linear_n_avx512(const LinearArgs& a, int64_t n_begin, int64_t n_end, float* scratch);
+void quantize_rows_avx2(const float* x, int64_t row_begin, int64_t row_end, QuantizedRows& out);
 void quantize_rows_avx512(const float* x, int64_t row_begin, int64_t row_end, QuantizedRows& out);
 
 // floats of scratch a kernel call needs (per thread)

@@ -1,11 +1,13 @@
 // AVX2 + FMA kernels, compiled for that target in this file only and called only on a CPU that has it.
 //
-// float32 numerics (LAYOUT_K): each column is decoded once per call into float32 weights (gguf-py's values, 8
-// inputs at a time), then every row takes one 8-lane accumulator through fma(x[8 inputs], w[8 inputs], acc) in input
-// order, a fixed horizontal sum and the bias.
+// float32 numerics (LAYOUT_K): quantized weights are decoded in registers, 8 inputs at a time (gguf-py's values),
+// and every row of a tile takes one 8-lane accumulator through fma(x[8 inputs], w[8 inputs], acc) in input order,
+// then a fixed horizontal sum and the bias; float weights (F32 / F16 / BF16) are decoded once per call into scratch
+// and take the same accumulation.
 // int8 numerics (LAYOUT_N): the integer group sums of the AVX-512 kernels (vpmaddubsw + vpmaddwd instead of
 // vpdpbusd; 8-bit codes through the sign trick, which gives the same exact integers), combined in float by the
 // same operations in the same order: its outputs are bit-identical to the AVX-512 and portable int8 kernels'.
+// The int8 activation quantizer gives the portable quantizer's bits.
 #include "quant.h"
 
 #if defined(__x86_64__) || defined(_M_X64)
@@ -55,59 +57,6 @@ inline float hsum(__m256 v) {
 }
 
 // ============================================================================================ float32 numerics
-void k_params(const TypeInfo& t, const uint8_t* col, const Offsets& o, int64_t k, float* a, float* b) {
-  const int64_t groups = k / t.group;
-  for (int64_t g = 0; g < groups; ++g) {
-    if (!t.has_scales) {
-      a[g] = h2f(ld16(col + o.d + 2 * g));
-      b[g] = t.has_m ? h2f(ld16(col + o.m + 2 * g)) : 0.0f;
-    } else if (t.type == Q6_K) {
-      a[g] = h2f(ld16(col + o.d + 2 * (g / 16))) * static_cast<float>(static_cast<int8_t>(col[o.sc + g]));
-      b[g] = 0.0f;
-    } else {
-      a[g] = h2f(ld16(col + o.d + 2 * (g / 8))) * static_cast<float>(col[o.sc + g]);
-      b[g] = -(h2f(ld16(col + o.m + 2 * (g / 8))) * static_cast<float>(col[o.mn + g]));
-    }
-  }
-}
-
-// The column's weights w[K] (quant types), 16 inputs (vector v) at a time, in two halves of 8.
-void k_decode(const TypeInfo& t, const uint8_t* col, const Offsets& o, int64_t k, const float* a, const float* b,
-              float* w) {
-  const int64_t vectors = k / 16, pairs = k / 64;
-  const __m256i fifteen = _mm256_set1_epi32(15);
-  for (int64_t v = 0; v < vectors; ++v) {
-    const int64_t g = v * 16 / t.group;
-    const __m256 av = _mm256_set1_ps(a[g]), bv = _mm256_set1_ps(b[g]);
-    for (int half = 0; half < 2; ++half) {
-      __m256 wv;
-      if (t.code_bits == 8) {
-        const __m256i q = _mm256_cvtepi8_epi32(ld64x(col + o.codes + 16 * v + 8 * half));
-        wv = _mm256_mul_ps(_mm256_cvtepi32_ps(q), av);
-      } else {
-        const int64_t chunk = v / 4, s = v % 4;  // pair chunk and nibble (the last odd group: a single chunk)
-        __m256i lanes;
-        if (chunk < pairs) {
-          lanes = _mm256_cvtepu16_epi32(ld128(col + o.codes + 32 * chunk + 16 * half));
-        } else {
-          lanes = _mm256_cvtepu8_epi32(ld64x(col + o.codes + 32 * chunk + 8 * half));
-        }
-        __m256i u = _mm256_and_si256(_mm256_srlv_epi32(lanes, _mm256_set1_epi32(static_cast<int>(4 * s))), fifteen);
-        for (int plane = 0; plane < t.planes(); ++plane) {
-          const uint32_t bits = (ld16(col + (plane ? o.plane2 : o.plane) + 2 * v) >> (8 * half)) & 0xFF;
-          u = _mm256_add_epi32(u, bits_to_lanes(bits, 16 << plane));
-        }
-        if (t.offset >= 0) {  // symmetric: a (u - o), exact like gguf-py's d * (q - o), signed zeros included
-          wv = _mm256_mul_ps(av, _mm256_cvtepi32_ps(_mm256_sub_epi32(u, _mm256_set1_epi32(t.offset))));
-        } else {
-          wv = _mm256_fmadd_ps(av, _mm256_cvtepi32_ps(u), bv);
-        }
-      }
-      _mm256_storeu_ps(w + 16 * v + 8 * half, wv);
-    }
-  }
-}
-
 void float_decode(const TypeInfo& t, const uint8_t* col, int64_t k, float* w) {
   int64_t i = 0;
   for (; i + 8 <= k; i += 8) {
@@ -159,138 +108,335 @@ void k_rows(const LinearArgs& args, const float* const* w, int64_t r0, int64_t n
     }
 }
 
-// ============================================================================================ int8 numerics
-struct NGroup {
-  __m256i codes[2][8];  // [half: columns 0-7 / 8-15][4-input step]
-  __m256 a[2], b[2];
+// Quantized weights (LAYOUT_K), decoded in registers: a tile of R rows x C columns walks the inputs 8 at a time in
+// order; each column's 8 weights are decoded once (gguf-py's values: a (u - o) or fma(a, u, b)) and multiplied into
+// its R accumulators, so an output is the same fma sequence over its inputs whatever the tile shape, then the same
+// horizontal sum and bias as k_rows.
+template <int TYPE>
+struct KTraits {
+  static constexpr int kBits = (TYPE == Q5_0 || TYPE == Q5_1 || TYPE == Q5_K) ? 5 : TYPE == Q6_K ? 6 : TYPE == Q8_0 ? 8 : 4;
+  static constexpr int kGroup = TYPE == Q6_K ? 16 : 32;
+  static constexpr int kUnit = (TYPE == Q4_K || TYPE == Q5_K || TYPE == Q6_K) ? 256 : 32;
+  static constexpr bool kAsym = TYPE == Q4_1 || TYPE == Q5_1 || TYPE == Q4_K || TYPE == Q5_K;
+  static constexpr int kOffset = TYPE == Q4_0 ? 8 : TYPE == Q5_0 ? 16 : TYPE == Q6_K ? 32 : 0;
+  static constexpr int kPlanes = kBits == 5 ? 1 : kBits == 6 ? 2 : 0;
 };
 
-void n_group(const TypeInfo& t, const uint8_t* rec, const Offsets& o, int gi, NGroup& ng) {
-  const int G = t.group, h0 = gi * G / 4;
-  for (int half = 0; half < 2; ++half) {
-    const __m256 d = _mm256_cvtph_ps(ld128(rec + o.d + 16 * half));
-    if (t.type == Q4_K || t.type == Q5_K) {
-      const __m256 dmin = _mm256_cvtph_ps(ld128(rec + o.m + 16 * half));
-      const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(ld64x(rec + o.sc + 16 * gi + 8 * half)));
-      const __m256 mn = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(ld64x(rec + o.mn + 16 * gi + 8 * half)));
-      ng.a[half] = _mm256_mul_ps(d, sc);
-      ng.b[half] = _mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(dmin, mn));
-    } else if (t.type == Q6_K) {
-      ng.a[half] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(ld64x(rec + o.sc + 16 * gi + 8 * half))));
-      ng.b[half] = _mm256_setzero_ps();
-    } else {
-      ng.a[half] = d;
-      ng.b[half] = t.has_m ? _mm256_cvtph_ps(ld128(rec + o.m + 16 * half)) : _mm256_setzero_ps();
+// a and b of group g of a LAYOUT_K column (as column_params computes them)
+template <int TYPE>
+__attribute__((always_inline)) inline void k_group_params(const uint8_t* col, const Offsets& o, int64_t g, __m256& a,
+                                                          __m256& b) {
+  if constexpr (TYPE == Q6_K) {
+    a = _mm256_set1_ps(h2f(ld16(col + o.d + 2 * (g / 16))) * static_cast<float>(static_cast<int8_t>(col[o.sc + g])));
+  } else if constexpr (TYPE == Q4_K || TYPE == Q5_K) {
+    a = _mm256_set1_ps(h2f(ld16(col + o.d + 2 * (g / 8))) * static_cast<float>(col[o.sc + g]));
+    b = _mm256_set1_ps(-(h2f(ld16(col + o.m + 2 * (g / 8))) * static_cast<float>(col[o.mn + g])));
+  } else {
+    a = _mm256_set1_ps(h2f(ld16(col + o.d + 2 * g)));
+    if constexpr (KTraits<TYPE>::kAsym) b = _mm256_set1_ps(h2f(ld16(col + o.m + 2 * g)));
+  }
+}
+
+// the 8 weights of inputs 16 v + 8 half .. + 7 of a column (v: 16-input vector; chunk = v / 4 of 64 inputs,
+// `single`: the last chunk holds one group of 32 inputs)
+template <int TYPE>
+__attribute__((always_inline)) inline __m256 k_weights(const uint8_t* col, const Offsets& o, int64_t v, int half,
+                                                       bool single, __m256 a, __m256 b) {
+  using T = KTraits<TYPE>;
+  if constexpr (T::kBits == 8) {
+    return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(ld64x(col + o.codes + 16 * v + 8 * half))), a);
+  } else {
+    const int64_t chunk = v / 4;
+    const int s = static_cast<int>(v % 4);
+    const __m256i lanes = single ? _mm256_cvtepu8_epi32(ld64x(col + o.codes + 32 * chunk + 8 * half))
+                                 : _mm256_cvtepu16_epi32(ld128(col + o.codes + 32 * chunk + 16 * half));
+    __m256i u = _mm256_and_si256(_mm256_srlv_epi32(lanes, _mm256_set1_epi32(4 * s)), _mm256_set1_epi32(15));
+#pragma GCC unroll 2
+    for (int plane = 0; plane < T::kPlanes; ++plane) {
+      const uint32_t bits = (ld16(col + (plane ? o.plane2 : o.plane) + 2 * v) >> (8 * half)) & 0xFF;
+      u = _mm256_add_epi32(u, bits_to_lanes(bits, 16 << plane));
     }
-    for (int h = 0; h < G / 4; ++h) {
-      __m256i c;
-      if (t.code_bits == 8) {
-        c = ld256(rec + o.codes + 64 * (h0 + h) + 32 * half);
-      } else {
-        const __m256i v = ld256(rec + o.codes + 64 * ((h0 + h) / 2) + 32 * half);
-        c = _mm256_and_si256((h0 + h) % 2 ? _mm256_srli_epi16(v, 4) : v, _mm256_set1_epi8(0x0F));
-        for (int plane = 0; plane < t.planes(); ++plane) {
-          // bits 32 half .. 32 half + 31 of the step's 64-bit mask -> one byte each
-          const uint32_t bits = ld32(rec + (plane ? o.plane2 : o.plane) + 8 * (h0 + h) + 4 * half);
-          const __m256i spread = _mm256_shuffle_epi8(
-              _mm256_set1_epi32(static_cast<int>(bits)),
-              _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3,
-                               3, 3, 3));
-          const __m256i select = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ull));
-          const __m256i hit = _mm256_cmpeq_epi8(_mm256_and_si256(spread, select), select);
-          c = _mm256_add_epi8(c, _mm256_and_si256(hit, _mm256_set1_epi8(static_cast<char>(16 << plane))));
+    if constexpr (T::kAsym) {
+      return _mm256_fmadd_ps(a, _mm256_cvtepi32_ps(u), b);
+    } else {  // a (u - o), exact like gguf-py's d * (q - o), signed zeros included
+      return _mm256_mul_ps(a, _mm256_cvtepi32_ps(_mm256_sub_epi32(u, _mm256_set1_epi32(T::kOffset))));
+    }
+  }
+}
+
+// bytes ahead of the columns being computed that one- and two-row tiles prefetch (may point past the weights:
+// prefetches never fault)
+constexpr int64_t kPrefetchAheadBytes = 8192;
+
+template <int TYPE, int R, int C>
+__attribute__((noinline)) void k_tile(const LinearArgs& args, int64_t r0, int64_t n) {
+  using T = KTraits<TYPE>;
+  const int64_t k = args.k, row_bytes = packed_row_bytes(*args.type, k);
+  const Offsets o = offsets(*args.type, LAYOUT_K, k);
+  const uint8_t* cols[C];
+#pragma GCC unroll 8
+  for (int c = 0; c < C; ++c) cols[c] = args.payload + (n + c) * row_bytes;
+  __m256 acc[R][C];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
+  const int64_t pairs = k / 64;
+  constexpr int kVectorsPerGroup = T::kGroup / 16;
+  for (int64_t g = 0; g < k / T::kGroup; ++g) {
+    __m256 a[C], b[C];
+#pragma GCC unroll 8
+    for (int c = 0; c < C; ++c) {
+      b[c] = _mm256_setzero_ps();
+      k_group_params<TYPE>(cols[c], o, g, a[c], b[c]);
+      if (R <= 2) _mm_prefetch(reinterpret_cast<const char*>(cols[c] + kPrefetchAheadBytes + g * T::kGroup / 2), _MM_HINT_T0);
+    }
+#pragma GCC unroll 2
+    for (int vv = 0; vv < kVectorsPerGroup; ++vv) {
+      const int64_t v = g * kVectorsPerGroup + vv;
+      const bool single = v / 4 >= pairs;
+#pragma GCC unroll 2
+      for (int half = 0; half < 2; ++half) {
+        const int64_t i = 16 * v + 8 * half;
+#pragma GCC unroll 8
+        for (int c = 0; c < C; ++c) {
+          const __m256 w = k_weights<TYPE>(cols[c], o, v, half, single, a[c], b[c]);
+#pragma GCC unroll 8
+          for (int r = 0; r < R; ++r) acc[r][c] = _mm256_fmadd_ps(_mm256_loadu_ps(args.x + (r0 + r) * k + i), w, acc[r][c]);
         }
       }
-      ng.codes[half][h] = c;
     }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+    for (int c = 0; c < C; ++c) {
+      const float sum = hsum(acc[r][c]);
+      args.y[(r0 + r) * args.n + n + c] = args.bias ? sum + args.bias[n + c] : sum;
+    }
+}
+
+// columns [n_begin, n_end) for every row: tiles of 4 rows x 2 columns, then 2 or 1 rows x 4 columns (1 column at
+// the end of the range)
+template <int TYPE>
+void k_run(const LinearArgs& args, int64_t n_begin, int64_t n_end) {
+  int64_t n = n_begin;
+  for (; n + 4 <= n_end; n += 4) {
+    int64_t r = 0;
+    for (; r + 4 <= args.m; r += 4) { k_tile<TYPE, 4, 2>(args, r, n); k_tile<TYPE, 4, 2>(args, r, n + 2); }
+    if (r + 2 <= args.m) { k_tile<TYPE, 2, 4>(args, r, n); r += 2; }
+    if (r < args.m) k_tile<TYPE, 1, 4>(args, r, n);
+  }
+  for (; n < n_end; ++n) {
+    int64_t r = 0;
+    for (; r + 4 <= args.m; r += 4) k_tile<TYPE, 4, 1>(args, r, n);
+    for (; r < args.m; ++r) k_tile<TYPE, 1, 1>(args, r, n);
   }
 }
 
-// exact integer sums of the group for one row: (sum over the group of x q) per column
-inline __m256i n_isum(const TypeInfo& t, const NGroup& ng, int half, const int8_t* q, int32_t correction) {
-  const __m256i ones = _mm256_set1_epi16(1);
-  __m256i isum = _mm256_set1_epi32(correction);
-  for (int h = 0; h < t.group / 4; ++h) {
-    const __m256i x4 = _mm256_set1_epi32(static_cast<int>(ld32(reinterpret_cast<const uint8_t*>(q) + 4 * h)));
-    __m256i p16;
-    if (t.code_bits == 8) {  // signed codes q: |q| (128 fits as unsigned) times x with q's sign, no saturation
-      const __m256i signed_codes = _mm256_xor_si256(ng.codes[half][h], _mm256_set1_epi8(static_cast<char>(0x80)));
-      p16 = _mm256_maddubs_epi16(_mm256_abs_epi8(signed_codes), _mm256_sign_epi8(x4, signed_codes));
-    } else {
-      p16 = _mm256_maddubs_epi16(ng.codes[half][h], x4);
-    }
-    isum = _mm256_add_epi32(isum, _mm256_madd_epi16(p16, ones));
+// ============================================================================================ int8 numerics
+// One tile: R rows x H halves (8 columns each) of a 16-column group, every unit and group of the inputs in order.
+// Per group and row, the exact integer sum of each column: vpmaddubsw of 4 code bytes with 4 activation bytes
+// (pairs summed in int16), kSteps16 such 4-input steps summed in int16 (no step pair exceeds 2 * 63 * 127 and no run
+// of kSteps16 steps 32767, so the int16 sums are exact), then widened by vpmaddwd; 8-bit codes through the sign
+// trick one step at a time. Then the float operations every int8 path does, in the same order.
+template <int TYPE>
+struct NTraits {
+  static constexpr int kBits = (TYPE == Q5_0 || TYPE == Q5_1 || TYPE == Q5_K) ? 5 : TYPE == Q6_K ? 6 : TYPE == Q8_0 ? 8 : 4;
+  static constexpr int kGroup = TYPE == Q6_K ? 16 : 32;
+  static constexpr int kUnit = (TYPE == Q4_K || TYPE == Q5_K || TYPE == Q6_K) ? 256 : 32;
+  static constexpr bool kAsym = TYPE == Q4_1 || TYPE == Q5_1 || TYPE == Q4_K || TYPE == Q5_K;
+  static constexpr int kOffset = TYPE == Q4_0 ? 8 : TYPE == Q5_0 ? 16 : TYPE == Q6_K ? 32 : 0;  // Q8_0: sign trick
+  static constexpr int kSteps16 = kBits == 4 ? 8 : kBits == 5 ? 4 : kBits == 6 ? 2 : 1;
+  static constexpr int kPlanes = kBits == 5 ? 1 : kBits == 6 ? 2 : 0;
+};
+
+// a (and b) of the 8 columns of half `half` for group gi of a unit record
+template <int TYPE>
+__attribute__((always_inline)) inline void n_params(const uint8_t* rec, const Offsets& o, int gi, int half, __m256& a,
+                                                    __m256& b) {
+  const __m256 d = _mm256_cvtph_ps(ld128(rec + o.d + 16 * half));
+  if constexpr (TYPE == Q4_K || TYPE == Q5_K) {
+    const __m256 dmin = _mm256_cvtph_ps(ld128(rec + o.m + 16 * half));
+    const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(ld64x(rec + o.sc + 16 * gi + 8 * half)));
+    const __m256 mn = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(ld64x(rec + o.mn + 16 * gi + 8 * half)));
+    a = _mm256_mul_ps(d, sc);
+    b = _mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(dmin, mn));
+  } else if constexpr (TYPE == Q6_K) {
+    a = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(ld64x(rec + o.sc + 16 * gi + 8 * half))));
+  } else {
+    a = d;
+    if constexpr (NTraits<TYPE>::kAsym) b = _mm256_cvtph_ps(ld128(rec + o.m + 16 * half));
   }
-  return isum;
 }
 
-constexpr int kRowTile = 4;
+// the high bits of 5- and 6-bit codes: bits 32 half .. 32 half + 31 of step h's 64-bit mask -> 16 << plane per byte
+__attribute__((always_inline)) inline __m256i plane_bits(const uint8_t* p, int plane) {
+  const __m256i spread = _mm256_shuffle_epi8(
+      _mm256_set1_epi32(static_cast<int>(ld32(p))),
+      _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3));
+  const __m256i select = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ull));
+  const __m256i hit = _mm256_cmpeq_epi8(_mm256_and_si256(spread, select), select);
+  return _mm256_and_si256(hit, _mm256_set1_epi8(static_cast<char>(16 << plane)));
+}
 
-// rows [r0, r0 + rows) of the 16 columns of one column group
-void n_rows(const LinearArgs& args, const uint8_t* base, int64_t n0, int64_t r0, int rows) {
-  const TypeInfo& t = *args.type;
+// code bytes of the 8 columns of `half` for the 4-input step h of the unit (4 bytes per column)
+template <int TYPE>
+__attribute__((always_inline)) inline __m256i n_codes(const uint8_t* rec, const Offsets& o, int h, int half) {
+  using T = NTraits<TYPE>;
+  if constexpr (T::kBits == 8) {
+    return ld256(rec + o.codes + 64 * h + 32 * half);
+  } else {
+    const __m256i v = ld256(rec + o.codes + 64 * (h / 2) + 32 * half);
+    __m256i c = _mm256_and_si256(h % 2 ? _mm256_srli_epi16(v, 4) : v, _mm256_set1_epi8(0x0F));
+#pragma GCC unroll 2
+    for (int plane = 0; plane < T::kPlanes; ++plane)
+      c = _mm256_add_epi8(c, plane_bits(rec + (plane ? o.plane2 : o.plane) + 8 * h + 4 * half, plane));
+    return c;
+  }
+}
+
+// units ahead of the one being computed that one- and two-row tiles prefetch (past the weights: prefetches never
+// fault)
+constexpr int64_t kPrefetchUnits = 4;
+
+template <int TYPE, int R, int H>
+__attribute__((noinline)) void n_tile(const LinearArgs& args, const uint8_t* base, int64_t row0, int64_t n0, int half0) {
+  using T = NTraits<TYPE>;
+  constexpr int G = T::kGroup, S = G / 4;
   const QuantizedRows& xq = *args.xq;
   const int64_t k = args.k;
-  const Offsets o = offsets(t, LAYOUT_N, k);
-  const bool asym = t.offset < 0;
-  __m256 acc[kRowTile][2], accb[kRowTile][2];
-  for (int r = 0; r < kRowTile; ++r)
-    for (int half = 0; half < 2; ++half) acc[r][half] = accb[r][half] = _mm256_setzero_ps();
-  for (int64_t unit = 0; unit < k / t.unit; ++unit) {
-    for (int gi = 0; gi < t.groups_per_unit(); ++gi) {
-      NGroup ng;
-      n_group(t, base + unit * o.total, o, gi, ng);
-      const int64_t kbase = unit * t.unit + gi * t.group;
-      for (int r = 0; r < rows; ++r) {
-        const int64_t row = r0 + r;
-        const int8_t* q = xq.q + row * k + kbase;
-        int32_t correction = 0;
-        if (!asym && t.code_bits != 8) {
-          const int32_t* s16 = xq.sum16 + row * (k / 16) + kbase / 16;
-          correction = -t.offset * (t.group == 16 ? s16[0] : s16[0] + s16[1]);
+  const Offsets o = offsets(*args.type, LAYOUT_N, k);
+  const __m256i ones = _mm256_set1_epi16(1);
+  const __m256i sign_bit = _mm256_set1_epi8(static_cast<char>(0x80));
+  __m256 acc[R][H], accb[R][H];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 2
+    for (int hh = 0; hh < H; ++hh) acc[r][hh] = accb[r][hh] = _mm256_setzero_ps();
+  for (int64_t unit = 0; unit < k / T::kUnit; ++unit) {
+    const uint8_t* rec = base + unit * o.total;
+    if (R <= 2) {  // one or two rows stream the weights: fetch a few units ahead into L2
+      for (int64_t line = 0; line < o.total; line += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(rec + kPrefetchUnits * o.total + line), _MM_HINT_T1);
+    }
+    for (int gi = 0; gi < T::kUnit / G; ++gi) {
+      const int64_t kbase = unit * T::kUnit + gi * G;  // first input of the group
+      __m256i isum[R][H], s16[R][H];
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        __m256i start = _mm256_setzero_si256();
+        if constexpr (T::kOffset > 0) {
+          const int32_t* sums = xq.sum16 + (row0 + r) * (k / 16) + kbase / 16;
+          start = _mm256_set1_epi32(-T::kOffset * (G == 16 ? sums[0] : sums[0] + sums[1]));
         }
-        const int64_t block = row * (k / 32) + kbase / 32;
-        for (int half = 0; half < 2; ++half) {
-          const __m256i isum = n_isum(t, ng, half, q, correction);
-          const __m256 s = _mm256_mul_ps(ng.a[half], _mm256_set1_ps(xq.d[block]));
-          acc[r][half] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), s, acc[r][half]);
-          if (asym) accb[r][half] = _mm256_fmadd_ps(ng.b[half], _mm256_set1_ps(xq.s[block]), accb[r][half]);
+#pragma GCC unroll 2
+        for (int hh = 0; hh < H; ++hh) { isum[r][hh] = start; s16[r][hh] = _mm256_setzero_si256(); }
+      }
+#pragma GCC unroll 8
+      for (int h = 0; h < S; ++h) {
+        __m256i codes[H], magnitude[H];
+#pragma GCC unroll 2
+        for (int hh = 0; hh < H; ++hh) {
+          codes[hh] = n_codes<TYPE>(rec, o, gi * S + h, half0 + hh);
+          if constexpr (T::kBits == 8) {  // signed q: |q| (128 fits as unsigned) times x with q's sign
+            codes[hh] = _mm256_xor_si256(codes[hh], sign_bit);
+            magnitude[hh] = _mm256_abs_epi8(codes[hh]);
+          }
+        }
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) {
+          const int8_t* q = xq.q + (row0 + r) * k + kbase + 4 * h;
+          const __m256i x4 = _mm256_set1_epi32(static_cast<int>(ld32(reinterpret_cast<const uint8_t*>(q))));
+#pragma GCC unroll 2
+          for (int hh = 0; hh < H; ++hh) {
+            if constexpr (T::kBits == 8) {
+              const __m256i p = _mm256_maddubs_epi16(magnitude[hh], _mm256_sign_epi8(x4, codes[hh]));
+              isum[r][hh] = _mm256_add_epi32(isum[r][hh], _mm256_madd_epi16(p, ones));
+            } else {
+              s16[r][hh] = _mm256_add_epi16(s16[r][hh], _mm256_maddubs_epi16(codes[hh], x4));
+              if ((h + 1) % T::kSteps16 == 0) {
+                isum[r][hh] = _mm256_add_epi32(isum[r][hh], _mm256_madd_epi16(s16[r][hh], ones));
+                s16[r][hh] = _mm256_setzero_si256();
+              }
+            }
+          }
+        }
+      }
+#pragma GCC unroll 2
+      for (int hh = 0; hh < H; ++hh) {
+        __m256 a, b = _mm256_setzero_ps();
+        n_params<TYPE>(rec, o, gi, half0 + hh, a, b);
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) {
+          const int64_t block = (row0 + r) * (k / 32) + kbase / 32;
+          const __m256 s = _mm256_mul_ps(a, _mm256_set1_ps(xq.d[block]));
+          acc[r][hh] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r][hh]), s, acc[r][hh]);
+          if constexpr (T::kAsym) accb[r][hh] = _mm256_fmadd_ps(b, _mm256_set1_ps(xq.s[block]), accb[r][hh]);
         }
       }
     }
   }
-  for (int r = 0; r < rows; ++r) {
-    float out[16];
-    for (int half = 0; half < 2; ++half)
-      _mm256_storeu_ps(out + 8 * half, asym ? _mm256_add_ps(acc[r][half], accb[r][half]) : acc[r][half]);
-    for (int j = 0; j < 16 && n0 + j < args.n; ++j)
-      args.y[(r0 + r) * args.n + n0 + j] = args.bias ? out[j] + args.bias[n0 + j] : out[j];
+#pragma GCC unroll 2
+  for (int hh = 0; hh < H; ++hh) {
+    const int64_t col = n0 + 8 * (half0 + hh);
+    for (int r = 0; r < R; ++r) {
+      float out[8];
+      _mm256_storeu_ps(out, T::kAsym ? _mm256_add_ps(acc[r][hh], accb[r][hh]) : acc[r][hh]);
+      float* y = args.y + (row0 + r) * args.n;
+      for (int j = 0; j < 8 && col + j < args.n; ++j) y[col + j] = args.bias ? out[j] + args.bias[col + j] : out[j];
+    }
   }
+}
+
+// every row of the 16 columns of one column group: 4-row tiles a half at a time, then a pair and a single row over
+// both halves
+template <int TYPE>
+void n_columns(const LinearArgs& args, const uint8_t* base, int64_t n0) {
+  int64_t r = 0;
+  for (; r + 4 <= args.m; r += 4) {
+    n_tile<TYPE, 4, 1>(args, base, r, n0, 0);
+    if (n0 + 8 < args.n) n_tile<TYPE, 4, 1>(args, base, r, n0, 1);
+  }
+  if (r + 2 <= args.m) { n_tile<TYPE, 2, 2>(args, base, r, n0, 0); r += 2; }
+  if (r < args.m) n_tile<TYPE, 1, 2>(args, base, r, n0, 0);
+}
+
+template <int TYPE>
+void n_run(const LinearArgs& args, int64_t n_begin, int64_t n_end) {
+  const int64_t group_bytes = kColumnsPerGroup * packed_row_bytes(*args.type, args.k);
+  for (int64_t n = n_begin; n < n_end; n += kColumnsPerGroup)
+    n_columns<TYPE>(args, args.payload + n / kColumnsPerGroup * group_bytes, n);
 }
 
 }  // namespace
 
 bool linear_k_avx2(const LinearArgs& args, int64_t n_begin, int64_t n_end, float* scratch) {
+  switch (args.type->type) {
+    case Q4_0: k_run<Q4_0>(args, n_begin, n_end); return true;
+    case Q4_1: k_run<Q4_1>(args, n_begin, n_end); return true;
+    case Q5_0: k_run<Q5_0>(args, n_begin, n_end); return true;
+    case Q5_1: k_run<Q5_1>(args, n_begin, n_end); return true;
+    case Q8_0: k_run<Q8_0>(args, n_begin, n_end); return true;
+    case Q4_K: k_run<Q4_K>(args, n_begin, n_end); return true;
+    case Q5_K: k_run<Q5_K>(args, n_begin, n_end); return true;
+    case Q6_K: k_run<Q6_K>(args, n_begin, n_end); return true;
+    default: break;
+  }
+  // float weights (F32 / F16 / BF16): each column decoded once per call into scratch, then every row
   const TypeInfo& t = *args.type;
   const int64_t k = args.k, row_bytes = packed_row_bytes(t, k);
-  const int64_t groups = t.group ? k / t.group : 0;
-  float* a = scratch;
-  float* b = a + groups;
-  const Offsets o = offsets(t, LAYOUT_K, k);
   for (int64_t n = n_begin; n < n_end; n += 4) {
     const int columns = n_end - n < 4 ? static_cast<int>(n_end - n) : 4;
     const float* weights[4];
-    for (int c = 0; c < columns; ++c) {  // each column decoded once per call, for every row
+    for (int c = 0; c < columns; ++c) {
       const uint8_t* col = args.payload + (n + c) * row_bytes;
-      float* w = b + groups + c * k;
+      float* w = scratch + c * k;
       weights[c] = w;
       if (t.type == F32) {
         weights[c] = reinterpret_cast<const float*>(col);  // LAYOUT_K holds F32 columns as they are
-      } else if (is_float_type(t)) {
-        float_decode(t, col, k, w);
       } else {
-        k_params(t, col, o, k, a, b);
-        k_decode(t, col, o, k, a, b, w);
+        float_decode(t, col, k, w);
       }
     }
     for (int64_t r = 0; r < args.m; r += 2) {
@@ -307,15 +453,62 @@ bool linear_k_avx2(const LinearArgs& args, int64_t n_begin, int64_t n_end, float
 }
 
 bool linear_n_avx2(const LinearArgs& args, int64_t n_begin, int64_t n_end, float*) {
-  const TypeInfo& t = *args.type;
-  if (is_float_type(t)) return false;
-  const int64_t group_bytes = kColumnsPerGroup * packed_row_bytes(t, args.k);
-  for (int64_t n = n_begin; n < n_end; n += kColumnsPerGroup) {
-    const uint8_t* base = args.payload + n / kColumnsPerGroup * group_bytes;
-    for (int64_t r = 0; r < args.m; r += kRowTile)
-      n_rows(args, base, n, r, static_cast<int>(args.m - r < kRowTile ? args.m - r : kRowTile));
+  switch (args.type->type) {
+    case Q4_0: n_run<Q4_0>(args, n_begin, n_end); return true;
+    case Q4_1: n_run<Q4_1>(args, n_begin, n_end); return true;
+    case Q5_0: n_run<Q5_0>(args, n_begin, n_end); return true;
+    case Q5_1: n_run<Q5_1>(args, n_begin, n_end); return true;
+    case Q8_0: n_run<Q8_0>(args, n_begin, n_end); return true;
+    case Q4_K: n_run<Q4_K>(args, n_begin, n_end); return true;
+    case Q5_K: n_run<Q5_K>(args, n_begin, n_end); return true;
+    case Q6_K: n_run<Q6_K>(args, n_begin, n_end); return true;
+    default: return false;
   }
-  return true;
+}
+
+// The portable quantizer's bits (quant_layout.cpp): max(|v|, acc) keeps acc where |v| is NaN (std::fmax's NaN
+// rule), max(NaN, -127) = -127 then min(., 127) (its clamp), vcvtps2dq rounds half to even (std::nearbyint under
+// the default rounding mode); the codes, within [-127, 127], pack to bytes without saturating.
+void quantize_rows_avx2(const float* x, int64_t row_begin, int64_t row_end, QuantizedRows& out) {
+  const int64_t k = out.k, blocks = k / 32;
+  const __m256 lo = _mm256_set1_ps(-127.0f), hi = _mm256_set1_ps(127.0f);
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  for (int64_t r = row_begin; r < row_end; ++r) {
+    for (int64_t blk = 0; blk < blocks; ++blk) {
+      const float* v = x + r * k + 32 * blk;
+      __m256 vs[4];
+      __m256 amax = _mm256_setzero_ps();
+      for (int j = 0; j < 4; ++j) {
+        vs[j] = _mm256_loadu_ps(v + 8 * j);
+        amax = _mm256_max_ps(_mm256_and_ps(vs[j], abs_mask), amax);
+      }
+      __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+      m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+      m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+      const float d = _mm_cvtss_f32(m4) / 127.0f;
+      const float id = d != 0.0f ? 1.0f / d : 0.0f;
+      const __m256 scale = _mm256_set1_ps(id);
+      __m256i q[4];
+      for (int j = 0; j < 4; ++j)
+        q[j] = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(_mm256_mul_ps(vs[j], scale), lo), hi));
+      const __m256i bytes = _mm256_permutevar8x32_epi32(
+          _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3])), order);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out.q + r * k + 32 * blk), bytes);
+      int32_t sums[2];
+      for (int h = 0; h < 2; ++h) {
+        const __m256i s8 = _mm256_add_epi32(q[2 * h], q[2 * h + 1]);
+        __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s8), _mm256_extracti128_si256(s8, 1));
+        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, _MM_SHUFFLE(1, 0, 3, 2)));
+        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, _MM_SHUFFLE(2, 3, 0, 1)));
+        sums[h] = _mm_cvtsi128_si32(s4);
+      }
+      out.d[r * blocks + blk] = d;
+      out.s[r * blocks + blk] = d * static_cast<float>(sums[0] + sums[1]);
+      out.sum16[r * (k / 16) + 2 * blk] = sums[0];
+      out.sum16[r * (k / 16) + 2 * blk + 1] = sums[1];
+    }
+  }
 }
 
 }  // namespace eagle::quant
@@ -327,6 +520,9 @@ bool linear_n_avx2(const LinearArgs& args, int64_t n_begin, int64_t n_end, float
 namespace eagle::quant {
 bool linear_k_avx2(const LinearArgs&, int64_t, int64_t, float*) { return false; }
 bool linear_n_avx2(const LinearArgs&, int64_t, int64_t, float*) { return false; }
+void quantize_rows_avx2(const float* x, int64_t row_begin, int64_t row_end, QuantizedRows& out) {
+  quantize_rows_portable(x, row_begin, row_end, out);
+}
 }  // namespace eagle::quant
 
 #endif
