@@ -112,14 +112,16 @@ void k_rows(const LinearArgs& args, const float* const* w, int64_t r0, int64_t n
 // order; each column's 8 weights are decoded once (gguf-py's values: a (u - o) or fma(a, u, b)) and multiplied into
 // its R accumulators, so an output is the same fma sequence over its inputs whatever the tile shape, then the same
 // horizontal sum and bias as k_rows.
+// a GGUF type's constants, for both numerics (kSteps16: the int8 kernel's 4-input steps summed in int16)
 template <int TYPE>
-struct KTraits {
+struct Traits {
   static constexpr int kBits = (TYPE == Q5_0 || TYPE == Q5_1 || TYPE == Q5_K) ? 5 : TYPE == Q6_K ? 6 : TYPE == Q8_0 ? 8 : 4;
   static constexpr int kGroup = TYPE == Q6_K ? 16 : 32;
   static constexpr int kUnit = (TYPE == Q4_K || TYPE == Q5_K || TYPE == Q6_K) ? 256 : 32;
   static constexpr bool kAsym = TYPE == Q4_1 || TYPE == Q5_1 || TYPE == Q4_K || TYPE == Q5_K;
-  static constexpr int kOffset = TYPE == Q4_0 ? 8 : TYPE == Q5_0 ? 16 : TYPE == Q6_K ? 32 : 0;
+  static constexpr int kOffset = TYPE == Q4_0 ? 8 : TYPE == Q5_0 ? 16 : TYPE == Q6_K ? 32 : 0;  // Q8_0: none (a q)
   static constexpr int kPlanes = kBits == 5 ? 1 : kBits == 6 ? 2 : 0;
+  static constexpr int kSteps16 = kBits == 4 ? 8 : kBits == 5 ? 4 : kBits == 6 ? 2 : 1;
 };
 
 // a and b of group g of a LAYOUT_K column (as column_params computes them)
@@ -133,7 +135,7 @@ __attribute__((always_inline)) inline void k_group_params(const uint8_t* col, co
     b = _mm256_set1_ps(-(h2f(ld16(col + o.m + 2 * (g / 8))) * static_cast<float>(col[o.mn + g])));
   } else {
     a = _mm256_set1_ps(h2f(ld16(col + o.d + 2 * g)));
-    if constexpr (KTraits<TYPE>::kAsym) b = _mm256_set1_ps(h2f(ld16(col + o.m + 2 * g)));
+    if constexpr (Traits<TYPE>::kAsym) b = _mm256_set1_ps(h2f(ld16(col + o.m + 2 * g)));
   }
 }
 
@@ -142,7 +144,7 @@ __attribute__((always_inline)) inline void k_group_params(const uint8_t* col, co
 template <int TYPE>
 __attribute__((always_inline)) inline __m256 k_weights(const uint8_t* col, const Offsets& o, int64_t v, int half,
                                                        bool single, __m256 a, __m256 b) {
-  using T = KTraits<TYPE>;
+  using T = Traits<TYPE>;
   if constexpr (T::kBits == 8) {
     return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(ld64x(col + o.codes + 16 * v + 8 * half))), a);
   } else {
@@ -170,7 +172,7 @@ constexpr int64_t kPrefetchAheadBytes = 8192;
 
 template <int TYPE, int R, int C>
 __attribute__((noinline)) void k_tile(const LinearArgs& args, int64_t r0, int64_t n) {
-  using T = KTraits<TYPE>;
+  using T = Traits<TYPE>;
   const int64_t k = args.k, row_bytes = packed_row_bytes(*args.type, k);
   const Offsets o = offsets(*args.type, LAYOUT_K, k);
   const uint8_t* cols[C];
@@ -240,16 +242,6 @@ void k_run(const LinearArgs& args, int64_t n_begin, int64_t n_end) {
 // (pairs summed in int16), kSteps16 such 4-input steps summed in int16 (no step pair exceeds 2 * 63 * 127 and no run
 // of kSteps16 steps 32767, so the int16 sums are exact), then widened by vpmaddwd; 8-bit codes through the sign
 // trick one step at a time. Then the float operations every int8 path does, in the same order.
-template <int TYPE>
-struct NTraits {
-  static constexpr int kBits = (TYPE == Q5_0 || TYPE == Q5_1 || TYPE == Q5_K) ? 5 : TYPE == Q6_K ? 6 : TYPE == Q8_0 ? 8 : 4;
-  static constexpr int kGroup = TYPE == Q6_K ? 16 : 32;
-  static constexpr int kUnit = (TYPE == Q4_K || TYPE == Q5_K || TYPE == Q6_K) ? 256 : 32;
-  static constexpr bool kAsym = TYPE == Q4_1 || TYPE == Q5_1 || TYPE == Q4_K || TYPE == Q5_K;
-  static constexpr int kOffset = TYPE == Q4_0 ? 8 : TYPE == Q5_0 ? 16 : TYPE == Q6_K ? 32 : 0;  // Q8_0: sign trick
-  static constexpr int kSteps16 = kBits == 4 ? 8 : kBits == 5 ? 4 : kBits == 6 ? 2 : 1;
-  static constexpr int kPlanes = kBits == 5 ? 1 : kBits == 6 ? 2 : 0;
-};
 
 // a (and b) of the 8 columns of half `half` for group gi of a unit record
 template <int TYPE>
@@ -266,7 +258,7 @@ __attribute__((always_inline)) inline void n_params(const uint8_t* rec, const Of
     a = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(ld64x(rec + o.sc + 16 * gi + 8 * half))));
   } else {
     a = d;
-    if constexpr (NTraits<TYPE>::kAsym) b = _mm256_cvtph_ps(ld128(rec + o.m + 16 * half));
+    if constexpr (Traits<TYPE>::kAsym) b = _mm256_cvtph_ps(ld128(rec + o.m + 16 * half));
   }
 }
 
@@ -283,7 +275,7 @@ __attribute__((always_inline)) inline __m256i plane_bits(const uint8_t* p, int p
 // code bytes of the 8 columns of `half` for the 4-input step h of the unit (4 bytes per column)
 template <int TYPE>
 __attribute__((always_inline)) inline __m256i n_codes(const uint8_t* rec, const Offsets& o, int h, int half) {
-  using T = NTraits<TYPE>;
+  using T = Traits<TYPE>;
   if constexpr (T::kBits == 8) {
     return ld256(rec + o.codes + 64 * h + 32 * half);
   } else {
@@ -302,7 +294,7 @@ constexpr int64_t kPrefetchUnits = 4;
 
 template <int TYPE, int R, int H>
 __attribute__((noinline)) void n_tile(const LinearArgs& args, const uint8_t* base, int64_t row0, int64_t n0, int half0) {
-  using T = NTraits<TYPE>;
+  using T = Traits<TYPE>;
   constexpr int G = T::kGroup, S = G / 4;
   const QuantizedRows& xq = *args.xq;
   const int64_t k = args.k;
