@@ -32,6 +32,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <type_traits>
 
 namespace eagle::quant {
 
@@ -99,6 +100,23 @@ inline Offsets offsets(const TypeInfo& t, Layout layout, int64_t k) {
   o.plane2 = o.plane + span / 8 * lanes;
   o.total = o.plane + t.planes() * span / 8 * lanes;
   return o;
+}
+
+// Calls f(std::integral_constant<int, TYPE>{}) for a quantized type (TYPE a compile-time constant, for the SIMD
+// kernels' per-type templates) and returns true; false for any other type (the float types included).
+template <typename F>
+bool with_quant_type(int32_t type, const F& f) {
+  switch (type) {
+    case Q4_0: f(std::integral_constant<int, Q4_0>{}); return true;
+    case Q4_1: f(std::integral_constant<int, Q4_1>{}); return true;
+    case Q5_0: f(std::integral_constant<int, Q5_0>{}); return true;
+    case Q5_1: f(std::integral_constant<int, Q5_1>{}); return true;
+    case Q8_0: f(std::integral_constant<int, Q8_0>{}); return true;
+    case Q4_K: f(std::integral_constant<int, Q4_K>{}); return true;
+    case Q5_K: f(std::integral_constant<int, Q5_K>{}); return true;
+    case Q6_K: f(std::integral_constant<int, Q6_K>{}); return true;
+    default: return false;
+  }
 }
 
 // nullptr for a type the kernels do not handle

@@ -75,6 +75,19 @@ void float_decode(const TypeInfo& t, const uint8_t* col, int64_t k, float* w) {
   }
 }
 
+// y[r0 + r][n + c] = the horizontal sum of acc[r][c] (+ bias), for the float32 tiles of both weight kinds
+template <int R, int C>
+__attribute__((always_inline)) inline void store_sums(const LinearArgs& args, const __m256 (&acc)[R][C], int64_t r0,
+                                                      int64_t n) {
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+    for (int c = 0; c < C; ++c) {
+      const float sum = hsum(acc[r][c]);
+      args.y[(r0 + r) * args.n + n + c] = args.bias ? sum + args.bias[n + c] : sum;
+    }
+}
+
 // rows [r0, r0 + R) of columns [n, n + C), weights w[c][K]; the last partial vector of 8 is masked (zeros).
 // R x C accumulators: 2 x 4 leaves room in the 16 ymm registers for the 4 weight vectors and one x vector.
 template <int R, int C>
@@ -99,19 +112,9 @@ void k_rows(const LinearArgs& args, const float* const* w, int64_t r0, int64_t n
       for (int c = 0; c < C; ++c) acc[r][c] = _mm256_fmadd_ps(xv, wv[c], acc[r][c]);
     }
   }
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r)
-#pragma GCC unroll 8
-    for (int c = 0; c < C; ++c) {
-      const float sum = hsum(acc[r][c]);
-      args.y[(r0 + r) * args.n + n + c] = args.bias ? sum + args.bias[n + c] : sum;
-    }
+  store_sums<R, C>(args, acc, r0, n);
 }
 
-// Quantized weights (LAYOUT_K), decoded in registers: a tile of R rows x C columns walks the inputs 8 at a time in
-// order; each column's 8 weights are decoded once (gguf-py's values: a (u - o) or fma(a, u, b)) and multiplied into
-// its R accumulators, so an output is the same fma sequence over its inputs whatever the tile shape, then the same
-// horizontal sum and bias as k_rows.
 // a GGUF type's constants, for both numerics (kSteps16: the int8 kernel's 4-input steps summed in int16)
 template <int TYPE>
 struct Traits {
@@ -123,6 +126,11 @@ struct Traits {
   static constexpr int kPlanes = kBits == 5 ? 1 : kBits == 6 ? 2 : 0;
   static constexpr int kSteps16 = kBits == 4 ? 8 : kBits == 5 ? 4 : kBits == 6 ? 2 : 1;
 };
+
+// Quantized weights (LAYOUT_K), decoded in registers: a tile of R rows x C columns walks the inputs 8 at a time in
+// order; each column's 8 weights are decoded once (gguf-py's values: a (u - o) or fma(a, u, b)) and multiplied into
+// its R accumulators, so an output is the same fma sequence over its inputs whatever the tile shape, then the same
+// horizontal sum and bias as k_rows.
 
 // a and b of group g of a LAYOUT_K column (as column_params computes them)
 template <int TYPE>
@@ -209,13 +217,7 @@ __attribute__((noinline)) void k_tile(const LinearArgs& args, int64_t r0, int64_
       }
     }
   }
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r)
-#pragma GCC unroll 8
-    for (int c = 0; c < C; ++c) {
-      const float sum = hsum(acc[r][c]);
-      args.y[(r0 + r) * args.n + n + c] = args.bias ? sum + args.bias[n + c] : sum;
-    }
+  store_sums<R, C>(args, acc, r0, n);
 }
 
 // columns [n_begin, n_end) for every row: tiles of 4 rows x 2 columns, then 2 or 1 rows x 4 columns (1 column at
@@ -404,17 +406,8 @@ void n_run(const LinearArgs& args, int64_t n_begin, int64_t n_end) {
 }  // namespace
 
 bool linear_k_avx2(const LinearArgs& args, int64_t n_begin, int64_t n_end, float* scratch) {
-  switch (args.type->type) {
-    case Q4_0: k_run<Q4_0>(args, n_begin, n_end); return true;
-    case Q4_1: k_run<Q4_1>(args, n_begin, n_end); return true;
-    case Q5_0: k_run<Q5_0>(args, n_begin, n_end); return true;
-    case Q5_1: k_run<Q5_1>(args, n_begin, n_end); return true;
-    case Q8_0: k_run<Q8_0>(args, n_begin, n_end); return true;
-    case Q4_K: k_run<Q4_K>(args, n_begin, n_end); return true;
-    case Q5_K: k_run<Q5_K>(args, n_begin, n_end); return true;
-    case Q6_K: k_run<Q6_K>(args, n_begin, n_end); return true;
-    default: break;
-  }
+  if (with_quant_type(args.type->type, [&](auto type) { k_run<decltype(type)::value>(args, n_begin, n_end); }))
+    return true;
   // float weights (F32 / F16 / BF16): each column decoded once per call into scratch, then every row
   const TypeInfo& t = *args.type;
   const int64_t k = args.k, row_bytes = packed_row_bytes(t, k);
@@ -445,17 +438,7 @@ bool linear_k_avx2(const LinearArgs& args, int64_t n_begin, int64_t n_end, float
 }
 
 bool linear_n_avx2(const LinearArgs& args, int64_t n_begin, int64_t n_end, float*) {
-  switch (args.type->type) {
-    case Q4_0: n_run<Q4_0>(args, n_begin, n_end); return true;
-    case Q4_1: n_run<Q4_1>(args, n_begin, n_end); return true;
-    case Q5_0: n_run<Q5_0>(args, n_begin, n_end); return true;
-    case Q5_1: n_run<Q5_1>(args, n_begin, n_end); return true;
-    case Q8_0: n_run<Q8_0>(args, n_begin, n_end); return true;
-    case Q4_K: n_run<Q4_K>(args, n_begin, n_end); return true;
-    case Q5_K: n_run<Q5_K>(args, n_begin, n_end); return true;
-    case Q6_K: n_run<Q6_K>(args, n_begin, n_end); return true;
-    default: return false;
-  }
+  return with_quant_type(args.type->type, [&](auto type) { n_run<decltype(type)::value>(args, n_begin, n_end); });
 }
 
 // The portable quantizer's bits (quant_layout.cpp): max(|v|, acc) keeps acc where |v| is NaN (std::fmax's NaN

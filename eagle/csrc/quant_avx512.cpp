@@ -596,30 +596,14 @@ bool linear_k_avx512(const LinearArgs& args, int64_t n_begin, int64_t n_end, flo
     case F32: k_run<F32>(args, n_begin, n_end, scratch); return true;
     case F16: k_run<F16>(args, n_begin, n_end, scratch); return true;
     case BF16: k_run<BF16>(args, n_begin, n_end, scratch); return true;
-    case Q4_0: k_run<Q4_0>(args, n_begin, n_end, scratch); return true;
-    case Q4_1: k_run<Q4_1>(args, n_begin, n_end, scratch); return true;
-    case Q5_0: k_run<Q5_0>(args, n_begin, n_end, scratch); return true;
-    case Q5_1: k_run<Q5_1>(args, n_begin, n_end, scratch); return true;
-    case Q8_0: k_run<Q8_0>(args, n_begin, n_end, scratch); return true;
-    case Q4_K: k_run<Q4_K>(args, n_begin, n_end, scratch); return true;
-    case Q5_K: k_run<Q5_K>(args, n_begin, n_end, scratch); return true;
-    case Q6_K: k_run<Q6_K>(args, n_begin, n_end, scratch); return true;
-    default: return false;
+    default:
+      return with_quant_type(args.type->type,
+                             [&](auto type) { k_run<decltype(type)::value>(args, n_begin, n_end, scratch); });
   }
 }
 
 bool linear_n_avx512(const LinearArgs& args, int64_t n_begin, int64_t n_end, float*) {
-  switch (args.type->type) {
-    case Q4_0: n_run<Q4_0>(args, n_begin, n_end); return true;
-    case Q4_1: n_run<Q4_1>(args, n_begin, n_end); return true;
-    case Q5_0: n_run<Q5_0>(args, n_begin, n_end); return true;
-    case Q5_1: n_run<Q5_1>(args, n_begin, n_end); return true;
-    case Q8_0: n_run<Q8_0>(args, n_begin, n_end); return true;
-    case Q4_K: n_run<Q4_K>(args, n_begin, n_end); return true;
-    case Q5_K: n_run<Q5_K>(args, n_begin, n_end); return true;
-    case Q6_K: n_run<Q6_K>(args, n_begin, n_end); return true;
-    default: return false;
-  }
+  return with_quant_type(args.type->type, [&](auto type) { n_run<decltype(type)::value>(args, n_begin, n_end); });
 }
 
 void quantize_rows_avx512(const float* x, int64_t row_begin, int64_t row_end, QuantizedRows& out) {
