@@ -101,6 +101,11 @@ def test_a_backend_s_own_tree_comes_before_the_device_s():
     assert head_tree_for({"eagle_tree": {"cpu": cpu}}, device, "gguf") == cpu  # none of its own: the device's
     assert list(head_batch_trees(config, device, base, "gguf")) == [4]
     assert list(head_batch_trees(config, device, base)) == [2]
+    # int8 activations: their own key first, then the kernels', then the device's
+    int8 = {"total_token": 2, "depth": 0}
+    assert head_tree_for({"eagle_tree": {**config["eagle_tree"], "cpu-gguf-int8": int8}}, device, "gguf-int8") == int8
+    assert head_tree_for(config, device, "gguf-int8") == own
+    assert head_tree_for({"eagle_tree": {"cpu": cpu}}, device, "gguf-int8") == cpu
 
 
 @pytest.fixture

@@ -127,6 +127,7 @@ def test_int8_numerics_reach_every_layer(load):
     model = load("int8")
     linears = [m for m in model.base_model.modules() if isinstance(m, QuantLinear)]
     assert linears and all(m.numerics == "int8" and m.uses_kernels for m in linears)
+    assert gguf.kernel_numerics(model.base_model) == "int8" and gguf.kernel_numerics(load(False).base_model) is None
 
 
 def test_off_gives_the_float32_model(load):
@@ -142,10 +143,11 @@ def test_each_model_drafts_with_the_tree_the_head_carries_for_its_backend(load):
     carries a tree for each, and from_pretrained picks the one of the backend the model runs on."""
     from eagle.model.tuning.head_tree import embedded_tree_settings
 
-    for gguf_kernels, kind in (("float32", "cpu-gguf"), (False, "cpu")):
+    for gguf_kernels, kind in (("float32", "cpu-gguf"), ("int8", "cpu-gguf-int8"), (False, "cpu")):
         settings = load(gguf_kernels).tree_settings
         assert {key: getattr(settings, key) for key in embedded_tree_settings(kind)} == embedded_tree_settings(kind)
     assert embedded_tree_settings("cpu-gguf") != embedded_tree_settings("cpu")
+    assert embedded_tree_settings("cpu-gguf-int8") != embedded_tree_settings("cpu-gguf")
 
 
 @pytest.mark.parametrize("value", ["fast", True, "on", 8])

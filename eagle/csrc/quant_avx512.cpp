@@ -512,7 +512,7 @@ __attribute__((noinline)) void n_tile(const LinearArgs& args, const uint8_t* con
 #pragma GCC unroll 16
       for (int c = 0; c < CG; ++c) {
         const uint8_t* rec = groups[c] + unit * o.total;
-        if (R <= 2 && gi == 0) {  // one or two rows stream the weights: fetch a few units ahead into L2
+        if (gi == 0) {  // stream the weights: fetch a few units ahead into L2
           for (int64_t line = 0; line < o.total; line += 64)
             _mm_prefetch(reinterpret_cast<const char*>(rec + kPrefetchUnits * o.total + line), _MM_HINT_T1);
         }
@@ -570,6 +570,11 @@ void n_columns(const LinearArgs& args, int64_t n0) {
   if constexpr (CG == 1) {
     for (; r + 8 <= args.m; r += 8) n_tile<TYPE, 8, 1>(args, groups, r, n0);
     if (r + 4 <= args.m) { n_tile<TYPE, 4, 1>(args, groups, r, n0); r += 4; }
+    if (r + 3 <= args.m) { n_tile<TYPE, 3, 1>(args, groups, r, n0); r += 3; }
+  }
+  if constexpr (CG == 2) {
+    if (r + 4 <= args.m) { n_tile<TYPE, 4, 2>(args, groups, r, n0); r += 4; }
+    if (r + 3 <= args.m) { n_tile<TYPE, 3, 2>(args, groups, r, n0); r += 3; }
   }
   if (r + 2 <= args.m) { n_tile<TYPE, 2, CG>(args, groups, r, n0); r += 2; }
   if (r < args.m) n_tile<TYPE, 1, CG>(args, groups, r, n0);
@@ -580,6 +585,8 @@ void n_run(const LinearArgs& args, int64_t n_begin, int64_t n_end) {
   int64_t n = n_begin;
   if (args.m <= 2) {
     for (; n + 64 <= n_end; n += 64) n_columns<TYPE, 4>(args, n);
+  } else if (args.m <= 4) {
+    for (; n + 32 <= n_end; n += 32) n_columns<TYPE, 2>(args, n);
   }
   for (; n < n_end; n += 16) n_columns<TYPE, 1>(args, n);
 }

@@ -84,8 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
 def write_tree(args) -> dict:
     """``--write-tree HEAD_DIR``: tune the tree of HEAD_DIR on this device and write it into the head."""
     from eagle.model.tuning.autotune import tune_tree
-    from eagle.model.target.backends.gguf import quant_layer_count
-    from eagle.model.tuning.head_tree import read_head_trees, tree_kinds, write_head_tree
+    from eagle.model.target.backends.gguf import kernel_numerics
+    from eagle.model.tuning.head_tree import kernel_backend, read_head_trees, tree_kinds, write_head_tree
 
     if args.ea_model_path not in (None, args.write_tree):
         raise SystemExit("--write-tree HEAD_DIR names the head to tune; leave --ea-model-path out.")
@@ -96,7 +96,7 @@ def write_tree(args) -> dict:
     args.ea_model_path = args.write_tree
     model = load_model_from_args(args)  # the base model not given: the embedded one
     settings = tune_tree(model, {}, use_cache=False)
-    kind = tree_kinds(model.device, "gguf" if quant_layer_count(model.base_model) else None)[0]
+    kind = tree_kinds(model.device, kernel_backend(kernel_numerics(model.base_model)))[0]
     path = write_head_tree(args.write_tree, kind, settings)
     tree = {"total_token": settings.total_token, "depth": settings.depth, "top_k": settings.top_k,
             "lookup_tokens": settings.lookup_tokens}

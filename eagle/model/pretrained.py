@@ -17,7 +17,7 @@ from eagle.model.target.backends.gguf import GGUF_KERNEL_VALUES, gguf_file_of, r
 from eagle.model.target.backends.linear import linear_backend, switch_backend
 from eagle.model.target.backends.onednn import should_auto_pack
 from eagle.model.target.loading import load_base_model
-from eagle.model.tuning.head_tree import check_tree_arguments, head_tree_for, resolve_tree
+from eagle.model.tuning.head_tree import check_tree_arguments, head_tree_for, kernel_backend, resolve_tree
 
 logger = logging.getLogger(__name__)
 
@@ -144,7 +144,7 @@ def load_pretrained(cls, *, use_eagle3: bool, base_model_path, ea_model_path, tr
                                                          draft_load_dtype(draft_dtype, numerics is not None))
     head_config = {} if ea_layer is None else ea_layer.config
     device = base_model.get_input_embeddings().weight.device
-    backend = "gguf" if numerics is not None else None  # the kernels' costs call for a tree of their own
+    backend = kernel_backend(numerics)  # the kernels' costs call for a tree of their own
     settings, sources = resolve_tree(tree, head_tree_for(head_config, device, backend))
     model = cls(base_model, ea_layer, tokenizer, settings.total_token, settings.depth, settings.top_k,
                 base_model_name_or_path=base_model_path, use_eagle3=use_eagle3,

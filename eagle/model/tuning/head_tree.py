@@ -42,10 +42,20 @@ def device_kind(device) -> str:
 
 def tree_kinds(device, backend: str | None = None) -> list[str]:
     """The keys of a head's trees to look up for ``device``, best first: with a linear ``backend`` whose costs
-    differ (``"gguf"``: the GGUF kernels, where verifying ten rows costs several times one row), its own key
-    (``"cpu-gguf"``) before the device's."""
+    differ (``"gguf"``: the GGUF kernels, where verifying ten rows costs several times one row; ``"gguf-int8"``:
+    the same with int8 activations), its own key (``"cpu-gguf-int8"``), then each shorter one (``"cpu-gguf"``),
+    then the device's."""
     kind = device_kind(device)
-    return [f"{kind}-{backend}", kind] if backend else [kind]
+    parts = backend.split("-") if backend else []
+    return [f"{kind}-{'-'.join(parts[:n])}" for n in range(len(parts), 0, -1)] + [kind]
+
+
+def kernel_backend(numerics: str | None) -> str | None:
+    """The tree key's backend of a model on the GGUF kernels with ``numerics`` (``"float32"``: ``"gguf"``,
+    ``"int8"``: ``"gguf-int8"``, whose rows cost differently again), None for a model off the kernels."""
+    if numerics is None:
+        return None
+    return "gguf" if numerics == "float32" else f"gguf-{numerics}"
 
 
 def first_tree(trees: dict, kinds: list[str]):

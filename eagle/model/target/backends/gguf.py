@@ -272,9 +272,10 @@ def share_embedding_with_head(head: nn.Module, old_weight: torch.Tensor, embeddi
     return True
 
 
-def quant_layer_count(model: nn.Module) -> int:
-    """How many modules of ``model`` compute over GGUF blocks with the kernels."""
-    return sum(isinstance(m, (QuantLinear, QuantEmbedding)) and m.uses_kernels for m in model.modules())
+def kernel_numerics(model: nn.Module) -> str | None:
+    """The numerics (``"float32"`` / ``"int8"``) ``model``'s linear layers run with on the kernels, None when none
+    does."""
+    return next((m.numerics for m in model.modules() if isinstance(m, QuantLinear) and m.uses_kernels), None)
 
 
 class GGUFLinear(PlainLinear):
