@@ -580,6 +580,10 @@ void n_columns(const LinearArgs& args, int64_t n0) {
   if (r < args.m) n_tile<TYPE, 1, CG>(args, groups, r, n0);
 }
 
+// Columns [n_begin, n_end) for every row, in tiles as wide as the rows allow: 4 groups of 16 columns for 1 or 2 rows
+// (the weights stream; more independent work in flight), 2 groups for 3 or 4 rows, else 1 group with tiles of 8, 4
+// and 3 rows (a tile's rows share each decoded code vector); a chunk's columns beyond its last wide tile run in
+// 1-group tiles (the same bits: the tile shape never changes what an output computes).
 template <int TYPE>
 void n_run(const LinearArgs& args, int64_t n_begin, int64_t n_end) {
   int64_t n = n_begin;
