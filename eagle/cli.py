@@ -42,9 +42,9 @@ from dataclasses import dataclass
 
 import torch
 
-from eagle.model.target.backends.gguf import GGUF_FLAG_VALUES, add_gguf_kernels_argument
-from eagle.model.target.backends.linear import BitsAndBytesLinear
-from eagle.model.target.backends.onednn import PACK_FLAG_VALUES, add_pack_cpu_weights_argument
+from eagle.model.backends.gguf import GGUF_FLAG_VALUES, add_gguf_kernels_argument
+from eagle.model.backends.linear import BitsAndBytesLinear
+from eagle.model.backends.onednn import PACK_FLAG_VALUES, add_pack_cpu_weights_argument
 from eagle.model.heads.loading import DTYPES_BY_NAME
 
 logger = logging.getLogger(__name__)
@@ -251,7 +251,7 @@ def resolve_dtype(name, device: torch.device) -> torch.dtype:
 
 def quantization_kwargs(quantization: str | None, base_model_path: str | None = None) -> dict:
     """``from_pretrained`` keyword arguments for ``"8bit"``/``"4bit"`` (the bitsandbytes linear backend, see
-    :mod:`eagle.model.target.backends.linear`); exits with why where it cannot work."""
+    :mod:`eagle.model.backends.linear`); exits with why where it cannot work."""
     if quantization is None:
         return {}
     flag = f"--load-in-{quantization}"

@@ -162,7 +162,7 @@ def write_llamacpp_gguf(ea_model_path: str, base_model_path: str, output: str) -
     import gguf
 
     from eagle.model.heads.draft_config import head_layer_ids
-    from eagle.model.target.target import eagle3_layer_ids
+    from eagle.model.base.target import eagle3_layer_ids
 
     config, state = read_published_head(ea_model_path)
     target = TargetGGUF(base_model_path)

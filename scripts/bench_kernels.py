@@ -53,7 +53,7 @@ def load_matrices(path: str) -> list[Matrix]:
     from eagle import kernels
     from eagle.kernels.gguf_weights import read_gguf_weights
     from eagle.kernels.linear import QuantLinear
-    from eagle.model.target.backends.onednn import PACKING_ROWS_HINT, packing_available
+    from eagle.model.backends.onednn import PACKING_ROWS_HINT, packing_available
 
     if not kernels.available():
         raise SystemExit(f"the native kernels are unavailable: {kernels.unavailable_reason()}")

@@ -41,14 +41,14 @@ MUTATIONS = {
          "return torch.tensor(path, device=tree.tokens.device), sampler.draw(probs)"),
     ],
     # cache compaction moves the accepted keys but leaves the values where they were
-    "compaction_values": ("eagle/model/target/kv_cache.py",
+    "compaction_values": ("eagle/model/base/kv_cache.py",
                           "            self.values[:, :, start : start + positions.numel()] = self.values[:, :, positions]\n",
                           ""),
     # a reduced-vocabulary head maps draft ids to target ids with the offset alone
     "d2t_offset": [("eagle/model/heads/draft_head.py", "return ids + self.d2t[ids]", "return self.d2t[ids]"),
                    ("eagle/model/cnets.py", "return ids + self.d2t[ids]", "return self.d2t[ids]")],
     # the tree is verified under a causal mask: every node also sees the nodes before it that are not its ancestors
-    "tree_mask_causal": ("eagle/model/target/target.py", "new_block = tree_mask.to(device)",
+    "tree_mask_causal": ("eagle/model/base/target.py", "new_block = tree_mask.to(device)",
                          "new_block = torch.ones(length, length, dtype=torch.bool, device=device).tril_()"),
     # the head is fed the features of the tree's first nodes instead of the accepted path's
     "features_gather": [

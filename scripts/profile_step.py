@@ -34,8 +34,8 @@ from eagle.model.drafting import lookup
 from eagle.model.ea_model import EaModel
 from eagle.model.engine import loop
 from eagle.model.heads import draft_head
-from eagle.model.target.backends.gguf import GGUF_FLAG_VALUES, add_gguf_kernels_argument
-from eagle.model.target import target
+from eagle.model.backends.gguf import GGUF_FLAG_VALUES, add_gguf_kernels_argument
+from eagle.model.base import target
 from eagle.templates import encode_prompt, get_template
 
 # (owner, attribute, label, indent)

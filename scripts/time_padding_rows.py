@@ -28,7 +28,7 @@ from eagle.model.ea_model import EaModel
 from eagle.model.engine import loop
 from eagle.model.engine.commit import Rows
 from eagle.model.engine.verify import prefill, verify_trees
-from eagle.model.target import target as target_module
+from eagle.model.base import target as target_module
 
 
 def chain_tree(root: torch.Tensor, size: int) -> DraftTree:

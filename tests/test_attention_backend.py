@@ -7,7 +7,7 @@ import inspect
 
 import torch
 
-from eagle.model.target.backends import attention
+from eagle.model.backends import attention
 from tiny_models import make_target
 
 
@@ -116,7 +116,7 @@ def test_query_temperature_attributes_are_those_transformers_reads(tmp_path):
 
 def test_our_temperature_equals_transformers_own_where_slots_are_positions(tmp_path):
     """A prompt from slot 0: our position-based scaling is transformers' cache-length-based one."""
-    from eagle.model.target.target import Target
+    from eagle.model.base.target import Target
 
     model = _llama4(tmp_path)
     ids = torch.tensor([[1] + list(range(40, 58))])

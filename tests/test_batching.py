@@ -12,9 +12,9 @@ from eagle.model.ea_model import EaModel
 from eagle.model.engine import loop
 from eagle.model.engine.commit import Rows, commit_batch
 from eagle.model.engine.verify import prefill, verify_trees
-from eagle.model.target.backends import linear as linear_backends
-from eagle.model.target.backends.onednn import PackedLinear, packing_available
-from eagle.model.target.kv_cache import TreeKVCache
+from eagle.model.backends import linear as linear_backends
+from eagle.model.backends.onednn import PackedLinear, packing_available
+from eagle.model.base.kv_cache import TreeKVCache
 from eagle.model.drafting.tree import stack_trees, tree_from_parents
 from test_sampling import LENGTH, hf_warpers, position_p_values
 from tiny_models import FAMILIES, make_head, make_target, train_head_quickly
@@ -289,7 +289,7 @@ def test_bad_batches_are_refused_and_the_model_stays_usable(family_dirs, inputs,
 
 
 def test_a_batch_whose_cache_does_not_fit_is_refused_before_it_runs(family_dirs, monkeypatch):
-    from eagle.model.target import kv_cache
+    from eagle.model.base import kv_cache
 
     model = _usable_model(family_dirs)
     ids, mask = left_padded(PROMPTS)
@@ -393,7 +393,7 @@ def test_batch_benchmark_unpacked_hf_runs_unpacked_and_repacks(family_dirs):
     """`hf_batched_unpacked` times HF generate on the layers as transformers loads them and leaves the engine's
     packed layers as they were; without packed layers it is not offered (hf_batched already is that)."""
     from eagle.evaluation import batch_benchmark
-    from eagle.model.target.backends.onednn import packed_layer_count
+    from eagle.model.backends.onednn import packed_layer_count
 
     base, heads, _ = family_dirs["llama"]
     model = EaModel.from_pretrained(base_model_path=str(base), ea_model_path=str(heads["eagle3-full"]),

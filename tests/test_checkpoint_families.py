@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from eagle.model.engine.commit import Rows
-from eagle.model.target import kv_cache
-from eagle.model.target.backends.attention import QueryTemperature
-from eagle.model.target.families import attention_problems
-from eagle.model.target.model_call import ModelCall, keep_logits
-from eagle.model.target.target import Target
+from eagle.model.base import kv_cache
+from eagle.model.backends.attention import QueryTemperature
+from eagle.model.base.families import attention_problems
+from eagle.model.base.model_call import ModelCall, keep_logits
+from eagle.model.base.target import Target
 from tiny_models import CHECKPOINT_FAMILIES, make_head, make_remote_target, make_target
 
 FAMILY_NAMES = sorted(CHECKPOINT_FAMILIES) + ["qwen3", "minicpm"]
@@ -102,7 +102,7 @@ def test_tree_verification_gives_each_path_its_own_logits(family, targets):
 
 def test_llama4_under_eager_attention_takes_the_temperature_of_the_position(targets):
     """Asked for eager attention, Llama 4's NoPE layers go through our eager entry point, with the same result."""
-    from eagle.model.target.loading import load_base_model
+    from eagle.model.base.loading import load_base_model
 
     directory, _ = targets("llama4_text")
     model, _ = load_base_model(str(directory), attn_implementation="eager")
@@ -152,7 +152,7 @@ def test_default_attention_is_sdpa_where_transformers_supports_it_else_eager(tar
     4-D masks is refused before loading."""
     from transformers import GptOssForCausalLM
 
-    from eagle.model.target.loading import load_base_model
+    from eagle.model.base.loading import load_base_model
 
     assert GptOssForCausalLM._supports_sdpa is False
     gpt_oss, _ = targets("gpt_oss")
@@ -261,7 +261,7 @@ def _remote_variant(tmp_path, source, name, edit):
 def test_remote_code_reading_4d_masks_another_way_is_refused(targets, tmp_path):
     """transformers 4.38+'s _prepare_4d_causal_attention_mask read a 4-D mask as 1 = attend, 0 = masked and
     inverted it; code doing so would attend exactly what the engine masks. The load-time check refuses it."""
-    from eagle.model.target.loading import load_base_model
+    from eagle.model.base.loading import load_base_model
 
     source, _ = targets("minicpm")
     variant = _remote_variant(tmp_path, source, "inverted-mask", (
@@ -277,7 +277,7 @@ def test_remote_code_reading_4d_masks_another_way_is_refused(targets, tmp_path):
 
 
 def test_remote_code_that_cannot_import_is_explained(targets, tmp_path):
-    from eagle.model.target.loading import load_base_model
+    from eagle.model.base.loading import load_base_model
 
     source, _ = targets("minicpm")
     variant = _remote_variant(tmp_path, source, "old-import", (
@@ -291,7 +291,7 @@ def test_remote_code_that_cannot_import_is_explained(targets, tmp_path):
 
 
 def test_remote_code_is_never_run_unless_asked(targets):
-    from eagle.model.target.loading import load_base_model
+    from eagle.model.base.loading import load_base_model
 
     source, _ = targets("minicpm")
     with pytest.raises(ValueError, match="trust_remote_code"):

@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM
 
 from eagle.model import EaModel
 from eagle.model.configs import EConfig
-from eagle.model.target.backends.onednn import native_bfloat16
+from eagle.model.backends.onednn import native_bfloat16
 from eagle.model.heads.loading import resolve_draft_dtype
 from tiny_models import make_head, make_target
 
@@ -150,7 +150,7 @@ def test_unsupported_models_are_refused(base, tmp_path):
                                 attn_implementation="flash_attention_2")
     from transformers import T5Config, T5ForConditionalGeneration
 
-    from eagle.model.target.target import check_target_model
+    from eagle.model.base.target import check_target_model
 
     t5 = T5ForConditionalGeneration(T5Config(vocab_size=32, d_model=16, d_ff=32, num_layers=1, num_heads=2, d_kv=8))
     with pytest.raises(ValueError, match="encoder-decoder"):

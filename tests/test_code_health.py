@@ -111,3 +111,24 @@ def test_servers_bind_to_loopback_by_default(module):
 
     mod = importlib.import_module(module)
     assert mod.parse_args([]).host == "127.0.0.1"
+
+
+# Folder names that common global git ignore files list (Rust and Maven's target/, build outputs, dependency
+# folders): a new file in a package folder of such a name would silently stay out of a commit.
+COMMONLY_IGNORED_FOLDERS = {"target", "build", "dist", "out", "bin", "obj", "node_modules", "vendor", "venv", "env",
+                            "tmp", "cache", "logs"}
+
+
+def commonly_ignored_folders(root: Path) -> list[str]:
+    """Folders under ``root`` whose name a global git ignore file commonly lists."""
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*")
+                  if p.is_dir() and p.name in COMMONLY_IGNORED_FOLDERS)
+
+
+def test_no_package_folder_has_a_commonly_ignored_name():
+    assert commonly_ignored_folders(PACKAGE) == []
+
+
+def test_ignored_folder_checker_catches_one(tmp_path):
+    (tmp_path / "model" / "target").mkdir(parents=True)
+    assert commonly_ignored_folders(tmp_path) == ["model/target"]

@@ -10,9 +10,9 @@ import torch
 from torch import nn
 
 from eagle.model import EaModel
-from eagle.model.target.backends import linear as linear_backends
-from eagle.model.target.backends import onednn as cpu_linear
-from eagle.model.target.backends.onednn import PackedLinear, pack_linear_layers, unpack_linear_layers
+from eagle.model.backends import linear as linear_backends
+from eagle.model.backends import onednn as cpu_linear
+from eagle.model.backends.onednn import PackedLinear, pack_linear_layers, unpack_linear_layers
 from tiny_models import make_tiny_pair
 
 pytestmark = pytest.mark.skipif(not cpu_linear.packing_available(), reason="this torch build cannot pack weights")

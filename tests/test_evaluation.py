@@ -397,7 +397,7 @@ def test_benchmark_runs_the_draft_head_in_the_dtype_asked_for(tmp_path, tiny_pai
 
 
 def test_benchmark_compares_with_hugging_face_on_unpacked_weights(tmp_path, tiny_pair, monkeypatch):
-    from eagle.model.target.backends.onednn import packed_layer_count
+    from eagle.model.backends.onednn import packed_layer_count
 
     seen = []
     real = benchmark.hf_generate

@@ -336,7 +336,7 @@ def test_a_bfloat16_draft_head_changes_nothing_in_the_output(trained_pairs):
 def test_logits_that_are_not_the_lm_head_alone_are_never_computed_lazily(tmp_path, monkeypatch):
     """A model whose logits are post-processed (Granite divides them by ``logits_scaling``) verifies full trees; so
     does one whose logits fail the numerical check. Both stay equal to HF greedy decoding."""
-    from eagle.model.target.target import Target
+    from eagle.model.base.target import Target
 
     model = make_target(tmp_path / "base", "granite", seed=2, logits_scaling=4.0)
     make_head(tmp_path / "head", model, eagle3=True, seed=3)
@@ -365,8 +365,8 @@ def test_tree_verification_runs_sdpa_gqa_and_gets_the_same_logits(tmp_path, monk
 
     import torch.nn.functional as F
 
-    from eagle.model.target import target as target_module
-    from eagle.model.target.target import Target
+    from eagle.model.base import target as target_module
+    from eagle.model.base.target import Target
     from eagle.model.drafting.tree import tree_from_parents
 
     model = make_target(tmp_path / "base", "llama", seed=4)

@@ -16,7 +16,7 @@ from eagle.kernels.linear import QuantEmbedding, QuantLinear
 from eagle.model import pretrained
 from eagle.model.ea_model import EaModel
 from eagle.model.engine import loop
-from eagle.model.target.backends import attention, gguf
+from eagle.model.backends import attention, gguf
 
 pytestmark = [pytest.mark.skipif(not kernels.available(), reason="eagle's native kernels are not built here"),
               pytest.mark.e2e]  # the embedded SmolLM2 pair through the kernels
@@ -197,7 +197,7 @@ def test_our_passes_run_the_position_ordered_kernel(load, monkeypatch):
     from transformers import AttentionInterface
 
     from eagle.kernels import attention as kernel_attention
-    from eagle.model.target import runner
+    from eagle.model.base import runner
 
     model = load("float32")
     config = model.base_model.config.get_text_config()
@@ -233,7 +233,7 @@ def test_the_runner_gives_the_bits_of_transformers_forward_on_the_embedded_model
     """Through the modules: transformers' bits; the native layers: those of transformers' forward with the
     layers' norms in the native summation order (lane_rms_norm), and its values to float32 rounding."""
     from eagle.kernels.reference import lane_rms_norm
-    from eagle.model.target import runner
+    from eagle.model.base import runner
 
     for numerics in ("float32", "int8"):
         model = load(numerics)

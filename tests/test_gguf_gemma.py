@@ -13,7 +13,7 @@ from torch import nn
 
 from eagle import kernels
 from eagle.kernels.linear import QuantLinear
-from eagle.model.target.backends import attention, gguf
+from eagle.model.backends import attention, gguf
 
 pytestmark = [pytest.mark.skipif(not kernels.available(), reason="eagle's native kernels are not built here"),
               pytest.mark.e2e]  # Gemma 3 270M, a real GGUF
@@ -32,7 +32,7 @@ def gemma():
     path = package.assemble()
     from transformers import AutoModelForCausalLM
 
-    from eagle.model.target.loading import split_gguf_path
+    from eagle.model.base.loading import split_gguf_path
 
     location, name = split_gguf_path(str(path))
     model = AutoModelForCausalLM.from_pretrained(location, gguf_file=name, dtype=torch.float32,

@@ -1,4 +1,4 @@
-"""The runner (eagle.model.target.runner) computes exactly what transformers' forward computes, for the Llama-style
+"""The runner (eagle.model.base.runner) computes exactly what transformers' forward computes, for the Llama-style
 families it knows, on tiny random models whose linear layers run on the GGUF kernels: prefill and tree verification,
 a left-padded batch, sliding-window layers, both numerics; and it stays out of what it does not know."""
 
@@ -13,10 +13,10 @@ from eagle import kernels
 from eagle.kernels.attention import visible_keys
 from eagle.kernels.gguf_weights import GGUFWeight
 from eagle.kernels.reference import lane_rms_norm
-from eagle.model.target import runner
-from eagle.model.target.backends import attention
-from eagle.model.target.backends.gguf import GGUFQuantLinear
-from eagle.model.target.target import Target
+from eagle.model.base import runner
+from eagle.model.backends import attention
+from eagle.model.backends.gguf import GGUFQuantLinear
+from eagle.model.base.target import Target
 from tiny_models import target_config
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="eagle's native kernels are not built here")

@@ -266,7 +266,7 @@ def test_vocab_map_cache_is_keyed_by_data_tokenizer_and_size(tmp_path):
 
 
 def test_gguf_base_paths_resolve_to_a_directory_and_file(tmp_path):
-    from eagle.model.target.loading import split_gguf_path  # the trainer loads --basepath through it too
+    from eagle.model.base.loading import split_gguf_path  # the trainer loads --basepath through it too
 
     one = tmp_path / "one"
     one.mkdir()

@@ -10,7 +10,7 @@ from eagle.model.drafting.eagle import EagleDrafter
 from eagle.model.drafting.settings import TreePlan, TreeSettings
 from eagle.model.engine.verify import verify_tree
 from eagle.model.heads.loading import load_ea_layer
-from eagle.model.target.target import Target, eagle3_layer_ids
+from eagle.model.base.target import Target, eagle3_layer_ids
 from eagle.model.drafting.tree import (likeliest_root_subtrees, likeliest_subtree, select_tree, select_trees,
                               tree_from_parents, trees_from_parents)
 from eagle.model.engine.acceptance import verify_greedy
@@ -242,7 +242,7 @@ def test_cache_keeps_accepted_path(tiny_target):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_keeping_a_path_moves_every_layers_entries_as_the_layer_by_layer_copy(dtype):
     from eagle import kernels
-    from eagle.model.target.kv_cache import TreeKVCache
+    from eagle.model.base.kv_cache import TreeKVCache
 
     if not kernels.available():
         pytest.skip("eagle's native kernels are not built here")

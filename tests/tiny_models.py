@@ -220,7 +220,7 @@ def train_head_quickly(base_dir: Path, head_dir: Path, eagle3: bool = True, step
 
     from eagle.model import cnets, cnets1
     from eagle.model.configs import EConfig
-    from eagle.model.target.target import eagle3_layer_ids
+    from eagle.model.base.target import eagle3_layer_ids
 
     torch.manual_seed(seed)
     target = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32).eval()

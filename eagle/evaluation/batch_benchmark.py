@@ -36,7 +36,7 @@ import torch
 from tqdm import tqdm
 
 from eagle.cli import HelpFormatter, add_model_arguments, load_model_from_args, resolve_model_args
-from eagle.model.target.backends.onednn import pack_linear_layers, packed_layer_count, unpack_linear_layers
+from eagle.model.backends.onednn import pack_linear_layers, packed_layer_count, unpack_linear_layers
 from eagle.templates import encode_prompt, get_template
 from eagle.utils.device import synchronize
 

@@ -70,7 +70,7 @@ from tqdm import tqdm
 
 from eagle.cli import HelpFormatter, add_model_arguments, load_model_from_args, resolve_model_args
 from eagle.model.heads.quantized import draft_dtype_name
-from eagle.model.target.backends.onednn import pack_linear_layers, packed_layer_count, unpack_linear_layers
+from eagle.model.backends.onednn import pack_linear_layers, packed_layer_count, unpack_linear_layers
 from eagle.templates import TEMPLATES, encode_prompt, get_template
 
 from .agreement import NEAR_TIE_LOGIT_GAP, greedy_agreement, logit_gap
@@ -87,7 +87,7 @@ logger = logging.getLogger(__name__)
 
 METHODS = ("eagle", "plain", "hf_generate", "prompt_lookup") + llamacpp.LLAMACPP_METHODS
 UNPACKED_METHODS = ("hf_generate_unpacked", "prompt_lookup_unpacked")
-# The GGUF kernels (eagle.model.target.backends.gguf): each runs on a model of its own, loaded with
+# The GGUF kernels (eagle.model.backends.gguf): each runs on a model of its own, loaded with
 # gguf_kernels=<numerics> on its first call (the warm-up), beside the model --gguf-kernels loads for the others
 # (pass --gguf-kernels off so that eagle / plain / hf_generate are the float32 model).
 GGUF_METHODS = {"eagle_gguf": "float32", "plain_gguf": "float32", "eagle_gguf_int8": "int8",

@@ -13,7 +13,7 @@ def _tensors(module: torch.nn.Module):
     for tensor in list(module.parameters()) + list(module.buffers()):
         yield tensor
     for layer in module.modules():
-        packed = getattr(layer, "_packed", None)  # oneDNN's packed copy (eagle.model.target.backends.onednn)
+        packed = getattr(layer, "_packed", None)  # oneDNN's packed copy (eagle.model.backends.onednn)
         if isinstance(packed, torch.Tensor):
             yield packed
         if isinstance(layer, _PackedWeight):

@@ -232,7 +232,7 @@ def load_hf_model(base_model_path: str, *, dtype: torch.dtype = torch.float32, d
                   **hf_kwargs):
     """The base model alone (a plain Hugging Face causal LM, loaded as ``EaModel`` loads it: directory, Hub id or
     ``.gguf`` file) and its tokenizer."""
-    from eagle.model.target.loading import load_base_model
+    from eagle.model.base.loading import load_base_model
 
     device = device or torch.device("cpu")
     if device.type != "cpu" and "device_map" not in hf_kwargs:

@@ -35,7 +35,7 @@ import torch
 from tqdm import tqdm
 
 from eagle.cli import HelpFormatter, add_model_arguments, load_model, placement_kwargs, resolve_model_args
-from eagle.model.target.loading import load_base_model
+from eagle.model.base.loading import load_base_model
 from eagle.utils.jsonl import read_jsonl
 from eagle.templates import TEMPLATES, PromptTemplate, decode_answer, encode_prompt, get_template, stop_token_ids
 

@@ -84,7 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
 def write_tree(args) -> dict:
     """``--write-tree HEAD_DIR``: tune the tree of HEAD_DIR on this device and write it into the head."""
     from eagle.model.tuning.autotune import tune_tree
-    from eagle.model.target.backends.gguf import kernel_numerics
+    from eagle.model.backends.gguf import kernel_numerics
     from eagle.model.tuning.head_tree import kernel_backend, read_head_trees, tree_kinds, write_head_tree
 
     if args.ea_model_path not in (None, args.write_tree):

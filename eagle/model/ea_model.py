@@ -18,8 +18,8 @@ from eagle.model.engine.hf_args import check_generate_extras
 from eagle.model.engine.outputs import collect, stream
 from eagle.model.engine.steps import BatchStep, Step
 from eagle.model.engine.stops import token_id_set
-from eagle.model.target.backends.linear import switch_backend
-from eagle.model.target.target import feature_layers
+from eagle.model.backends.linear import switch_backend
+from eagle.model.base.target import feature_layers
 
 
 def _drafter(use_eagle: bool) -> str:
@@ -97,7 +97,7 @@ class EaModel(nn.Module):
 
     def set_cpu_weight_packing(self, enabled: bool) -> int:
         """Pack (or unpack) the float32 CPU weights of the base model's and the head's linear layers for oneDNN
-        (the ``"onednn"`` linear backend, :mod:`eagle.model.target.backends.linear`). Returns how many changed."""
+        (the ``"onednn"`` linear backend, :mod:`eagle.model.backends.linear`). Returns how many changed."""
         return switch_backend("onednn", enabled, self.base_model, self.ea_layer)
 
     @property

@@ -1,8 +1,8 @@
 """``EaModel.from_pretrained``: load a base model and its head, resolve the tree, pick the linear backend, tune.
 
-Each step is a function of its own module (the base model: :mod:`eagle.model.target.loading`; the head:
+Each step is a function of its own module (the base model: :mod:`eagle.model.base.loading`; the head:
 :mod:`eagle.model.heads.loading`; the tree a head carries: :mod:`eagle.model.tuning.head_tree`; tuning:
-:mod:`eagle.model.tuning.autotune`; weight packing: :mod:`eagle.model.target.backends.linear`); this module puts
+:mod:`eagle.model.tuning.autotune`; weight packing: :mod:`eagle.model.backends.linear`); this module puts
 them in order.
 """
 
@@ -13,10 +13,10 @@ import logging
 from eagle.model.drafting.batch_tree import head_batch_trees
 from eagle.model.heads.loading import load_ea_layer
 from eagle.model.heads.quantized import apply_draft_quantization, draft_load_dtype
-from eagle.model.target.backends.gguf import GGUF_KERNEL_VALUES, gguf_file_of, resolve_gguf_kernels
-from eagle.model.target.backends.linear import linear_backend, switch_backend
-from eagle.model.target.backends.onednn import should_auto_pack
-from eagle.model.target.loading import load_base_model
+from eagle.model.backends.gguf import GGUF_KERNEL_VALUES, gguf_file_of, resolve_gguf_kernels
+from eagle.model.backends.linear import linear_backend, switch_backend
+from eagle.model.backends.onednn import should_auto_pack
+from eagle.model.base.loading import load_base_model
 from eagle.model.tuning.head_tree import check_tree_arguments, head_tree_for, kernel_backend, resolve_tree
 
 logger = logging.getLogger(__name__)
@@ -53,10 +53,10 @@ def model_paths(base_model_path, ea_model_path, kwargs: dict, load_head: bool = 
 
 def apply_gguf_kernels(base_model, ea_layer, base_model_path, numerics: str) -> None:
     """The GGUF backend on ``base_model`` (its layers over the file's blocks, its attention the position-ordered
-    kernel, its forward :mod:`eagle.model.target.runner`'s where the family allows); a head that shared the float embedding reads the quantized one instead, so the float copy is freed."""
-    from eagle.model.target.backends.attention import use_kernel_attention
-    from eagle.model.target.backends.gguf import share_embedding_with_head
-    from eagle.model.target.runner import install_runner
+    kernel, its forward :mod:`eagle.model.base.runner`'s where the family allows); a head that shared the float embedding reads the quantized one instead, so the float copy is freed."""
+    from eagle.model.backends.attention import use_kernel_attention
+    from eagle.model.backends.gguf import share_embedding_with_head
+    from eagle.model.base.runner import install_runner
 
     old_embedding = base_model.get_input_embeddings().weight
     count = linear_backend("gguf", gguf_path=gguf_file_of(base_model_path), numerics=numerics).convert(base_model)
@@ -118,14 +118,14 @@ def load_pretrained(cls, *, use_eagle3: bool, base_model_path, ea_model_path, tr
     ``"q8_0"``: its linear layers over Q8_0 blocks of its weights with int8 activations on eagle's kernels, see
     :mod:`eagle.model.heads.quantized`); the output never depends on it. ``allow_unknown_attention`` (default False):
     serve a base model whose attention EAGLE's tree masks may not reproduce exactly (a layer type or feature of
-    :mod:`eagle.model.target.families`; remote code failing the mask check) instead of refusing it.
+    :mod:`eagle.model.base.families`; remote code failing the mask check) instead of refusing it.
     ``thread_policy``: True (default) lets the generation loop of a CPU model choose torch's thread count as the
     machine is now (fewer threads when other programs take CPUs, see :mod:`eagle.utils.threads`); it stays out
     whenever the user set the count (``OMP_NUM_THREADS``, ``torch.set_num_threads``); the output never depends on
     it.
 
     ``gguf_kernels``: for a GGUF base model on the CPU, the linear layers, embedding and LM head compute over the
-    file's quantized blocks and attention runs the position-ordered kernel (:mod:`eagle.model.target.backends.gguf`):
+    file's quantized blocks and attention runs the position-ordered kernel (:mod:`eagle.model.backends.gguf`):
     ``"auto"`` (float32 activations where the kernels are available, else the float32 model with one warning),
     ``"float32"``, ``"int8"`` (int8 activations) or ``False`` (the float32 model transformers dequantizes). oneDNN
     packing then applies to the head (and any layer the kernels leave float), never to a converted layer.

@@ -7,8 +7,8 @@ import logging
 
 import torch
 
-from eagle.model.target.backends.onednn import pack_linear_layers, should_auto_pack
-from eagle.model.target.loading import split_gguf_path  # the trainer and EaModel accept the same base model paths
+from eagle.model.backends.onednn import pack_linear_layers, should_auto_pack
+from eagle.model.base.loading import split_gguf_path  # the trainer and EaModel accept the same base model paths
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +47,7 @@ def text_config(model):
 def feature_layer_ids(num_layers: int) -> list[int]:
     """Indices into HF ``output_hidden_states`` (the inputs of those layers) whose concatenation is the EAGLE-3
     feature: ``[2, L // 2, L - 3]``, the same as the inference engine's."""
-    from eagle.model.target.target import eagle3_layer_ids
+    from eagle.model.base.target import eagle3_layer_ids
 
     return list(eagle3_layer_ids(num_layers))
 

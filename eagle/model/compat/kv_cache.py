@@ -1,7 +1,7 @@
 """Reference-compatibility layer: ``from eagle.model.kv_cache import initialize_past_key_values``.
 
 The reference allocated its target KV cache with this function; here it returns the engine's own cache
-(:class:`eagle.model.target.kv_cache.TreeKVCache`), with the reference's other two return values kept for the
+(:class:`eagle.model.base.kv_cache.TreeKVCache`), with the reference's other two return values kept for the
 signature's sake.
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from eagle.model.target.kv_cache import TreeKVCache
+from eagle.model.base.kv_cache import TreeKVCache
 
 __all__ = ["initialize_past_key_values"]
 

@@ -221,7 +221,7 @@ class TreeBatch:
     tokens, depths: (B, N); ancestor_mask: (B, N, N); valid: (B, N) bool, which nodes are real (row b's first
     ``trees[b].size``). A padding node (beyond a row's own tree) carries the row's root token at depth 0 and sees
     only itself, and no real node sees it: its KV entry is written and dropped, and the target's linear layers skip
-    it (see :func:`~eagle.model.target.backends.linear.real_rows_only`)."""
+    it (see :func:`~eagle.model.backends.linear.real_rows_only`)."""
 
     trees: list[DraftTree]
     tokens: torch.Tensor

@@ -68,7 +68,7 @@ def greedy_path(tree: DraftTree, next_token) -> tuple[list[int], object]:
 
 def verify_greedy(tree: DraftTree, logits) -> tuple[torch.Tensor, torch.Tensor]:
     """logits: target logits after each node, indexable by node id (a (N+1, V) tensor, or
-    :class:`~eagle.model.target.target.LazyLogits`, which projects only the rows read here). Returns the accepted node ids
+    :class:`~eagle.model.base.target.LazyLogits`, which projects only the rows read here). Returns the accepted node ids
     (acc+1,), root first, and the bonus token: the target's argmax after the last accepted node.
 
     Walks down from the root: a child is accepted when its token is the target's argmax after its parent. Only the
@@ -79,7 +79,7 @@ def verify_greedy(tree: DraftTree, logits) -> tuple[torch.Tensor, torch.Tensor]:
 def verify_greedy_batch(trees: list[DraftTree], logits: list, fetch=None) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """:func:`verify_greedy` for B trees walked in lockstep: at each depth the rows still walking read their
     current node's logits together (``fetch([(row, node), ...])``, when given, projects the unread ones in one
-    call; see :meth:`~eagle.model.target.target.LazyLogits.fetch`). logits: one indexable per tree."""
+    call; see :meth:`~eagle.model.base.target.LazyLogits.fetch`). logits: one indexable per tree."""
     children = [children_by_token(tree) for tree in trees]
     nodes = [0] * len(trees)
     paths: list[list[int]] = [[0] for _ in trees]

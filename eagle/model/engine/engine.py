@@ -18,8 +18,8 @@ from eagle.model.engine.loop import RunningBatch
 from eagle.model.engine.request import GenerationRequest, build_request
 from eagle.model.engine.steps import BatchStep, RowStep
 from eagle.model.engine.stops import pad_token_id, stop_token_ids, token_id_set
-from eagle.model.target.kv_cache import TreeKVCache, check_cache_fits
-from eagle.model.target.target import Target
+from eagle.model.base.kv_cache import TreeKVCache, check_cache_fits
+from eagle.model.base.target import Target
 from eagle.utils.threads import ThreadPolicy
 
 logger = logging.getLogger(__name__)
@@ -33,8 +33,8 @@ PLAIN = "none"
 class Engine:
     """Generation for ``base_model`` with its draft ``head`` (None: plain decoding only). ``plan``: the trees the
     head drafts (replace it to change them); ``feature_layers``: what the head reads from the target (see
-    :class:`~eagle.model.target.target.Target`); ``allow_unknown_attention``: serve a model whose attention the
-    tree masks may not express (:mod:`eagle.model.target.families`) instead of refusing it. ``thread_policy``: for
+    :class:`~eagle.model.base.target.Target`); ``allow_unknown_attention``: serve a model whose attention the
+    tree masks may not express (:mod:`eagle.model.base.families`) instead of refusing it. ``thread_policy``: for
     a model on the CPU, a :class:`~eagle.utils.threads.ThreadPolicy` that the generation loop consults around each
     verification step (``engine.thread_policy``, replaceable; None: torch's thread count is left alone). Elsewhere
     the CPU threads do not carry the step, and there is none."""

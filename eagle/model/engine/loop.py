@@ -24,7 +24,7 @@ from eagle.model.engine.acceptance import Sampler
 from eagle.model.engine.commit import Rows, commit_batch, drop_finished
 from eagle.model.engine.steps import CANCELLED, LENGTH, STOP, RowStep
 from eagle.model.engine.verify import evaluate_batch, next_inputs, prefill, verify_trees
-from eagle.model.target.target import Target
+from eagle.model.base.target import Target
 from eagle.utils.threads import NO_THREAD_POLICY
 
 
@@ -40,7 +40,7 @@ class RunningBatch:
     after that start it again.
 
     Joining rows are prefilled together in a cache of their own (left-padded to their longest prompt), then
-    appended as batch rows of the target cache (:meth:`~eagle.model.target.kv_cache.TreeKVCache.add_rows`) and of
+    appended as batch rows of the target cache (:meth:`~eagle.model.base.kv_cache.TreeKVCache.add_rows`) and of
     the drafter's state (``add_rows``): every row keeps its own committed slots ``start .. length - 1``
     (:class:`~eagle.model.engine.commit.Rows`), so each computes what its prompt alone computes. All rows share the
     sampler (one set of sampling settings). Invariant between steps: the cache holds each row's committed tokens

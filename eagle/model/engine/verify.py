@@ -12,7 +12,7 @@ import torch
 from eagle.model.drafting.tree import DraftTree, TreeBatch, likeliest_root_subtrees, likeliest_subtree, stack_trees
 from eagle.model.engine.commit import Rows
 from eagle.model.engine.acceptance import Sampler, verify_greedy, verify_greedy_batch, verify_sampling
-from eagle.model.target.target import LazyLogits, Target
+from eagle.model.base.target import LazyLogits, Target
 
 # Rows projected through the LM head at once (see LazyLogits): in the verification forward itself, the root and its
 # likeliest descendants; later, a row read beyond those and its likeliest descendants. On a CPU 8 rows cost about
@@ -55,7 +55,7 @@ def verify_trees(target: Target, trees: TreeBatch, cache, rows: Rows, lazy_logit
     (logits: one indexable per row, node -> (V,); fetch (see :meth:`LazyLogits.fetch`) or None; features
     (B, N, F), or None when ``features`` is False or the target reads none).
 
-    ``lazy_logits``: where the target allows it, the logits are :class:`~eagle.model.target.target.LazyLogits`: each
+    ``lazy_logits``: where the target allows it, the logits are :class:`~eagle.model.base.target.LazyLogits`: each
     tree's root and its likeliest descendants are projected with the forward pass, any other node when read
     (verification reads only the accepted paths') together with the likeliest nodes below it (see
     :func:`~eagle.model.drafting.tree.likeliest_subtree`)."""

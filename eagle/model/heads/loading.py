@@ -11,7 +11,7 @@ import torch
 from eagle.model.heads.checkpoint import load_head_state_dict, resolve_file
 from eagle.model.heads.draft_config import EConfig
 from eagle.model.heads.layouts import is_eagle3_config, read_head_config, read_head_state
-from eagle.model.target.backends.onednn import native_bfloat16
+from eagle.model.backends.onednn import native_bfloat16
 
 logger = logging.getLogger(__name__)
 

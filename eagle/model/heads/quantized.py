@@ -49,7 +49,7 @@ def quantize_head(head: nn.Module, shared: nn.Module | None = None) -> int:
 
     from eagle.kernels.gguf_weights import GGUFWeight
     from eagle.kernels.linear import QuantLinear
-    from eagle.model.target.backends.gguf import set_module
+    from eagle.model.backends.gguf import set_module
 
     borrowed = {id(module) for module in shared.modules()} if shared is not None else set()
     count = 0
@@ -97,7 +97,7 @@ class KernelRMSNorm(RMSNorm):
 
 def _norms_on_kernels(head: nn.Module, borrowed: set[int]) -> None:
     """The head's own RMSNorms on the kernels' row norm (one call each, instead of eight tensor operations)."""
-    from eagle.model.target.backends.gguf import set_module
+    from eagle.model.backends.gguf import set_module
 
     for name, norm in list(head.named_modules()):
         if type(norm) is RMSNorm and id(norm) not in borrowed:

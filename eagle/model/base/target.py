@@ -2,9 +2,9 @@
 mask (tree attention) and our preallocated cache, returning logits and the hidden states EAGLE reads.
 
 Nothing here is specific to a model family: any decoder-only model whose attention honours a 4-D mask (SDPA or
-eager) works, with full, sliding-window or chunked attention layers (:mod:`eagle.model.target.families` refuses
+eager) works, with full, sliding-window or chunked attention layers (:mod:`eagle.model.base.families` refuses
 what a tree mask cannot express), called the transformers 5 way or, for remote code, the transformers 4 way
-(:mod:`eagle.model.target.model_call`).
+(:mod:`eagle.model.base.model_call`).
 """
 
 from __future__ import annotations
@@ -14,12 +14,12 @@ from dataclasses import dataclass
 import torch
 
 from eagle.model.heads.draft_config import head_layer_ids
-from eagle.model.target.backends.attention import (QueryTemperature, check_attention_implementation, our_attention,
+from eagle.model.backends.attention import (QueryTemperature, check_attention_implementation, our_attention,
                                                    prepare_attention)
-from eagle.model.target.backends.linear import real_rows_only
-from eagle.model.target.families import check_attention_known
-from eagle.model.target.kv_cache import TreeKVCache
-from eagle.model.target.model_call import ModelCall, check_tree_attention
+from eagle.model.backends.linear import real_rows_only
+from eagle.model.base.families import check_attention_known
+from eagle.model.base.kv_cache import TreeKVCache
+from eagle.model.base.model_call import ModelCall, check_tree_attention
 
 def eagle3_layer_ids(num_layers: int) -> list[int]:
     """Indices into HF ``output_hidden_states`` (entry i = input of layer i) that feed an EAGLE-3 head:
@@ -249,7 +249,7 @@ class Target:
         (B, T) or (T,) their RoPE positions (tree depth + prefix length for a tree); ``tree_mask``, ``valid`` and
         ``key_positions`` as in :meth:`attention_mask`. A new token that ``valid`` marks False is padding (a tree
         node beyond its row's tree, a left-padded prompt slot): no real token sees it, and packed linear layers skip
-        its row (:func:`~eagle.model.target.backends.linear.real_rows_only`), so its logits and features are meaningless.
+        its row (:func:`~eagle.model.backends.linear.real_rows_only`), so its logits and features are meaningless.
 
         ``lazy_logits``: the caller reads only some rows (tree verification); when this target allows it, the
         logits come back as :class:`LazyLogits`, with the positions ``first_rows`` (one list per batch row, or one

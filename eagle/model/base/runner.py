@@ -9,11 +9,11 @@ final norm; LM head of the kept positions), so its logits and hidden states are 
 forward on the same inputs (``tests/test_runner.py``), only cheaper to call.
 
 :func:`install_runner` attaches one to a model whose structure it knows (:data:`RUNNER_CLASSES`: every linear layer
-on the kernels, attention through the kernel); :class:`~eagle.model.target.model_call.ModelCall` then calls it
+on the kernels, attention through the kernel); :class:`~eagle.model.base.model_call.ModelCall` then calls it
 instead of ``model(...)``. Anything it does not know (another family, a float layer left, a query temperature, a
 model switched back to float layers) keeps transformers' forward.
 
-With the engine's :class:`~eagle.model.target.kv_cache.TreeKVCache` the decoder layers run as one native call,
+With the engine's :class:`~eagle.model.base.kv_cache.TreeKVCache` the decoder layers run as one native call,
 ``eagle::decoder_layers`` (``eagle/csrc/decoder.cpp``): the same steps without a Python call per operation, and
 rows still computed independently of each other (row-invariant). Every step rounds as transformers' operations do
 except the RMSNorm, whose sum of squares runs in a fixed order of its own (16 lanes, then the lanes in order;
@@ -34,8 +34,8 @@ import torch
 from eagle import kernels
 from eagle.kernels.attention import attention_forward, visible_keys
 from eagle.kernels.linear import QuantLinear
-from eagle.model.target.backends.attention import uses_kernel_attention
-from eagle.model.target.kv_cache import TreeKVCache
+from eagle.model.backends.attention import uses_kernel_attention
+from eagle.model.base.kv_cache import TreeKVCache
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +47,7 @@ _RUNNERS: "weakref.WeakKeyDictionary[torch.nn.Module, DecoderRunner]" = weakref.
 
 def runner_problem(model) -> str | None:
     """Why :class:`DecoderRunner` cannot compute ``model``'s forward exactly, or None when it can."""
-    from eagle.model.target.backends.attention import QueryTemperature
+    from eagle.model.backends.attention import QueryTemperature
 
     name = type(model).__name__
     if name not in RUNNER_CLASSES:
@@ -141,7 +141,7 @@ def native_plan(layers) -> tuple[NativePlan | None, str | None]:
 
 class DecoderRunner:
     """``model``'s forward (a :data:`RUNNER_CLASSES` model checked by :func:`runner_problem`), called like
-    :class:`~eagle.model.target.model_call.ModelCall`: returns the kept positions' logits and, when asked, the
+    :class:`~eagle.model.base.model_call.ModelCall`: returns the kept positions' logits and, when asked, the
     hidden states as transformers gives them (each layer's input, then the final normed state)."""
 
     def __init__(self, model):
@@ -226,7 +226,7 @@ class DecoderRunner:
         return out[0], out[1:]
 
     def __call__(self, *, input_ids, attention_mask, position_ids, cache, output_hidden_states, logits_to_keep=0):
-        from eagle.model.target.model_call import ForwardOutput
+        from eagle.model.base.model_call import ForwardOutput
 
         hidden = self.inner.embed_tokens(input_ids)
         cos, sin = self.inner.rotary_emb(hidden, position_ids=position_ids)
@@ -256,7 +256,7 @@ def install_runner(model) -> bool:
         logger.info("The target keeps transformers' forward: %s.", problem)
         return False
     _RUNNERS[model] = DecoderRunner(model)
-    logger.info("The target's forward runs without transformers' per-layer Python (eagle.model.target.runner).")
+    logger.info("The target's forward runs without transformers' per-layer Python (eagle.model.base.runner).")
     return True
 
 

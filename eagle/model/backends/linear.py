@@ -5,10 +5,10 @@ A :class:`LinearBackend` prepares a model's linear layers once it is loaded (``c
 The backends this package ships are registered in :data:`LINEAR_BACKENDS`:
 
 - ``"onednn"``: float32 (and native bfloat16) CPU weights packed into oneDNN's blocked layout
-  (:mod:`eagle.model.target.backends.onednn`), much cheaper for the handful of rows of a draft tree;
+  (:mod:`eagle.model.backends.onednn`), much cheaper for the handful of rows of a draft tree;
 - ``"bitsandbytes"``: 8-bit / 4-bit quantisation at load time on CUDA (``load_options``);
 - ``"gguf"``: a GGUF-loaded model computed over the file's quantized blocks by eagle's native kernels
-  (:mod:`eagle.model.target.backends.gguf`; ``linear_backend("gguf", gguf_path=..., numerics=...)``);
+  (:mod:`eagle.model.backends.gguf`; ``linear_backend("gguf", gguf_path=..., numerics=...)``);
 - ``"none"``: the layers as transformers built them.
 
 Every backend's layers honour :func:`real_rows_only`: while the target runs a call whose token rows are partly
@@ -129,17 +129,17 @@ class PlainLinear:
 
 
 class OneDNNLinear(PlainLinear):
-    """Float32 (and native bfloat16) CPU weights packed for oneDNN (:mod:`eagle.model.target.backends.onednn`)."""
+    """Float32 (and native bfloat16) CPU weights packed for oneDNN (:mod:`eagle.model.backends.onednn`)."""
 
     name = "onednn"
 
     def convert(self, module) -> int:
-        from eagle.model.target.backends.onednn import pack_linear_layers
+        from eagle.model.backends.onednn import pack_linear_layers
 
         return pack_linear_layers(module)
 
     def restore(self, module) -> int:
-        from eagle.model.target.backends.onednn import unpack_linear_layers
+        from eagle.model.backends.onednn import unpack_linear_layers
 
         return unpack_linear_layers(module)
 
@@ -169,7 +169,7 @@ class BitsAndBytesLinear(PlainLinear):
 
 
 def _gguf_backend(**options):
-    from eagle.model.target.backends.gguf import GGUFLinear
+    from eagle.model.backends.gguf import GGUFLinear
 
     return GGUFLinear(**options)
 

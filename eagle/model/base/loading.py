@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from eagle.model.target.backends.attention import SUPPORTED_ATTENTION
+from eagle.model.backends.attention import SUPPORTED_ATTENTION
 
 
 def split_gguf_path(path: str) -> tuple[str, str | None]:

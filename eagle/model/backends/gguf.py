@@ -11,7 +11,7 @@ stays a float layer (logged once per type).
 
 The kernels are row-invariant (a token's output bits do not depend on the other rows of the call), which is what
 makes greedy EAGLE's logits bit-equal to plain decoding's; the backend also switches the target's attention to the
-position-ordered kernel (:func:`eagle.model.target.backends.attention.use_kernel_attention`).
+position-ordered kernel (:func:`eagle.model.backends.attention.use_kernel_attention`).
 
 ``gguf_kernels`` (``EaModel.from_pretrained``, ``--gguf-kernels``): ``"auto"`` (float32 numerics for a GGUF model
 on the CPU when the kernels are available, else the float32 model transformers builds), ``"float32"``, ``"int8"``
@@ -28,7 +28,7 @@ from torch import nn
 
 from eagle.kernels.gguf_weights import GGUFWeight, llama_qk_row_order, read_gguf_weights
 from eagle.kernels.linear import QuantEmbedding, QuantLinear, kernel_handles
-from eagle.model.target.backends.linear import PlainLinear, current_real_rows
+from eagle.model.backends.linear import PlainLinear, current_real_rows
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +49,7 @@ def add_gguf_kernels_argument(parser) -> None:
 
 class GGUFQuantLinear(QuantLinear):
     """A :class:`~eagle.kernels.linear.QuantLinear` that computes the real rows of a padded call alone
-    (:func:`~eagle.model.target.backends.linear.current_real_rows`): exact, since each row's bits depend on that
+    (:func:`~eagle.model.backends.linear.current_real_rows`): exact, since each row's bits depend on that
     row only; padding rows get zeros."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -76,7 +76,7 @@ def gguf_file_of(base_model_path) -> str | None:
     """The GGUF file ``base_model_path`` names (a ``.gguf`` file, or a directory holding one), else None."""
     import os
 
-    from eagle.model.target.loading import split_gguf_path
+    from eagle.model.base.loading import split_gguf_path
 
     if base_model_path is None:
         return None
@@ -279,7 +279,7 @@ def kernel_numerics(model: nn.Module) -> str | None:
 
 
 class GGUFLinear(PlainLinear):
-    """The GGUF kernels as a :class:`~eagle.model.target.backends.linear.LinearBackend` (module docstring)."""
+    """The GGUF kernels as a :class:`~eagle.model.backends.linear.LinearBackend` (module docstring)."""
 
     name = "gguf"
 
@@ -289,7 +289,7 @@ class GGUFLinear(PlainLinear):
     def convert(self, module) -> int:
         """The model's linear layers over the file's blocks; a runner attached before (it holds the packed weights
         of the layers replaced here) is removed: ``install_runner`` attaches one for the new layers."""
-        from eagle.model.target.runner import remove_runner
+        from eagle.model.base.runner import remove_runner
 
         if self.gguf_path is None:
             raise ValueError("The gguf linear backend needs the GGUF file the model was loaded from "
@@ -300,7 +300,7 @@ class GGUFLinear(PlainLinear):
     def restore(self, module) -> int:
         """The QuantLinear layers back to float32 ``nn.Linear`` with the same (dequantized) weights (the embedding
         stays a QuantEmbedding); the model's forward is transformers' own again."""
-        from eagle.model.target.runner import remove_runner
+        from eagle.model.base.runner import remove_runner
 
         remove_runner(module)
         count = 0

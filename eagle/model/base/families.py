@@ -2,7 +2,7 @@
 features it knows it cannot reproduce exactly.
 
 Tree verification runs every drafted token through the target at once, under a 4-D mask that gives each node its
-ancestors and the committed tokens (:meth:`~eagle.model.target.target.Target.attention_mask`), at its own position.
+ancestors and the committed tokens (:meth:`~eagle.model.base.target.Target.attention_mask`), at its own position.
 That reproduces plain decoding only for attention the mask can express. A model whose layers keep another kind of
 state (a recurrent or convolution state that every drafted token would update, accepted or not) or select keys by
 a learned index cannot be served losslessly this way; rather than diverge silently, :func:`check_attention_known`

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from eagle.model.target.backends.linear import current_real_rows
+from eagle.model.backends.linear import current_real_rows
 
 logger = logging.getLogger(__name__)
 

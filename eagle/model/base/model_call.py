@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from eagle.model.target.runner import runner_for
+from eagle.model.base.runner import runner_for
 
 #: Names a forward may give the cache, transformers 5's first.
 CACHE_ARGUMENTS = ("cache", "past_key_values")
@@ -65,7 +65,7 @@ class ModelCall:
     def __call__(self, model, *, input_ids, attention_mask, position_ids, cache, output_hidden_states,
                  logits_to_keep=0) -> ForwardOutput:
         """One forward pass; ``logits_to_keep`` as transformers 5 takes it (int or 1-D tensor of positions). A
-        model with a :class:`~eagle.model.target.runner.DecoderRunner` attached runs it instead (same results)."""
+        model with a :class:`~eagle.model.base.runner.DecoderRunner` attached runs it instead (same results)."""
         runner = runner_for(model)
         if runner is not None and runner.usable():
             return runner(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
