@@ -25,6 +25,8 @@ from pathlib import Path
 MUTATIONS = {
     # greedy verification reads the target's choice from the parent's row instead of the node's own
     "greedy_row": [
+        ("eagle/model/engine/acceptance.py", "predicted = torch.stack([rows[row][nodes[row]] for row in walking]).argmax(-1)",
+         "predicted = torch.stack([rows[row][max(nodes[row] - 1, 0)] for row in walking]).argmax(-1)"),
         ("eagle/model/engine/acceptance.py", "predicted = torch.stack([logits[row][nodes[row]] for row in walking]).argmax(-1)",
          "predicted = torch.stack([logits[row][max(nodes[row] - 1, 0)] for row in walking]).argmax(-1)"),
         ("eagle/model/engine/acceptance.py", "path, bonus = greedy_path(tree, lambda node: logits[node].argmax())",
@@ -52,7 +54,7 @@ MUTATIONS = {
                          "new_block = torch.ones(length, length, dtype=torch.bool, device=device).tril_()"),
     # the head is fed the features of the tree's first nodes instead of the accepted path's
     "features_gather": [
-        ("eagle/model/engine/verify.py",
+        ("eagle/model/engine/acceptance.py",
          "features = tree_features[torch.arange(index.shape[0], device=index.device)[:, None], index]",
          "features = tree_features[:, : index.shape[1]]"),
         ("eagle/model/engine/verify.py", "features = tree_features[:, path.to(tree_features.device)]",

@@ -121,7 +121,7 @@ def test_our_temperature_equals_transformers_own_where_slots_are_positions(tmp_p
     model = _llama4(tmp_path)
     ids = torch.tensor([[1] + list(range(40, 58))])
     target = Target(model, feature_layers=None)
-    ours = target.forward(ids, target.new_cache(32), torch.arange(ids.shape[1]), features=False).logits
+    ours = target.prefill(ids, target.new_cache(32), features=False, logits_to_keep=0).logits
     with torch.no_grad():
         theirs = model(ids).logits
     torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)

@@ -164,11 +164,13 @@ def _prefill_and_verify(target, prompts, sizes):
     pads = (1 - mask).sum(1).tolist()
     cache = target.new_cache(64)
     cache.reset(len(prompts))
-    roots, features = prefill(target, ids, cache, None, True, pads)
+    first = prefill(target, ids, cache, None, True, pads)
+    roots, features = first.next_tokens[:, -1], first.features
     rows = Rows(list(range(len(prompts))), pads, [ids.shape[1]] * len(prompts))
     trees = stack_trees(_ragged_trees(roots, sizes, seeds=[len(p) for p in prompts]))
-    logits, _, tree_features = verify_trees(target, trees, cache, rows)
-    nodes = [(torch.stack([logits[b][i] for i in range(n)]), tree_features[b, :n]) for b, n in enumerate(sizes)]
+    verified = verify_trees(target, trees, cache, rows)
+    logits, tree_features = verified.logits, verified.features
+    nodes = [(torch.stack([logits.row(b)[i] for i in range(n)]), tree_features[b, :n]) for b, n in enumerate(sizes)]
     return roots, [features[b, pad:] for b, pad in enumerate(pads)], nodes
 
 

@@ -63,8 +63,7 @@ def tree_logits(target: Target, prompts, nodes, parents):
     slots = torch.arange(width)
     valid = slots[None] >= torch.tensor(pads)[:, None]
     cache = target.new_cache(width + len(parents))
-    target.forward(ids, cache, (slots[None] - torch.tensor(pads)[:, None]).clamp(min=0), valid=valid,
-                   features=False)
+    target.prefill(ids, cache, valid=valid, features=False, logits_to_keep=0)
     rows = Rows(list(range(len(prompts))), pads, [width] * len(prompts))
     committed, key_positions = rows.masks(width, target.device)
     depths = torch.tensor([len(path) - 1 for path in paths_of(parents)])
@@ -72,9 +71,9 @@ def tree_logits(target: Target, prompts, nodes, parents):
     for node, path in enumerate(paths_of(parents)):
         ancestors[node, path] = True
     positions = depths[None] + torch.tensor([len(p) for p in prompts])[:, None]
-    out = target.forward(torch.tensor(nodes), cache, positions, tree_mask=ancestors,
-                         valid=torch.cat([committed, torch.ones(len(prompts), len(parents), dtype=torch.bool)], 1),
-                         key_positions=key_positions, features=False)
+    out = target.verify(torch.tensor(nodes), cache, positions, ancestors,
+                        valid=torch.cat([committed, torch.ones(len(prompts), len(parents), dtype=torch.bool)], 1),
+                        key_positions=key_positions, features=False)
     return out.logits
 
 
@@ -198,7 +197,7 @@ def test_mla_cache_is_sized_from_the_latent_it_stores(targets, monkeypatch):
     heads_times_dims = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * 4
     assert heads_times_dims > 2 * latent  # what a config-based estimate would have counted
     cache = target.new_cache(10)
-    target.forward(torch.tensor([[1, 2, 3]]), cache, torch.arange(3), features=False)
+    target.prefill(torch.tensor([[1, 2, 3]]), cache, features=False, logits_to_keep=0)
     allocated = sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
     assert allocated == kv_cache.cache_bytes(target.slot_bytes(), 1, 10)
     monkeypatch.setattr(kv_cache, "free_memory", lambda device: int(kv_cache.cache_bytes(latent, 4, 1000) / 0.7))

@@ -387,9 +387,9 @@ def test_tree_verification_runs_sdpa_gqa_and_gets_the_same_logits(tmp_path, monk
 
     def verify():
         cache = target.new_cache(64)
-        target.forward(prompt, cache, torch.arange(20))
+        target.prefill(prompt, cache, logits_to_keep=0)
         grouped.clear()
-        return target.forward(tree.tokens[None], cache, tree.depths + 20, tree_mask=tree.ancestor_mask)
+        return target.verify(tree.tokens[None], cache, tree.depths + 20, tree.ancestor_mask)
 
     fast = verify()
     assert grouped == [True] * model.config.num_hidden_layers

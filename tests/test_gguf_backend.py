@@ -5,6 +5,7 @@ position are bit-equal to plain decoding's, at batch 1 and in a left-padded batc
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 
 import pytest
@@ -14,6 +15,7 @@ from torch import nn
 from eagle import defaults, kernels
 from eagle.kernels.linear import QuantEmbedding, QuantLinear
 from eagle.model import pretrained
+from eagle.model.base.logits import TreeLogits
 from eagle.model.ea_model import EaModel
 from eagle.model.engine import loop
 from eagle.model.backends import attention, gguf
@@ -76,6 +78,19 @@ class _Recorder:
         return value
 
 
+class _RecordedLogits(TreeLogits):
+    """A verification's logits, each row's reads kept by a :class:`_Recorder`."""
+
+    def __init__(self, inner: TreeLogits, sinks: list[list]):
+        self.inner, self.rows = inner, [_Recorder(inner.row(b), sink) for b, sink in enumerate(sinks)]
+
+    def row(self, batch_row: int):
+        return self.rows[batch_row]
+
+    def fetch(self, wanted):
+        self.inner.fetch(wanted)
+
+
 def _generate_recording(monkeypatch, generate, prompts) -> tuple[list[list[int]], list[list[torch.Tensor]]]:
     """Run ``generate`` (eagenerate / naivegenerate) on ``prompts`` (one prompt: batch 1; several: a left-padded
     batch); returns each row's new tokens and the logits that chose them."""
@@ -83,9 +98,9 @@ def _generate_recording(monkeypatch, generate, prompts) -> tuple[list[list[int]]
     original = loop.verify_trees
 
     def recording(target, trees, cache, rows, *args, **kwargs):
-        logits, fetch, features = original(target, trees, cache, rows, *args, **kwargs)
-        wrapped = [_Recorder(row_logits, sinks.setdefault(rows.index[b], [])) for b, row_logits in enumerate(logits)]
-        return wrapped, fetch, features
+        verified = original(target, trees, cache, rows, *args, **kwargs)
+        wrapped = _RecordedLogits(verified.logits, [sinks.setdefault(row, []) for row in rows.index])
+        return dataclasses.replace(verified, logits=wrapped)
 
     monkeypatch.setattr(loop, "verify_trees", recording)
     try:
@@ -254,10 +269,10 @@ def test_the_runner_gives_the_bits_of_transformers_forward_on_the_embedded_model
                             patch.setattr(norm, "forward", lambda x, norm=norm: lane_rms_norm(
                                 x, norm.weight, norm.variance_epsilon))
                 cache = target.new_cache(ids.shape[1] + 8)
-                first = target.forward(ids, cache, torch.arange(ids.shape[1]))
+                first = target.prefill(ids, cache, logits_to_keep=0)
                 tree = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)
-                second = target.forward(torch.tensor([[42, 7, 99]]), cache, ids.shape[1] + torch.tensor([0, 1, 1]),
-                                        tree_mask=tree)
+                second = target.verify(torch.tensor([[42, 7, 99]]), cache, ids.shape[1] + torch.tensor([0, 1, 1]),
+                                       tree)
                 outputs[mode] = [first.logits, first.features, second.logits, second.features]
             runner.install_runner(base)
             run = runner.runner_for(base)

@@ -113,7 +113,7 @@ def test_reference_evaluate_posterior_samples_like_the_engine():
     tree: same accepted tokens, and the returned distribution draws the engine's bonus token."""
     from eagle.model.drafting.tree import tree_from_parents
     from eagle.model.utils import evaluate_posterior
-    from eagle.model.engine.acceptance import Sampler, verify_sampling
+    from eagle.model.engine.acceptance import Sampler, accept_sampling
 
     # Nodes numbered depth first, siblings by descending score: row order of the paths = the engine's order.
     parents = torch.tensor([-1, 0, 1, 1, 0, 4, 5, 0])
@@ -127,7 +127,7 @@ def test_reference_evaluate_posterior_samples_like_the_engine():
         candidates = torch.where(retrieve >= 0, tokens[retrieve.clamp(min=0)], -1)
         path_logits = node_logits[retrieve.clamp(min=0)]
         sampler = Sampler(0.8, top_p=0.95, generator=torch.Generator().manual_seed(seed))
-        path, bonus = verify_sampling(tree, node_logits, sampler)
+        path, bonus = accept_sampling(tree, node_logits, sampler)
         generator = torch.Generator().manual_seed(seed)
         best, accept, probs = evaluate_posterior(path_logits, candidates, processors, generator)
         assert candidates[best, : accept + 1].tolist() == tokens[path].tolist()

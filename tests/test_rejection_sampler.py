@@ -1,7 +1,7 @@
 """The verifier's sampling, alone, against the target distribution across random drafts: the check of vLLM's rejection
 sampler test (tests/v1/sample/test_rejection_sampler.py: the empirical distribution of the emitted tokens against the
 target's, over many random draft distributions, as close as the same number of direct draws from the target), in
-this project's terms: ``verify_sampling`` on a random draft tree whose tokens are the likeliest of random draft
+this project's terms: ``accept_sampling`` on a random draft tree whose tokens are the likeliest of random draft
 distributions, with random target distributions at every node.
 """
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from eagle.model.drafting.tree import tree_from_parents
-from eagle.model.engine.acceptance import Sampler, verify_sampling
+from eagle.model.engine.acceptance import Sampler, accept_sampling
 from test_sampling import chi_square_p_value
 
 VOCAB = 8
@@ -50,7 +50,7 @@ def random_case(generator: torch.Generator, related: bool = False):
 def emitted(tree, logits, sampler) -> tuple[int, int | None, int | None]:
     """(first token, the node it was accepted at or None if it is the bonus, second token if the first was an
     accepted draft)."""
-    path, bonus = verify_sampling(tree, logits, sampler)
+    path, bonus = accept_sampling(tree, logits, sampler)
     tokens = tree.tokens[path[1:]].tolist() + [int(bonus)]
     return tokens[0], (int(path[1]) if path.numel() > 1 else None), (tokens[1] if path.numel() > 1 else None)
 

@@ -56,13 +56,13 @@ def _passes(target: Target) -> list:
     valid[1, :3] = False  # row 1: three padding slots on the left
     positions = (valid.long().cumsum(-1) - 1).clamp(min=0)
     cache = target.new_cache(32)
-    first = target.forward(prompt, cache, positions, valid=valid)
+    first = target.prefill(prompt, cache, valid=valid, logits_to_keep=0)
     tree = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)
     depth = torch.tensor([0, 1, 1, 2])
     tree_positions = positions[:, -1:] + 1 + depth
     tree_valid = torch.cat([valid, torch.ones(2, 4, dtype=torch.bool)], dim=1)
-    second = target.forward(torch.randint(6, 128, (2, 4)), cache, tree_positions, tree_mask=tree.expand(2, 4, 4),
-                            valid=tree_valid, key_positions=positions)
+    second = target.verify(torch.randint(6, 128, (2, 4)), cache, tree_positions, tree.expand(2, 4, 4),
+                           valid=tree_valid, key_positions=positions)
     return [first.logits, first.features, second.logits, second.features]
 
 
@@ -238,5 +238,5 @@ def test_a_forward_past_the_cache_capacity_is_refused_before_anything_is_written
     target = Target(model, feature_layers=[0, 2, -1])
     cache = target.new_cache(4)
     with pytest.raises(ValueError, match="KV cache overflow: 0 cached \\+ 5 new positions exceed its capacity of 4"):
-        target.forward(torch.randint(6, 128, (1, 5)), cache, torch.arange(5))
+        target.prefill(torch.randint(6, 128, (1, 5)), cache)
     assert cache.length == 0

@@ -212,7 +212,7 @@ class OracleDrafter(StepDrafter):
 
 
 def wrong_verifier(bug: str):
-    """``verify_sampling`` written out again, with one subtle bug: ``unnormalised`` leaves the residual unnormalised
+    """``accept_sampling`` written out again, with one subtle bug: ``unnormalised`` leaves the residual unnormalised
     after a rejected sibling; ``bonus_from_target`` draws the bonus token after rejections from the full target
     distribution instead of the residual; ``bonus_from_draft`` takes the draft's best rejected token as the bonus;
     ``none`` has no bug."""
@@ -250,7 +250,7 @@ def wrong_verifier(bug: str):
 
 
 def oracle_samples(sampling_setup, monkeypatch, verifier=None):
-    import eagle.model.engine.verify as verify_module
+    import eagle.model.engine.acceptance as acceptance_module
     from eagle.model.engine.engine import Engine
 
     heads, reference, prompt = sampling_setup
@@ -258,7 +258,7 @@ def oracle_samples(sampling_setup, monkeypatch, verifier=None):
     monkeypatch.setattr(Engine, "drafter", lambda self, kind: OracleDrafter(reference, prompt[0, :1], POWER_TEMPERATURE)
                         if kind == "head" else real(self, kind))
     if verifier is not None:
-        monkeypatch.setattr(verify_module, "verify_sampling", verifier)
+        monkeypatch.setattr(acceptance_module, "accept_sampling", verifier)
     torch.manual_seed(1234)
     samples, accepted = sample(heads["eagle3-full"], prompt, RUNS, temperature=POWER_TEMPERATURE)
     return position_p_values(reference, prompt, samples, hf_warpers(POWER_TEMPERATURE)), accepted

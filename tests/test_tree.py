@@ -13,7 +13,7 @@ from eagle.model.heads.loading import load_ea_layer
 from eagle.model.base.target import Target, eagle3_layer_ids
 from eagle.model.drafting.tree import (likeliest_root_subtrees, likeliest_subtree, select_tree, select_trees,
                               tree_from_parents, trees_from_parents)
-from eagle.model.engine.acceptance import verify_greedy
+from eagle.model.engine.acceptance import accept_greedy
 from tiny_models import make_head, make_target
 
 
@@ -210,7 +210,7 @@ def test_tree_attention_equals_path_forward(tiny_target):
     parents = torch.tensor([-1, 0, 0, 1, 1, 2, 3, 3, 6])
     tree = tree_from_parents(torch.randint(6, 128, (9,)), parents, torch.zeros(9))
     cache = target.new_cache(64)
-    target.forward(prefix, cache, torch.arange(9))
+    target.prefill(prefix, cache, logits_to_keep=0)
     logits, _ = verify_tree(target, tree, cache)
     for node in range(tree.size):
         path = [n for n in range(tree.size) if tree.ancestor_mask[node, n]]
@@ -227,12 +227,12 @@ def test_cache_keeps_accepted_path(tiny_target):
     prefix = torch.randint(6, 128, (1, 7))
     tree = tree_from_parents(torch.randint(6, 128, (6,)), torch.tensor([-1, 0, 0, 2, 2, 4]), torch.zeros(6))
     cache = target.new_cache(32)
-    target.forward(prefix, cache, torch.arange(7))
+    target.prefill(prefix, cache, logits_to_keep=0)
     verify_tree(target, tree, cache)
     path = torch.tensor([0, 2, 4, 5])
     cache.keep_path(path + 7, 7)
     reference = target.new_cache(32)
-    target.forward(torch.cat([prefix[0], tree.tokens[path]])[None], reference, torch.arange(11))
+    target.prefill(torch.cat([prefix[0], tree.tokens[path]])[None], reference, logits_to_keep=0)
     assert cache.length == reference.length == 11
     for mine, theirs in zip(cache.layers, reference.layers):
         torch.testing.assert_close(mine.keys[:, :, :11], theirs.keys[:, :, :11], atol=1e-4, rtol=1e-4)
@@ -275,7 +275,7 @@ def test_greedy_verification_picks_longest_matching_path():
     # target wants: after root -> 12, after node2 (12) -> 14, after node4 (14) -> 3 (not 15), after node1 -> 13
     for node, token in [(0, 12), (2, 14), (4, 3), (1, 13), (3, 0), (5, 0)]:
         logits[node, token] = 5.0
-    path, bonus = verify_greedy(tree, logits)
+    path, bonus = accept_greedy(tree, logits)
     assert path.tolist() == [0, 2, 4] and int(bonus) == 3
 
 
@@ -288,7 +288,7 @@ def test_drafter_expansion_matches_explicit_chains(tiny_target):
                          draft_dtype=torch.float32)  # exact arithmetic to compare with
     target = Target(model, feature_layers=eagle3_layer_ids(model.config.num_hidden_layers))
     prompt = torch.randint(6, 128, (1, 8))
-    out = target.forward(prompt, target.new_cache(64), torch.arange(8))
+    out = target.prefill(prompt, target.new_cache(64), logits_to_keep=0)
     context_ids = torch.cat([prompt[0, 1:], torch.tensor([17])])[None]
     tree = EagleDrafter(head, TreePlan(TreeSettings(total_token=20, depth=3, top_k=3))).draft(out.features, context_ids)
     assert tree.size == 20 and int(tree.tokens[0]) == 17

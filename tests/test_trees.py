@@ -133,8 +133,7 @@ def test_swept_acceptance_matches_the_replay_of_the_real_drafter(tiny_pair):
     # an answer that repeats itself, so the lookup branch has something to graft
     prompt = torch.randint(6, 100, (1, 6))
     tokens = torch.cat([prompt[0], torch.randint(6, 100, (8,)).repeat(4)])
-    features = model.engine.target.forward(tokens[None], model.engine.target.new_cache(tokens.shape[0]),
-                                           torch.arange(tokens.shape[0]), last_logits_only=True).features
+    features = model.engine.target.prefill(tokens[None], model.engine.target.new_cache(tokens.shape[0])).features
     recording = Recording(6, tokens, features)
     acceptance = autotune.CalibrationAcceptance({3: [autotune.sweep_positions(model.ea_layer, recording, 3, 3)]})
     for settings in (TreeSettings(4, 1, 3, 0), TreeSettings(10, 3, 3, 0), TreeSettings(6, 2, 3, 8),

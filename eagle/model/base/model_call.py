@@ -96,10 +96,9 @@ def check_tree_attention(target) -> float:
     tokens = _probe_tokens(target.config.vocab_size, 7)
     prompt, (root, left, right) = tokens[:4], tokens[4:]
     cache = target.new_cache(len(prompt) + 3)
-    first = target.forward(torch.tensor([prompt]), cache, torch.arange(len(prompt)), features=False)
+    first = target.prefill(torch.tensor([prompt]), cache, features=False)
     tree = torch.tensor([[True, False, False], [True, True, False], [True, False, True]])
-    nodes = target.forward(torch.tensor([[root, left, right]]), cache, torch.tensor([4, 5, 5]), tree_mask=tree,
-                           features=False)
+    nodes = target.verify(torch.tensor([[root, left, right]]), cache, torch.tensor([4, 5, 5]), tree, features=False)
     paths = [prompt, prompt + [root], prompt + [root, left], prompt + [root, right]]
     alone = [target.call(target.model, input_ids=torch.tensor([p], device=target.device), attention_mask=None,
                          position_ids=None, cache=None, output_hidden_states=False, logits_to_keep=1).logits[0, -1]

@@ -17,6 +17,7 @@ from eagle.model.heads.draft_config import head_layer_ids
 from eagle.model.backends.attention import (QueryTemperature, check_attention_implementation, our_attention,
                                                    prepare_attention)
 from eagle.model.backends.linear import real_rows_only
+from eagle.model.base.logits import LazyLogits, LazyProjection
 from eagle.model.base.families import check_attention_known
 from eagle.model.base.kv_cache import TreeKVCache
 from eagle.model.base.model_call import ModelCall, check_tree_attention
@@ -64,77 +65,20 @@ def check_target_model(model) -> None:
 LOGIT_POSTPROCESSING = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier")
 
 
-class LazyLogits:
-    """Logits after each of T new positions of B rows, each (row, position) projected through the LM head when
-    first read.
-
-    On a CPU the LM head (hidden x vocabulary, e.g. 576 x 49,152) costs as much as several layers for every row of
-    a draft tree, and verification reads only the rows on the accepted path: projecting those alone saves most of
-    that cost.
-
-    Reading the LM head's weights dominates a projection, so a few rows cost little more than one (timings:
-    docs/PERFORMANCE.md). The rows read first are therefore projected in the verification forward pass
-    (``first_rows``: verification passes each tree's root and its likeliest descendants), and ``rows_with(b, i)``, when given, names the positions of batch row
-    ``b`` to project together with a position ``i`` read later (``i`` first): verification passes the node's
-    likeliest descendants, which it reads next whenever the node is accepted, so a long accepted path costs one or
-    two projections instead of one per token, and a short one none. :meth:`fetch` projects what several batch rows
-    read next in one call.
-
-    ``logits[i]`` reads position ``i`` of batch row 0; ``logits.row(b)[i]`` of row ``b``.
-    """
-
-    def __init__(self, first_rows: dict[tuple[int, int], torch.Tensor], last_hidden: torch.Tensor, project,
-                 rows_with=None):
-        self._rows = dict(first_rows)
-        self._hidden = last_hidden  # (B, T, H)
-        self._project = project
-        self.rows_with = rows_with
-
-    def fetch(self, wanted: list[tuple[int, int]]) -> None:
-        """Project, in one call, the (batch row, position) pairs not projected yet, each with ``rows_with``'s."""
-        todo: list[tuple[int, int]] = []
-        for batch_row, index in wanted:
-            if (batch_row, index) in self._rows:
-                continue
-            more = [index] if self.rows_with is None else self.rows_with(batch_row, index)
-            todo += [(batch_row, i) for i in more if (batch_row, i) not in self._rows and (batch_row, i) not in todo]
-        if todo:
-            rows, positions = zip(*todo)
-            device = self._hidden.device
-            projected = self._project(self._hidden[torch.tensor(rows, device=device), torch.tensor(positions, device=device)])
-            self._rows.update(zip(todo, projected))
-
-    def get(self, batch_row: int, index) -> torch.Tensor:
-        key = (batch_row, int(index))
-        if key not in self._rows:
-            self.fetch([key])
-        return self._rows[key]
-
-    def row(self, batch_row: int) -> "_LazyRow":
-        return _LazyRow(self, batch_row)
-
-    def __getitem__(self, index) -> torch.Tensor:
-        return self.get(0, index)
-
-
-class _LazyRow:
-    """One batch row of :class:`LazyLogits`, indexable by position."""
-
-    def __init__(self, logits: LazyLogits, batch_row: int):
-        self.logits, self.batch_row = logits, batch_row
-
-    def __getitem__(self, index) -> torch.Tensor:
-        return self.logits.get(self.batch_row, index)
-
-
-@dataclass
+@dataclass(frozen=True)
 class TargetOutput:
-    logits: torch.Tensor | LazyLogits  # (B, T', V) float: every position, or only the last one for a prefill
+    """What an entry point of :class:`Target` returns."""
+
+    logits: torch.Tensor | LazyLogits  # (B, T', V) float: the positions kept, or lazily projected (Target.verify)
     features: torch.Tensor | None  # (B, T, F) hidden states EAGLE reads, or None when not asked for
 
 
 class Target:
     """Runs the target model over new tokens at given positions, on top of a :class:`TreeKVCache`.
+
+    Three entry points, one per kind of pass, all through one model call (:meth:`_run`): :meth:`prefill`
+    (prompts, possibly a left-padded batch), :meth:`decode` (one token per row) and :meth:`verify` (a draft tree
+    per row, its logits possibly projected lazily).
 
     ``feature_layers``: indices into ``output_hidden_states`` to concatenate (EAGLE-3: three layers; EAGLE-1:
     ``[-1]``, the final normed state), or None when no draft head reads them.
@@ -174,7 +118,7 @@ class Target:
         values)."""
         if self._slot_bytes is None:
             cache = self.new_cache(1)
-            self.forward(torch.zeros(1, 1, dtype=torch.long), cache, torch.zeros(1, dtype=torch.long), features=False)
+            self.prefill(torch.zeros(1, 1, dtype=torch.long), cache, features=False)
             self._slot_bytes = cache.slot_bytes()
         return self._slot_bytes
 
@@ -232,71 +176,120 @@ class Target:
         return mask[:, None]
 
     @torch.no_grad()
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        cache: TreeKVCache,
-        position_ids: torch.Tensor,
-        tree_mask: torch.Tensor | None = None,
-        last_logits_only: bool = False,
-        lazy_logits: bool = False,
-        first_rows: list[int] | list[list[int]] | None = None,
-        valid: torch.Tensor | None = None,
-        key_positions: torch.Tensor | None = None,
-        features: bool = True,
-    ) -> TargetOutput:
-        """input_ids: (B, T) new tokens, written to the cache after its ``cache.length`` slots; position_ids:
-        (B, T) or (T,) their RoPE positions (tree depth + prefix length for a tree); ``tree_mask``, ``valid`` and
-        ``key_positions`` as in :meth:`attention_mask`. A new token that ``valid`` marks False is padding (a tree
-        node beyond its row's tree, a left-padded prompt slot): no real token sees it, and packed linear layers skip
-        its row (:func:`~eagle.model.backends.linear.real_rows_only`), so its logits and features are meaningless.
+    def prefill(self, input_ids: torch.Tensor, cache: TreeKVCache, *, valid: torch.Tensor | None = None,
+                features: bool = True, logits_to_keep: int = 1) -> TargetOutput:
+        """Run prompts, causally, after the cache's ``cache.length`` committed slots (every row's).
 
-        ``lazy_logits``: the caller reads only some rows (tree verification); when this target allows it, the
-        logits come back as :class:`LazyLogits`, with the positions ``first_rows`` (one list per batch row, or one
-        list for a single row; default: position 0; position 0 first) projected in this forward pass and the
-        others when read. ``features``: False when the caller reads no features (plain decoding): none are
-        gathered."""
-        past = cache.length
-        features = features and self.feature_layers is not None
-        lazy = lazy_logits and self._lazy_logits is True  # only ever True for a target that returns features
-        if lazy:
-            first_rows = _first_rows(first_rows, input_ids.shape[0])
-            # one row: the model's own LM head projects them; several: gathered per row below
-            logits_to_keep = torch.tensor(first_rows[0] if len(first_rows) == 1 else [], dtype=torch.long,
-                                          device=self.device)
+        input_ids: (B, S); ``valid``: (B, S) bool, which tokens are real (a batch of prompts left-padded to the
+        longest: False on each row's padding; None = all), at positions counting a row's real tokens from the
+        committed length (padding slots at that position too: no real token sees them). ``features``: False when
+        the caller reads none (they are not gathered). ``logits_to_keep``: as transformers' argument, the logits
+        of the last n positions (B, n, V) float, 0 = every position."""
+        past, (batch, length) = cache.length, input_ids.shape
+        if valid is None:
+            positions = torch.arange(past, past + length)
         else:
-            logits_to_keep = 1 if last_logits_only else 0
+            if tuple(valid.shape) != (batch, length):
+                raise ValueError(f"valid must be (B, S) = {(batch, length)} like input_ids, got {tuple(valid.shape)}.")
+            valid = valid.to(self.device)
+            positions = past + (valid.long().cumsum(-1) - 1).clamp(min=0)
+            if past:
+                valid = torch.cat([torch.ones(batch, past, dtype=torch.bool, device=self.device), valid], dim=1)
+        features = self._reads_features(features)
+        outputs = self._run(input_ids, cache, positions, None, valid, None, features, logits_to_keep)
+        return self._computed(outputs, features)
+
+    @torch.no_grad()
+    def decode(self, input_ids: torch.Tensor, cache: TreeKVCache, positions: torch.Tensor, *,
+               valid: torch.Tensor | None = None, key_positions: torch.Tensor | None = None,
+               features: bool = True) -> TargetOutput:
+        """Plain decoding's step: one new token per row after each row's committed slots.
+
+        input_ids: (B, 1); positions: (B, 1) or (1,) their RoPE positions; ``valid`` (B, past + 1) and
+        ``key_positions`` (B, past) as in :meth:`attention_mask`. Returns logits (B, 1, V) float and, unless
+        ``features`` is False, features (B, 1, F)."""
+        if input_ids.dim() != 2 or input_ids.shape[1] != 1:
+            raise ValueError(f"decode takes one new token per row, (B, 1); got {tuple(input_ids.shape)}.")
+        features = self._reads_features(features)
+        outputs = self._run(input_ids, cache, positions, None, valid, key_positions, features, 0)
+        return self._computed(outputs, features)
+
+    @torch.no_grad()
+    def verify(self, input_ids: torch.Tensor, cache: TreeKVCache, positions: torch.Tensor,
+               tree_mask: torch.Tensor, *, valid: torch.Tensor | None = None,
+               key_positions: torch.Tensor | None = None, features: bool = True,
+               projection: LazyProjection | None = None) -> TargetOutput:
+        """Tree verification: N nodes per row after each row's committed slots, each seeing its ancestors.
+
+        input_ids: (B, N) the nodes' tokens; positions: (B, N) or (N,) their RoPE positions (committed length +
+        depth); ``tree_mask`` (B, N, N) or (N, N), ``valid`` (B, past + N) and ``key_positions`` (B, past) as in
+        :meth:`attention_mask`. A node that ``valid`` marks False is padding (beyond its row's tree): no real
+        token sees it, and packed linear layers skip its row
+        (:func:`~eagle.model.backends.linear.real_rows_only`), so its logits and features are meaningless.
+
+        Logits: (B, N, V) float; or, given a ``projection`` and where this target allows it (a CPU, logits that
+        are the LM head of the last hidden state), :class:`~eagle.model.base.logits.LazyLogits` projecting the
+        rows as ``projection`` says. Features (B, N, F), or None when ``features`` is False."""
+        features = self._reads_features(features)
+        if projection is None or self._lazy_logits is not True:  # only ever True for a target that has features
+            outputs = self._run(input_ids, cache, positions, tree_mask, valid, key_positions, features, 0)
+            return self._computed(outputs, features)
+        projection.check(input_ids.shape[0])
+        first = projection.first
+        # one row: the model's own LM head projects them; several: gathered per row (see _lazy)
+        logits_to_keep = torch.tensor(first[0] if len(first) == 1 else [], dtype=torch.long, device=self.device)
+        # the LM head reads chosen positions, in any order: with one row it must not take them for every token
+        skip_padding = len(first) > 1
+        outputs = self._run(input_ids, cache, positions, tree_mask, valid, key_positions, True, logits_to_keep,
+                            skip_padding)
+        return TargetOutput(logits=self._lazy(projection, outputs),
+                            features=self._features(outputs) if features else None)
+
+    def _run(self, input_ids: torch.Tensor, cache: TreeKVCache, position_ids: torch.Tensor,
+             tree_mask: torch.Tensor | None, valid: torch.Tensor | None, key_positions: torch.Tensor | None,
+             hidden_states: bool, logits_to_keep, skip_padding: bool = True):
+        """The model call every entry point makes: the new tokens (B, T) written after the cache's
+        ``cache.length`` slots, at ``position_ids`` (B, T) or (T,), under the mask :meth:`attention_mask` builds
+        from ``tree_mask`` (None: causal), ``valid`` and ``key_positions``. New tokens that ``valid`` marks False
+        are padding, whose rows packed linear layers skip unless ``skip_padding`` is False. Returns the model's
+        output (with every layer's hidden states when ``hidden_states``)."""
+        past = cache.length
         mask = self.attention_mask(past, position_ids, tree_mask, valid, key_positions)
         position_ids = position_ids.to(self.device)
-        real = None if valid is None else valid[:, past:].to(self.device)  # (B, T): which new tokens are real
-        if lazy and len(first_rows) == 1:
-            real = None  # the LM head reads chosen positions, in any order: it must not take them for every token
+        real = None if valid is None or not skip_padding else valid[:, past:].to(self.device)
         position_ids = position_ids if position_ids.dim() == 2 else position_ids[None]
         with our_attention(self.config, self.temperature, position_ids), real_rows_only(real):
-            outputs = self.call(self.model, input_ids=input_ids.to(self.device), attention_mask=mask,
-                                position_ids=position_ids, cache=cache, output_hidden_states=features or lazy,
-                                logits_to_keep=logits_to_keep)
-        gathered = None
-        if features:
-            states = outputs.hidden_states
-            home = states[self.feature_layers[0]].device  # layers may live on several devices
-            gathered = torch.cat([states[i].to(home) for i in self.feature_layers], dim=-1)
-        if lazy:
-            return TargetOutput(logits=self._lazy(first_rows, outputs), features=gathered)
+            return self.call(self.model, input_ids=input_ids.to(self.device), attention_mask=mask,
+                             position_ids=position_ids, cache=cache, output_hidden_states=hidden_states,
+                             logits_to_keep=logits_to_keep)
+
+    def _reads_features(self, features: bool) -> bool:
+        return features and self.feature_layers is not None
+
+    def _features(self, outputs) -> torch.Tensor:
+        """The hidden states of ``feature_layers`` concatenated (B, T, F)."""
+        states = outputs.hidden_states
+        home = states[self.feature_layers[0]].device  # layers may live on several devices
+        return torch.cat([states[i].to(home) for i in self.feature_layers], dim=-1)
+
+    def _computed(self, outputs, features: bool) -> TargetOutput:
+        """The output with every kept position's logits (float) and, when asked, the features; the first such
+        output with features decides whether lazy logits match the model's (see :class:`LazyLogits`)."""
         logits = outputs.logits.float()
         if self._lazy_logits is None and features:
             self._lazy_logits = self._projection_matches(outputs.hidden_states[-1][0, -logits.shape[1]:], logits[0])
-        return TargetOutput(logits=logits, features=gathered)
+        return TargetOutput(logits=logits, features=self._features(outputs) if features else None)
 
-    def _lazy(self, first_rows: list[list[int]], outputs) -> LazyLogits:
+    def _lazy(self, projection: LazyProjection, outputs) -> LazyLogits:
         hidden = outputs.hidden_states[-1]
-        pairs = [(b, i) for b, rows in enumerate(first_rows) for i in rows]
-        if len(first_rows) == 1:
+        first = projection.first
+        pairs = [(b, i) for b, rows in enumerate(first) for i in rows]
+        if len(first) == 1:
             projected = outputs.logits[0].float()
         else:
             index = torch.tensor(pairs, device=hidden.device)
             projected = self.project(hidden[index[:, 0], index[:, 1]])
-        return LazyLogits(dict(zip(pairs, projected)), hidden, self.project)
+        return LazyLogits(dict(zip(pairs, projected)), hidden, self.project, projection)
 
     def project(self, hidden: torch.Tensor) -> torch.Tensor:
         """(n, H) last hidden states -> (n, V) float logits, through the LM head alone."""
@@ -309,14 +302,3 @@ class Target:
         scale = float(logits.abs().max()) if logits.numel() else 0.0
         return projected.shape == logits.shape and bool(((projected - logits).abs() <= 1e-4 * scale + 1e-6).all())
 
-
-def _first_rows(first_rows, batch: int) -> list[list[int]]:
-    """``first_rows`` as one list of positions per batch row, each starting with position 0."""
-    if first_rows is None:
-        first_rows = [[0]] * batch
-    elif first_rows and not isinstance(first_rows[0], (list, tuple)):
-        first_rows = [list(first_rows)]
-    if len(first_rows) != batch or any(not rows or rows[0] != 0 for rows in first_rows):
-        raise ValueError(f"first_rows must give, for each of the {batch} rows, positions starting with 0; got "
-                         f"{first_rows}.")
-    return [list(rows) for rows in first_rows]

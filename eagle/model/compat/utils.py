@@ -19,10 +19,9 @@ from __future__ import annotations
 import torch
 
 from eagle.model.drafting.protocol import drafter_for_head
-from eagle.model.engine.verify import choose_token
 from eagle.model.drafting.tree import DraftTree
 from eagle.model.engine.acceptance import prepare_logits_processor  # noqa: F401  (re-exported, reference name)
-from eagle.model.engine.acceptance import Sampler, recursive_rejection
+from eagle.model.engine.acceptance import Sampler, choose_token, recursive_rejection
 
 TOPK = 10
 
@@ -57,7 +56,7 @@ def initialize_tree(input_ids, model, past_key_values, logits_processor):
     state = _state(past_key_values)
     target = model.engine.target
     past_key_values.crop(0)
-    out = target.forward(input_ids, past_key_values, torch.arange(input_ids.shape[1]), last_logits_only=True)
+    out = target.prefill(input_ids, past_key_values)
     root = choose_token(out.logits[0, -1], _sampler(logits_processor))
     drafter = drafter_for_head(model.ea_layer, model.engine.plan)
     next_tokens = torch.cat([input_ids[0, 1:], root.reshape(1)])[None]
@@ -77,8 +76,8 @@ def tree_decoding(model, tree_candidates, past_key_values, tree_position_ids, in
         tree_mask = _state(past_key_values)["tree"].ancestor_mask
     mask = tree_mask.reshape(tree_mask.shape[-2], tree_mask.shape[-1]).bool()
     past_key_values.crop(input_ids.shape[1])
-    out = model.engine.target.forward(tree_candidates, past_key_values, tree_position_ids.cpu() + input_ids.shape[1],
-                                      tree_mask=mask)
+    out = model.engine.target.verify(tree_candidates, past_key_values, tree_position_ids.cpu() + input_ids.shape[1],
+                                     mask)
     logits = out.logits[0]
     return logits[retrieve_indices], out.features, logits
 

@@ -1,4 +1,7 @@
-"""Verification: which path of a draft tree the target accepts, and the token it adds after it.
+"""Acceptance (the step's "evaluate" phase, after the verification forward pass): which path of a draft tree the
+target accepts, and the token it adds after it (greedy rows walked in lockstep, sampled rows by lossless recursive
+rejection); then each row's new tokens and the drafter's next inputs (:class:`~eagle.model.engine.handoffs.
+StepResult`).
 
 Greedy: the longest root-to-leaf prefix whose every token is the target's argmax after its parent.
 Sampling: recursive rejection with point-mass proposals (EAGLE_SPEC section 6.3): at each node the children are
@@ -13,7 +16,9 @@ from __future__ import annotations
 import torch
 from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-from eagle.model.drafting.tree import DraftTree, children_by_token
+from eagle.model.base.logits import NodeLogits, TreeLogits
+from eagle.model.drafting.tree import DraftTree, TreeBatch, children_by_token
+from eagle.model.engine.handoffs import Accepted, DraftInput, StepResult
 
 
 def prepare_logits_processor(temperature: float = 0.0, repetition_penalty: float = 0.0, top_p: float = 0.0,
@@ -66,35 +71,35 @@ def greedy_path(tree: DraftTree, next_token) -> tuple[list[int], object]:
         path.append(node)
 
 
-def verify_greedy(tree: DraftTree, logits) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits: target logits after each node, indexable by node id (a (N+1, V) tensor, or
-    :class:`~eagle.model.base.target.LazyLogits`, which projects only the rows read here). Returns the accepted node ids
-    (acc+1,), root first, and the bonus token: the target's argmax after the last accepted node.
+def accept_greedy(tree: DraftTree, logits) -> Accepted:
+    """logits: target logits after each node, indexable by node id (a (N+1, V) tensor, or a row of
+    :class:`~eagle.model.base.logits.LazyLogits`, which projects only the rows read here). Returns the accepted
+    node ids (acc+1,), root first, and the bonus token: the target's argmax after the last accepted node.
 
     Walks down from the root: a child is accepted when its token is the target's argmax after its parent. Only the
     rows of the accepted path are read (accepted + 1 of them)."""
-    return verify_greedy_batch([tree], [logits])[0]
+    return accept_greedy_batch([tree], NodeLogits([logits]))[0]
 
 
-def verify_greedy_batch(trees: list[DraftTree], logits: list, fetch=None) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """:func:`verify_greedy` for B trees walked in lockstep: at each depth the rows still walking read their
-    current node's logits together (``fetch([(row, node), ...])``, when given, projects the unread ones in one
-    call; see :meth:`~eagle.model.base.target.LazyLogits.fetch`). logits: one indexable per tree."""
+def accept_greedy_batch(trees: list[DraftTree], logits: TreeLogits) -> list[Accepted]:
+    """:func:`accept_greedy` for B trees walked in lockstep: at each depth the rows still walking read their
+    current node's logits together (``logits.fetch([(row, node), ...])`` first, which projects the unread ones in
+    one call where they are lazy)."""
     children = [children_by_token(tree) for tree in trees]
     nodes = [0] * len(trees)
     paths: list[list[int]] = [[0] for _ in trees]
     results: list = [None] * len(trees)
     walking = list(range(len(trees)))
+    rows = [logits.row(row) for row in walking]
     while walking:
-        if fetch is not None:
-            fetch([(row, nodes[row]) for row in walking])
-        predicted = torch.stack([logits[row][nodes[row]] for row in walking]).argmax(-1)
+        logits.fetch([(row, nodes[row]) for row in walking])
+        predicted = torch.stack([rows[row][nodes[row]] for row in walking]).argmax(-1)
         still = []
         for token, row, value in zip(predicted, walking, predicted.tolist()):
             child = children[row].get(nodes[row], {}).get(value)
             if child is None:
                 device = trees[row].tokens.device
-                results[row] = (torch.tensor(paths[row], device=device), token.to(device))
+                results[row] = Accepted(torch.tensor(paths[row], device=device), token.to(device))
             else:
                 nodes[row] = child
                 paths[row].append(child)
@@ -103,9 +108,9 @@ def verify_greedy_batch(trees: list[DraftTree], logits: list, fetch=None) -> lis
     return results
 
 
-def verify_sampling(tree: DraftTree, logits, sampler: Sampler) -> tuple[torch.Tensor, torch.Tensor]:
+def accept_sampling(tree: DraftTree, logits, sampler: Sampler) -> Accepted:
     """Lossless recursive rejection over the tree. Returns (accepted node ids root first, bonus token).
-    ``logits`` as in :func:`verify_greedy`: only the rows of the visited nodes are read."""
+    ``logits`` as in :func:`accept_greedy`: only the rows of the visited nodes are read."""
     parents = tree.parents.tolist()
     order = torch.argsort(tree.scores, descending=True, stable=True).tolist()
     children: dict[int, list[int]] = {}
@@ -113,7 +118,61 @@ def verify_sampling(tree: DraftTree, logits, sampler: Sampler) -> tuple[torch.Te
         if parents[node] >= 0:
             children.setdefault(parents[node], []).append(node)
     path, bonus_probs = recursive_rejection(children, tree.tokens.tolist(), lambda node: logits[node], sampler)
-    return torch.tensor(path, device=tree.tokens.device), sampler.draw(bonus_probs)
+    return Accepted(torch.tensor(path, device=tree.tokens.device), sampler.draw(bonus_probs))
+
+
+def choose_token(logits: torch.Tensor, sampler: Sampler | None) -> torch.Tensor:
+    """logits (V,) -> next token (0-d): argmax when greedy, else a draw from the processed distribution."""
+    if sampler is None:
+        return logits.argmax()
+    return sampler.draw(sampler.probs(logits[None])[0])
+
+
+def choose_tokens(logits: torch.Tensor, sampler: Sampler | None) -> torch.Tensor:
+    """logits (B, V) -> next token of each row (B,)."""
+    if sampler is None:
+        return logits.argmax(-1)
+    return torch.stack([choose_token(row, sampler) for row in logits])
+
+
+def evaluate(tree: DraftTree, logits, sampler: Sampler | None) -> Accepted:
+    """Accepted node ids (acc+1,) root first, and the target's next token after them."""
+    if tree.size == 1:
+        return Accepted(torch.zeros(1, dtype=torch.long, device=tree.tokens.device), choose_token(logits[0], sampler))
+    if sampler is None:
+        return accept_greedy(tree, logits)
+    return accept_sampling(tree, logits, sampler)
+
+
+def evaluate_batch(trees: list[DraftTree], logits: TreeLogits, sampler: Sampler | None) -> list[Accepted]:
+    """:func:`evaluate` for every row. Greedy rows are walked in lockstep, so that the LM head projects what they
+    read next together."""
+    if sampler is None:
+        return accept_greedy_batch(trees, logits)
+    return [evaluate(tree, logits.row(b), sampler) for b, tree in enumerate(trees)]
+
+
+def step_result(trees: TreeBatch, accepted: list[Accepted], tree_features: torch.Tensor | None) -> StepResult:
+    """After evaluation: each row's new tokens (accepted drafts then the next token), and the drafter's next
+    inputs: features (B, M, F) of the accepted nodes (``tree_features`` (B, N, F) at every node, or None), the
+    token after each (B, M), and which are real (B, M) bool, or None when every row accepted the same number (a
+    batch of one)."""
+    new = [torch.cat([tree.tokens[path[1:]], bonus.reshape(1)]) for tree, (path, bonus) in zip(trees.trees, accepted)]
+    paths = [path for path, _ in accepted]
+    width = max(tokens.shape[0] for tokens in new)
+    if all(tokens.shape[0] == width for tokens in new):
+        next_tokens, valid = torch.stack(new), None
+        index = torch.stack(paths)
+    else:
+        next_tokens = torch.stack([torch.cat([t, t[-1:].expand(width - t.shape[0])]) for t in new])
+        index = torch.stack([torch.cat([p, p[-1:].expand(width - p.shape[0])]) for p in paths])
+        valid = torch.arange(width, device=index.device)[None] < torch.tensor([t.shape[0] for t in new],
+                                                                              device=index.device)[:, None]
+    features = None
+    if tree_features is not None:
+        index = index.to(tree_features.device)
+        features = tree_features[torch.arange(index.shape[0], device=index.device)[:, None], index]
+    return StepResult(new, DraftInput(features, next_tokens, valid))
 
 
 def recursive_rejection(children: dict[int, list[int]], tokens: list[int], logits_at, sampler: Sampler):

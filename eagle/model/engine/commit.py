@@ -74,12 +74,12 @@ def commit_batch(cache, rows: Rows, paths: list[torch.Tensor], tree_size: int) -
     cache.keep_rows(sources[index] + slots, targets, max(rows.length), rows=index)
 
 
-def drop_finished(keep: list[int], rows: Rows, cache, drafter, carried: list):
+def drop_finished(keep: list[int], rows: Rows, cache, drafter) -> Rows:
     """Shrink the batch to the rows ``keep`` (positions among the rows still generating): the cache's and the
-    drafter's rows, and every tensor of ``carried`` (indexed on dim 0; None passes). Returns (rows, carried)."""
+    drafter's rows. Returns the rows kept."""
     index = torch.tensor(keep)
     cache.select_rows(index)
     drafter.select_rows(index)
     rows = rows.select(keep)
     cache.crop(max(rows.length))
-    return rows, [None if t is None else t[index.to(t.device)] for t in carried]
+    return rows

@@ -1,13 +1,16 @@
 """The one generation loop, for a batch of B sequences that rows join and leave between steps (one sequence is the
 batch of one; plain decoding is the same loop with a drafter that proposes nothing).
 
-Each step is four named phases over explicit inputs::
+Each step is four named phases over explicit inputs, handing each other the types of
+:mod:`eagle.model.engine.handoffs`::
 
-    drafter.observe(features, next_tokens, valid)       # learn what the target just committed
-    trees = stack_trees(drafter.propose())              # draft: one tree per row
-    logits, fetch, features = verify_trees(...)         # verify: one target forward over every row's tree
-    results = evaluate_batch(trees, logits, ...)        # evaluate: each row's accepted path and next token
-    commit_batch(cache, rows, paths, trees.size)        # commit: keep the accepted KV entries, emit tokens
+    drafter.observe(d.features, d.next_tokens, d.valid) # learn what the target just committed (d: DraftInput)
+    trees = stack_trees(drafter.propose())              # draft: one tree per row (TreeBatch)
+    verified = verify_trees(target, trees, ...)         # verify: one target forward over every row's tree
+                                                        #   (Target.verify, or Target.decode for root-only trees)
+    accepted = evaluate_batch(trees.trees, verified.logits, sampler)  # evaluate: each row's Accepted path, token
+    commit_batch(cache, rows, paths, trees.size)        # commit: keep the accepted KV entries
+    step = step_result(trees, accepted, verified.features)  # each row's new tokens, the next DraftInput
 
 Stops and budgets are per row; a row that ends leaves the batch at the next step boundary (its cache and drafter
 rows are dropped, see :func:`~eagle.model.engine.commit.drop_finished`), so it costs nothing afterwards.
@@ -20,10 +23,11 @@ from collections.abc import Iterator
 import torch
 
 from eagle.model.drafting.tree import stack_trees
-from eagle.model.engine.acceptance import Sampler
+from eagle.model.engine.acceptance import Sampler, evaluate_batch, step_result
 from eagle.model.engine.commit import Rows, commit_batch, drop_finished
+from eagle.model.engine.handoffs import DraftInput
 from eagle.model.engine.steps import CANCELLED, LENGTH, STOP, RowStep
-from eagle.model.engine.verify import evaluate_batch, next_inputs, prefill, verify_trees
+from eagle.model.engine.verify import prefill, verify_trees
 from eagle.model.base.target import Target
 from eagle.utils.threads import NO_THREAD_POLICY
 
@@ -56,7 +60,7 @@ class RunningBatch:
         self.threads = NO_THREAD_POLICY if threads is None else threads
         self.stop_token_ids = set(stop_token_ids)
         self.rows = Rows([], [], [])
-        self.carried: tuple = (None, None, None)  # the drafter's next inputs: features, next tokens, valid
+        self.draft_input: DraftInput | None = None  # what the drafter observes next (None: no rows)
         self._pending: list[tuple[int, torch.Tensor]] = []  # (row, prompt tokens (n,))
         self._budget: dict[int, int] = {}
         self._emitted: dict[int, int] = {}
@@ -133,10 +137,10 @@ class RunningBatch:
                 self._ended.discard(row)
                 del self._budget[row], self._emitted[row]
         if keep:
-            self.rows, carried = drop_finished(keep, self.rows, self.cache, self.drafter, list(self.carried))
-            self.carried = tuple(carried)
+            self.rows = drop_finished(keep, self.rows, self.cache, self.drafter)
+            self.draft_input = self.draft_input.select(keep)
         else:
-            self.rows, self.carried = Rows([], [], []), (None, None, None)
+            self.rows, self.draft_input = Rows([], [], []), None
 
     def _admit(self) -> dict[int, RowStep]:
         """Prefill the waiting rows and make them batch rows; emit their first tokens."""
@@ -150,38 +154,34 @@ class RunningBatch:
             cache = self.cache
         else:
             cache = self.target.new_cache(self.cache.capacity)
-        roots, features = prefill(self.target, ids, cache, self.sampler, self.drafter.needs_features, pads)
-        width = ids.shape[1]
-        rows = Rows(joining, list(pads), [width] * len(joining))
-        next_tokens = torch.cat([ids[:, 1:].to(roots.device), roots[:, None]], dim=1)
-        valid = None
-        if any(pads):  # pair j (feature j, token j + 1) is row b's when slot j holds one of its tokens
-            valid = torch.arange(width, device=roots.device)[None] >= torch.tensor(pads, device=roots.device)[:, None]
+        first = prefill(self.target, ids, cache, self.sampler, self.drafter.needs_features, pads)
+        rows = Rows(joining, list(pads), [ids.shape[1]] * len(joining))
         if alone:
-            self.rows, self.carried = rows, (features, next_tokens, valid)
+            self.rows, self.draft_input = rows, first
         else:  # the drafter takes their prompt pairs now; the last pair (root) goes with the batch's next step
             self.cache.add_rows(cache)
-            self.drafter.add_rows(None if features is None else features[:, :-1], next_tokens[:, :-1],
-                                  None if valid is None else valid[:, :-1])
-            last = (None if features is None else features[:, -1:], next_tokens[:, -1:], None)
-            self.carried = join_carried(self.carried, last)
+            prompt = first.without_last()
+            self.drafter.add_rows(prompt.features, prompt.next_tokens, prompt.valid)
+            self.draft_input = self.draft_input.join(first.last())
             self.rows = Rows(self.rows.index + rows.index, self.rows.start + rows.start,
                              self.rows.length + rows.length)
+        roots = first.next_tokens[:, -1]
         return self._emit(joining, [root.reshape(1) for root in roots], [0] * len(joining))
 
     def _verify_step(self) -> dict[int, RowStep]:
         """Draft, verify, evaluate and commit every row; emit their new tokens."""
         self.threads.step_started()
-        self.drafter.observe(*self.carried)
+        seen = self.draft_input
+        self.drafter.observe(seen.features, seen.next_tokens, seen.valid)
         trees = stack_trees(self.drafter.propose())  # rooted at the last emitted tokens
-        logits, fetch, tree_features = verify_trees(self.target, trees, self.cache, self.rows, lazy_logits=True,
-                                                    features=self.drafter.needs_features)
-        results = evaluate_batch(trees.trees, logits, fetch, self.sampler)
-        commit_batch(self.cache, self.rows, [path for path, _ in results], trees.size)
-        new, next_tokens, valid, features = next_inputs(trees, results, tree_features)
-        self.carried = (features, next_tokens, valid)
+        verified = verify_trees(self.target, trees, self.cache, self.rows, lazy_logits=True,
+                                features=self.drafter.needs_features)
+        accepted = evaluate_batch(trees.trees, verified.logits, self.sampler)
+        commit_batch(self.cache, self.rows, [path for path, _ in accepted], trees.size)
+        step = step_result(trees, accepted, verified.features)
+        self.draft_input = step.draft_input
         self.threads.step_finished(trees.tokens.numel())
-        return self._emit(self.rows.index, new, [tokens.shape[0] - 1 for tokens in new])
+        return self._emit(self.rows.index, step.tokens, step.accepted)
 
     def _emit(self, rows: list[int], new: list[torch.Tensor], accepted: list[int]) -> dict[int, RowStep]:
         """Cut each row's new tokens at its stop token and budget; rows that end leave at the next boundary."""
@@ -200,26 +200,6 @@ def left_pad(prompts: list[torch.Tensor]) -> tuple[torch.Tensor, list[int]]:
     width = max(p.shape[0] for p in prompts)
     pads = [width - p.shape[0] for p in prompts]
     return torch.stack([torch.cat([p[:1].expand(pad), p]) for p, pad in zip(prompts, pads)]), pads
-
-
-def join_carried(carried: tuple, joining: tuple) -> tuple:
-    """The drafter's next inputs of the batch's rows followed by those of joining rows, padded on the right to a
-    common width (the padding is not valid)."""
-    features, tokens, valid = carried
-    new_features, new_tokens, new_valid = joining
-    width = max(tokens.shape[1], new_tokens.shape[1])
-
-    def widen(t, fill=0):
-        if t is None or t.shape[1] == width:
-            return t
-        return torch.cat([t, t.new_full((t.shape[0], width - t.shape[1], *t.shape[2:]), fill)], dim=1)
-
-    def valid_of(v, t):
-        return widen(torch.ones(t.shape[:2], dtype=torch.bool, device=t.device) if v is None else v, False)
-
-    joined_features = None if features is None else torch.cat([widen(features), widen(new_features).to(features)])
-    return (joined_features, torch.cat([widen(tokens), widen(new_tokens).to(tokens.device)]),
-            torch.cat([valid_of(valid, tokens), valid_of(new_valid, new_tokens).to(tokens.device)]))
 
 
 def truncate(tokens: torch.Tensor, room: int, stop_token_ids: set[int]) -> tuple[torch.Tensor, str | None]:

@@ -296,7 +296,7 @@ def verification_run(model, size: int, prefix: int = PREFIX, top_k: int = 4):
     path = [node for node in tree.retrieve_indices[0][:3].tolist() if node >= 0]
     kept = torch.tensor(path, device=device)
     with torch.no_grad():
-        target.forward(context, cache, torch.arange(prefix), last_logits_only=True)
+        target.prefill(context, cache)
 
     def run():
         cache.crop(prefix)

@@ -50,7 +50,7 @@ def record(model, input_ids: torch.Tensor, max_new_tokens: int) -> Recording:
     tokens = model.naivegenerate(input_ids, max_new_tokens=max_new_tokens)[0]
     target = model.engine.target
     cache = target.new_cache(tokens.shape[0])
-    out = target.forward(tokens[None], cache, torch.arange(tokens.shape[0]), last_logits_only=True)
+    out = target.prefill(tokens[None], cache)
     return Recording(input_ids.shape[1], tokens, out.features)
 
 
