@@ -38,8 +38,8 @@ def _type_checking_block(node: ast.AST) -> bool:
 
 
 def _import_nodes(tree: ast.Module, deferred: bool):
-    """The import statements that run: at module level (and in its plain blocks: ``try``, ``if``), and with
-    ``deferred`` those inside functions and classes too; never those under ``if TYPE_CHECKING:``."""
+    """The import statements that run at import (module level, its blocks: ``try``, ``if``, and class bodies), and
+    with ``deferred`` those inside functions too; never those under ``if TYPE_CHECKING:``."""
     stack = list(tree.body)
     while stack:
         node = stack.pop()
@@ -47,7 +47,7 @@ def _import_nodes(tree: ast.Module, deferred: bool):
             continue
         if isinstance(node, (ast.Import, ast.ImportFrom)):
             yield node
-        elif deferred or not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda)):
+        elif deferred or not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
             stack.extend(child for child in ast.iter_child_nodes(node) if isinstance(child, ast.stmt))
 
 
