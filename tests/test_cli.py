@@ -19,7 +19,7 @@ def _parsers():
     from eagle.application.webui import parse_args as webui_args
     from eagle.application.server import parse_args as server_args
     from eagle.evaluation import benchmark, gen_answer, simulate
-    from eagle.evaluation.runner import build_parser
+    from eagle.evaluation.answer_script import build_parser
 
     return {
         "python -m eagle": main_args,

@@ -11,10 +11,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from eagle.model.drafting import protocol
+from eagle.model.drafting import protocol, registry
 from eagle.model.drafting.lookup import LookupDrafter
 from eagle.model.drafting.none import NoDrafter
-from eagle.model.drafting.protocol import DraftContext, StepDrafter, build_drafter, register_drafter
+from eagle.model.drafting.protocol import DraftContext, StepDrafter
+from eagle.model.drafting.registry import build_drafter, register_drafter
 from eagle.model.drafting.settings import TreePlan, TreeSettings
 from eagle.model.drafting.tree import DraftTree, tree_from_parents
 
@@ -56,7 +57,7 @@ class ChainDrafter(StepDrafter):
 def chain_registered():
     register_drafter("chain", lambda context: ChainDrafter())
     yield
-    protocol.DRAFTERS.pop("chain", None)
+    registry.DRAFTERS.pop("chain", None)
 
 
 def _greedy(base_dir, prompt, new_tokens):

@@ -12,7 +12,7 @@ import torch
 
 from eagle.evaluation import alpha, benchmark, speed
 from eagle.evaluation.questions import find_mt_bench_file, load_questions, read_questions, spread_over_categories
-from eagle.evaluation.runner import build_parser
+from eagle.evaluation.answer_script import build_parser
 from eagle.evaluation.templates import decode_answer, encode_prompt, get_template, render_text, stop_token_ids
 from eagle.utils.device import synchronize
 

@@ -123,7 +123,7 @@ def test_benchmark_summary_reads_acceptance_and_answers_after_the_servers_close(
     from eagle.defaults import default_ea_model_path
 
     prompts = [_chat(q["turns"][0]) for q in spread_over_categories(load_questions("mt_bench"), 8)[:2]]
-    runner = llamacpp.LlamaCppRunner(list(llamacpp.LLAMACPP_METHODS), default_base_model_path(),
+    runner = llamacpp.LlamaCppMethods(list(llamacpp.LLAMACPP_METHODS), default_base_model_path(),
                                      default_ea_model_path(), threads=1, extra_args=["--poll", "0"])
     per_question, outputs = [], {}
     try:

@@ -33,8 +33,6 @@ from .worker import ModelWorker
 logger = logging.getLogger(__name__)
 
 MODEL_QUEUE = "eagle-model"
-#: A conversation in session state (the old name of :class:`~eagle.application.chat.ChatTurn`).
-HistoryEntry = ChatTurn
 
 
 def _describe(model, runner: ChatRunner, model_name: str | None) -> str:

@@ -192,11 +192,11 @@ def parse_methods(text: str) -> list[str]:
 
 class TimedMethods:
     """The loaded model and the settings every method shares; ``run(method, input_ids)`` times one call of a
-    method. (Not :mod:`eagle.evaluation.runner`, the answer scripts' driver.)"""
+    method."""
 
     def __init__(self, model, template, stop_ids, args, llama=None):
         self.model = model
-        self.llama = llama  # an eagle.evaluation.llamacpp.LlamaCppRunner for the llama.cpp methods
+        self.llama = llama  # an eagle.evaluation.llamacpp.LlamaCppMethods for the llama.cpp methods
         self.hf_model = model.base_model
         self.template = template
         self.stop_ids = stop_ids
@@ -275,8 +275,6 @@ def _resident_bytes(self, method: str) -> int | None:
 
 TimedMethods.gguf_model = _gguf_model
 TimedMethods.resident_bytes = _resident_bytes
-
-Runner = TimedMethods  # the former name, kept for code that imported it
 
 
 def _rate(tokens: int, seconds: float) -> float | None:

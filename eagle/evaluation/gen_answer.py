@@ -9,7 +9,7 @@ Example::
     python -m eagle.evaluation.gen_answer --bench-name mt_bench --question-end 10 --max-new-token 256
 """
 
-from eagle.evaluation.runner import ScriptDefaults, main
+from eagle.evaluation.answer_script import ScriptDefaults, main
 
 DEFAULTS = ScriptDefaults(
     template="auto", method="eagle", use_eagle3=True, model_id="ea",

@@ -11,7 +11,7 @@ Example::
     python -m eagle.evaluation.gen_baseline_answer_ds --base-model-path BASE --ea-model-path HEAD --bench-name mt_bench
 """
 
-from eagle.evaluation.runner import ScriptDefaults, main
+from eagle.evaluation.answer_script import ScriptDefaults, main
 
 DEFAULTS = ScriptDefaults(
     template="ds", method="baseline", use_eagle3=True, model_id="ds-baseline",

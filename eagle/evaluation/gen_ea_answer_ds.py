@@ -8,7 +8,7 @@ Example::
     python -m eagle.evaluation.gen_ea_answer_ds --base-model-path BASE --ea-model-path HEAD --bench-name mt_bench
 """
 
-from eagle.evaluation.runner import ScriptDefaults, main
+from eagle.evaluation.answer_script import ScriptDefaults, main
 
 DEFAULTS = ScriptDefaults(
     template="ds", method="eagle", use_eagle3=True, model_id="ds-ea",

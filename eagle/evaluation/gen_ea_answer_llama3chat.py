@@ -8,7 +8,7 @@ Example::
     python -m eagle.evaluation.gen_ea_answer_llama3chat --base-model-path BASE --ea-model-path HEAD --bench-name mt_bench
 """
 
-from eagle.evaluation.runner import ScriptDefaults, main
+from eagle.evaluation.answer_script import ScriptDefaults, main
 
 DEFAULTS = ScriptDefaults(
     template="llama3chat", method="eagle", use_eagle3=False, model_id="llama3chat-ea",

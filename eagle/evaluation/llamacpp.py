@@ -130,7 +130,7 @@ def timed_completion(server: LlamaServer, prompt_ids: list[int], max_new_tokens:
     return Generation(new_ids, wall_time, forward_passes=None), timings
 
 
-class LlamaCppRunner:
+class LlamaCppMethods:
     """The llama.cpp methods of one benchmark run: starts the servers it needs, runs calls, closes them."""
 
     def __init__(self, methods: list[str], base_gguf: str, ea_model_path: str, threads: int | None = None,
@@ -183,9 +183,9 @@ def acceptance(timings: list[dict]) -> dict | None:
 
 def start_for_benchmark(methods: list[str], base_model_path: str, ea_model_path: str, threads: int | None,
                         draft_tokens: int, extra_args: list[str] | None = None
-                        ) -> tuple[LlamaCppRunner | None, list[str], list[str]]:
-    """(runner or None, the methods that will run, notes). The llama.cpp methods are dropped with a note when
-    llama-server is not built or the target is not a GGUF file; the other methods still run."""
+                        ) -> tuple[LlamaCppMethods | None, list[str], list[str]]:
+    """(the llama.cpp methods or None, the methods that will run, notes). The llama.cpp methods are dropped with a
+    note when llama-server is not built or the target is not a GGUF file; the other methods still run."""
     wanted = [m for m in methods if m in LLAMACPP_METHODS]
     if not wanted:
         return None, methods, []
@@ -196,9 +196,9 @@ def start_for_benchmark(methods: list[str], base_model_path: str, ea_model_path:
         reason = "the target is not a GGUF file (llama.cpp runs GGUF targets)"
     if reason is None:
         try:
-            runner = LlamaCppRunner(wanted, base_model_path, ea_model_path, threads=threads, draft_tokens=draft_tokens,
+            llama = LlamaCppMethods(wanted, base_model_path, ea_model_path, threads=threads, draft_tokens=draft_tokens,
                                     extra_args=extra_args)
-            return runner, methods, []
+            return llama, methods, []
         except (RuntimeError, ValueError, OSError) as err:
             reason = f"llama-server failed to start: {err}"
     note = f"Skipped {', '.join(wanted)}: {reason}."
@@ -214,7 +214,7 @@ def different_questions(outputs: dict) -> list:
     return [qid for qid, answers in outputs.items() if answers["llamacpp_eagle3"] != answers["llamacpp"]]
 
 
-def recheck_with_one_thread(runner: LlamaCppRunner, outputs: dict, prompts: dict, max_new_tokens: int) -> dict | None:
+def recheck_with_one_thread(llama: LlamaCppMethods, outputs: dict, prompts: dict, max_new_tokens: int) -> dict | None:
     """Greedy answers with our head that differ from llama.cpp's plain ones with several threads, set against its
     plain decoding with one thread (untimed, after the timed calls; a server of its own).
 
@@ -228,13 +228,13 @@ def recheck_with_one_thread(runner: LlamaCppRunner, outputs: dict, prompts: dict
     likeliest)."""
     from .agreement import first_difference
 
-    if set(runner.methods) != set(LLAMACPP_METHODS) or (runner.threads or 1) == 1:
+    if set(llama.methods) != set(LLAMACPP_METHODS) or (llama.threads or 1) == 1:
         return None
     differing = different_questions(outputs)
     if not differing:
         return None
-    server = LlamaServer(runner.binary, runner.base_gguf, threads=1, context=runner.context,
-                         extra_args=runner.extra_args)
+    server = LlamaServer(llama.binary, llama.base_gguf, threads=1, context=llama.context,
+                         extra_args=llama.extra_args)
     try:
         answers = {qid: server.complete(prompts[qid], max_new_tokens, n_probs=ONE_THREAD_PROBS) for qid in differing}
     finally:
@@ -254,21 +254,21 @@ def recheck_with_one_thread(runner: LlamaCppRunner, outputs: dict, prompts: dict
     return {"threads": 1, "questions": rows}
 
 
-def summarise(per_question: list[dict], outputs: dict, runner: LlamaCppRunner | None, notes: list[str],
+def summarise(per_question: list[dict], outputs: dict, llama: LlamaCppMethods | None, notes: list[str],
               draft_tokens: int, one_thread: dict | None = None) -> dict | None:
     """llama.cpp's part of the results: its binary, draft length, acceptance, and whether its greedy answers with
     our head equal its plain ones with the same threads (and, for those that differ with several threads,
     ``one_thread``: :func:`recheck_with_one_thread`'s answer). None when no llama.cpp method was asked for."""
-    if runner is None and not notes:
+    if llama is None and not notes:
         return None
-    section = {"notes": list(notes), "server": os.path.basename(runner.binary) if runner else None, "draft_tokens": draft_tokens,
-               "threads": runner.threads if runner else None, "extra_args": runner.extra_args if runner else [],
+    section = {"notes": list(notes), "server": os.path.basename(llama.binary) if llama else None, "draft_tokens": draft_tokens,
+               "threads": llama.threads if llama else None, "extra_args": llama.extra_args if llama else [],
                "acceptance": None, "greedy_check": None}
-    if runner is None:
+    if llama is None:
         return section
-    if "llamacpp_eagle3" in runner.methods:
+    if "llamacpp_eagle3" in llama.methods:
         section["acceptance"] = acceptance([q["methods"]["llamacpp_eagle3"]["llamacpp_timings"] for q in per_question])
-    if set(runner.methods) == set(LLAMACPP_METHODS):
+    if set(llama.methods) == set(LLAMACPP_METHODS):
         different = different_questions({q["question_id"]: outputs[q["question_id"]] for q in per_question})
         section["greedy_check"] = {"checked": len(per_question), "identical": len(per_question) - len(different),
                                    "different_questions": different, "one_thread": one_thread}

@@ -21,11 +21,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from eagle.cli import (  # noqa: F401  (resolve_device, resolve_dtype, head_version_hint: kept importable here)
-    ModelOptions, add_placement_arguments, head_version_hint, load_model, resolve_device, resolve_dtype,
-    resolve_model_args,
-)
-from eagle.model.heads.loading import DTYPES_BY_NAME
 from eagle.utils.device import synchronize
 
 logger = logging.getLogger(__name__)
@@ -208,36 +203,6 @@ def default_max_length(prompt_length: int, max_new_tokens: int) -> int:
     """A ``max_length`` (prompt + new tokens) that never cuts an answer before ``max_new_tokens``; at least 2048
     so that the engine's cache, sized by it, is not regrown for every longer prompt."""
     return max(2048, prompt_length + max_new_tokens + 1)
-
-
-DTYPES = DTYPES_BY_NAME
-add_device_arguments = add_placement_arguments
-
-
-def load_ea_model(base_model_path: str, ea_model_path: str, *, use_eagle3: bool, total_token: int | None = None,
-                  depth: int | None = None, top_k: int | None = None, lookup_tokens: int | None = None,
-                  dtype: torch.dtype = torch.float32,
-                  device: torch.device | None = None, **hf_kwargs):
-    """``EaModel.from_pretrained`` with the given tree settings (None = the loader's own default), on
-    ``device``: :func:`eagle.cli.load_model` with these options."""
-    options = ModelOptions(base_model_path=base_model_path, ea_model_path=ea_model_path, use_eagle3=use_eagle3,
-                           total_token=total_token, depth=depth, top_k=top_k, lookup_tokens=lookup_tokens,
-                           device=device or torch.device("cpu"), dtype=dtype,
-                           pack_cpu_weights=hf_kwargs.pop("pack_cpu_weights", "auto"),
-                           draft_dtype=hf_kwargs.pop("draft_dtype", "auto"))
-    return load_model(options, **hf_kwargs)
-
-
-def load_hf_model(base_model_path: str, *, dtype: torch.dtype = torch.float32, device: torch.device | None = None,
-                  **hf_kwargs):
-    """The base model alone (a plain Hugging Face causal LM, loaded as ``EaModel`` loads it: directory, Hub id or
-    ``.gguf`` file) and its tokenizer."""
-    from eagle.model.base.loading import load_base_model
-
-    device = device or torch.device("cpu")
-    if device.type != "cpu" and "device_map" not in hf_kwargs:
-        hf_kwargs["device_map"] = str(device)
-    return load_base_model(base_model_path, dtype=dtype, **hf_kwargs)
 
 
 def model_device(model) -> torch.device:

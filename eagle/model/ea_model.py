@@ -18,7 +18,7 @@ from eagle.model.engine.hf_args import check_generate_extras
 from eagle.model.engine.outputs import collect, stream
 from eagle.model.engine.steps import BatchStep, Step
 from eagle.model.engine.stops import token_id_set
-from eagle.model.backends.linear import switch_backend
+from eagle.model.backends.registry import switch_backend
 from eagle.model.base.target import feature_layers
 
 

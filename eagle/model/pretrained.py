@@ -14,7 +14,7 @@ from eagle.model.drafting.batch_tree import head_batch_trees
 from eagle.model.heads.loading import load_ea_layer
 from eagle.model.heads.quantized import apply_draft_quantization, draft_load_dtype
 from eagle.model.backends.gguf import GGUF_KERNEL_VALUES, gguf_file_of, resolve_gguf_kernels
-from eagle.model.backends.linear import linear_backend, switch_backend
+from eagle.model.backends.registry import linear_backend, switch_backend
 from eagle.model.backends.onednn import should_auto_pack
 from eagle.model.base.loading import load_base_model
 from eagle.model.tuning.head_tree import check_tree_arguments, head_tree_for, kernel_backend, resolve_tree

@@ -2,20 +2,23 @@
 
 A :class:`LinearBackend` prepares a model's linear layers once it is loaded (``convert``), can undo that
 (``restore``), and may add ``from_pretrained`` options (``load_options``: bitsandbytes quantises at load time).
-The backends this package ships are registered in :data:`LINEAR_BACKENDS`:
+This module holds what every backend builds on and depends on nothing of theirs: the interface, the real-rows
+context, :class:`PlainLinear` and :class:`BitsAndBytesLinear`. The backends this package ships are registered by
+name in :data:`eagle.model.backends.registry.LINEAR_BACKENDS`:
 
 - ``"onednn"``: float32 (and native bfloat16) CPU weights packed into oneDNN's blocked layout
   (:mod:`eagle.model.backends.onednn`), much cheaper for the handful of rows of a draft tree;
-- ``"bitsandbytes"``: 8-bit / 4-bit quantisation at load time on CUDA (``load_options``);
+- ``"bitsandbytes-8bit"`` / ``"bitsandbytes-4bit"``: 8-bit / 4-bit quantisation at load time on CUDA
+  (``load_options``);
 - ``"gguf"``: a GGUF-loaded model computed over the file's quantized blocks by eagle's native kernels
   (:mod:`eagle.model.backends.gguf`; ``linear_backend("gguf", gguf_path=..., numerics=...)``);
 - ``"none"``: the layers as transformers built them.
 
-Every backend's layers honour :func:`real_rows_only`: while the target runs a call whose token rows are partly
-padding (a batch's draft trees padded to the largest, left-padded prompts), a layer given one input row per token
-may compute the real rows alone (:func:`current_real_rows`).
+:func:`real_rows_only`: while the target runs a call whose token rows are partly padding (a batch's draft trees
+padded to the largest, left-padded prompts), a layer given one input row per token may compute the real rows alone
+(:func:`current_real_rows`). The ``onednn`` and ``gguf`` layers do; the layers of ``none`` (transformers'
+``nn.Linear``) and of bitsandbytes compute every row.
 """
-
 from __future__ import annotations
 
 import contextvars
@@ -128,22 +131,6 @@ class PlainLinear:
         return 0
 
 
-class OneDNNLinear(PlainLinear):
-    """Float32 (and native bfloat16) CPU weights packed for oneDNN (:mod:`eagle.model.backends.onednn`)."""
-
-    name = "onednn"
-
-    def convert(self, module) -> int:
-        from eagle.model.backends.onednn import pack_linear_layers
-
-        return pack_linear_layers(module)
-
-    def restore(self, module) -> int:
-        from eagle.model.backends.onednn import unpack_linear_layers
-
-        return unpack_linear_layers(module)
-
-
 class BitsAndBytesLinear(PlainLinear):
     """8-bit or 4-bit quantisation of the base model at load time (bitsandbytes, CUDA only)."""
 
@@ -166,29 +153,3 @@ class BitsAndBytesLinear(PlainLinear):
 
         config = BitsAndBytesConfig(load_in_8bit=self.bits == 8, load_in_4bit=self.bits == 4)
         return {"quantization_config": config, "device_map": "auto"}
-
-
-def _gguf_backend(**options):
-    from eagle.model.backends.gguf import GGUFLinear
-
-    return GGUFLinear(**options)
-
-
-LINEAR_BACKENDS = {"none": PlainLinear, "onednn": OneDNNLinear, "gguf": _gguf_backend,
-                   "bitsandbytes-8bit": lambda: BitsAndBytesLinear(8),
-                   "bitsandbytes-4bit": lambda: BitsAndBytesLinear(4)}
-
-
-def linear_backend(name: str, **options) -> LinearBackend:
-    """The backend registered as ``name`` (see :data:`LINEAR_BACKENDS`), built with ``options``."""
-    if name not in LINEAR_BACKENDS:
-        raise ValueError(f"Unknown linear backend {name!r}; available: {', '.join(sorted(LINEAR_BACKENDS))}.")
-    return LINEAR_BACKENDS[name](**options)
-
-
-def switch_backend(name: str, enabled: bool, *modules: torch.nn.Module | None) -> int:
-    """Convert (``enabled``) or restore the linear layers of ``modules`` (None, e.g. a model's absent head, is
-    skipped) with backend ``name``; how many changed."""
-    backend = linear_backend(name)
-    change = backend.convert if enabled else backend.restore
-    return sum(change(module) for module in modules if module is not None)

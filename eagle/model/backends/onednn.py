@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from eagle.model.backends.linear import current_real_rows
+from eagle.model.backends.linear import PlainLinear, current_real_rows
 
 logger = logging.getLogger(__name__)
 
@@ -196,6 +196,19 @@ def _unpack(layer: PackedLinear) -> None:
     layer.__dict__.pop("_packed", None)  # a copy that never ran has none
     layer.__dict__.pop("_packed_from", None)
     layer.__class__ = nn.Linear
+
+
+class OneDNNLinear(PlainLinear):
+    """This module's packing as a :class:`~eagle.model.backends.linear.LinearBackend`: :func:`pack_linear_layers`
+    and :func:`unpack_linear_layers`."""
+
+    name = "onednn"
+
+    def convert(self, module) -> int:
+        return pack_linear_layers(module)
+
+    def restore(self, module) -> int:
+        return unpack_linear_layers(module)
 
 
 def packed_layer_count(module: nn.Module) -> int:

@@ -7,8 +7,9 @@ device the first time it is written to (so ``device_map="auto"`` works).
 
 A batch of B rows shares the slot axis: every forward pass writes all rows at the same slots
 (``0 .. length - 1`` are in use), and each row compacts its own accepted path to its own committed length, so rows
-hold different numbers of valid slots. Which slots a row may attend is the attention mask's business
-(:mod:`eagle.model.engine.loop` builds it from each row's first and last valid slot); slots beyond a row's own
+hold different numbers of valid slots. Which slots a row may attend is the attention mask's business: the target
+builds it (:meth:`eagle.model.base.target.Target.attention_mask`) from the valid slots it is given with each forward
+pass (:meth:`eagle.model.engine.commit.Rows.masks`: each row's first and last valid slot); slots beyond a row's own
 length hold finite leftovers that are never attended.
 """
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from eagle.model.drafting.protocol import drafter_for_head
+from eagle.model.drafting.registry import drafter_for_head
 from eagle.model.drafting.tree import DraftTree
 from eagle.model.engine.acceptance import prepare_logits_processor  # noqa: F401  (re-exported, reference name)
 from eagle.model.engine.acceptance import Sampler, choose_token, recursive_rejection

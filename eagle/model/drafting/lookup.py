@@ -92,7 +92,6 @@ class LookupDrafter(StepDrafter):
         self.inner, self.tokens_for = inner, tokens_for
         self.needs_features = inner.needs_features
         self.history: list[torch.Tensor | None] = []
-        self._new: list[torch.Tensor] = []
 
     @classmethod
     def around(cls, context, inner) -> "LookupDrafter":

@@ -28,8 +28,9 @@ class TreeSettings:
         if self.total_token < 1 or self.depth < 0 or self.top_k < 1 or self.lookup_tokens < 0:
             raise ValueError(
                 f"Invalid tree settings total_token={self.total_token}, depth={self.depth}, top_k={self.top_k}, "
-                f"lookup_tokens={self.lookup_tokens}: expected total_token >= 1 (or -1 to auto-tune), depth >= 0, "
-                "top_k >= 1, lookup_tokens >= 0."
+                f"lookup_tokens={self.lookup_tokens}: expected total_token >= 1, depth >= 0, top_k >= 1, "
+                "lookup_tokens >= 0 (total_token=-1, tuning the tree on this device, is an argument of "
+                "EaModel.from_pretrained and the commands, not a tree)."
             )
 
     @property

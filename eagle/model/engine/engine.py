@@ -12,7 +12,8 @@ from collections.abc import Iterator
 
 import torch
 
-from eagle.model.drafting.protocol import DraftContext, Drafter, build_drafter, head_spec
+from eagle.model.drafting.protocol import DraftContext, Drafter
+from eagle.model.drafting.registry import build_drafter, head_spec
 from eagle.model.drafting.settings import TreePlan
 from eagle.model.engine.loop import RunningBatch
 from eagle.model.engine.request import GenerationRequest, build_request

@@ -25,7 +25,7 @@ class GenerationRequest:
     this module padded them), kept for the output's layout; prompts: each row's real tokens (n_b,) on the model's
     device, what the engine reads; budgets: the most new tokens of each row (``max_new_tokens``, and no row longer
     than ``max_length``); drafter: what proposes the drafts (``"head"``: the model's own head, ``"none"``: plain
-    decoding, or a spec of :func:`~eagle.model.drafting.protocol.build_drafter`)."""
+    decoding, or a spec of :func:`~eagle.model.drafting.registry.build_drafter`)."""
 
     input_ids: torch.Tensor
     prompts: tuple[torch.Tensor, ...]

@@ -26,13 +26,6 @@ def load_raw_head_config(ea_model_path: str) -> dict:
             raise ValueError(f"The draft head's config {config_file} is not valid JSON: {err}.") from err
 
 
-def load_head_config(ea_model_path: str, use_eagle3: bool | None = None) -> EConfig:
-    """The head's ``config.json`` in this project's form, whatever layout it was published in (see
-    :mod:`eagle.model.heads.layouts`); ``use_eagle3`` None: as its fields say."""
-    raw = load_raw_head_config(ea_model_path)
-    return read_head_config(raw, is_eagle3_config(raw) if use_eagle3 is None else use_eagle3)[0]
-
-
 def head_dir_of(ea_model_path: str) -> str:
     return os.path.dirname(ea_model_path) if os.path.isfile(ea_model_path) else ea_model_path
 

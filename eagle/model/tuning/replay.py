@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from eagle.model.drafting.protocol import drafter_for_head
+from eagle.model.drafting.registry import drafter_for_head
 from eagle.model.drafting.settings import TreeSettings
 from eagle.model.engine.acceptance import greedy_path
 

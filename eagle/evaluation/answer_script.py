@@ -1,4 +1,4 @@
-"""The one answer runner behind every ``gen_ea_answer_*`` / ``gen_baseline_answer_*`` script.
+"""The command every ``gen_ea_answer_*`` / ``gen_baseline_answer_*`` script runs, with the script's defaults.
 
 A script is a ``ScriptDefaults`` record (template, EAGLE or baseline, per-family defaults) and a call to
 ``main``. For every question (``--bench-name`` / ``--question-file``, ``[--question-begin:--question-end]``)
