@@ -54,6 +54,7 @@ class ModelCall:
         self.cache_argument = named[0] if named else "cache"
         self.keep_argument = next((name for name in KEEP_ARGUMENTS if name in parameters), None)
         self.returns_dict = "return_dict" in parameters
+        self.takes_extra = takes_any  # more keyword arguments (transformers 5 passes them down to the attention)
 
     @property
     def legacy(self) -> bool:

@@ -39,12 +39,12 @@ class ForwardPlan:
 
     ``call``: the model's forward signature (:class:`~eagle.model.base.model_call.ModelCall`). ``config``: its
     text config, naming ``attention``, our registered attention function (None: a forward written for
-    transformers 4, called as it is, without our attention). ``attend``: the attention function our passes run
-    behind it (tree SDPA, the model's eager attention, or the GGUF position-ordered kernel); ``kernel_attention``
-    says whether it is the kernel. ``temperature``: the attention modules whose query temperature our attention
-    applies to the positions a pass gives (Llama 4's NoPE layers; empty: none). ``native``: the
-    :class:`~eagle.model.base.native_decoder.NativeDecoder` that runs the whole forward instead of the model, or
-    None.
+    transformers 4, or one that takes no more keyword arguments, called as it is, with its own attention).
+    ``attend``: the attention function our passes run behind it (tree SDPA, the model's eager attention, or the
+    GGUF position-ordered kernel); ``kernel_attention`` says whether it is the kernel. ``temperature``: the
+    attention modules whose query temperature our attention applies to the positions a pass gives (Llama 4's NoPE
+    layers; empty: none). ``native``: the :class:`~eagle.model.base.native_decoder.NativeDecoder` that runs the
+    whole forward instead of the model, or None.
     """
 
     call: ModelCall
@@ -63,7 +63,7 @@ class ForwardPlan:
         :func:`~eagle.model.backends.attention.select_our_attention`) and takes its query temperature over."""
         config = model.config.get_text_config()
         call = ModelCall(model)
-        if call.legacy:  # transformers 4 code reads no attention function of ours: its own attention, as it is
+        if call.legacy or not call.takes_extra:  # a forward that passes no pass of ours down: its own attention
             return cls(call, config, None, None, False, (), None)
         own = base_attention(config._attn_implementation_internal)
         temperature = QueryTemperature(model)
