@@ -147,3 +147,24 @@ def test_model_call_and_the_native_decoder_import_one_way():
     assert "eagle.model.base.model_call" in _imported("eagle.model.base.native_decoder")
     ours = {"eagle.model.base.native_decoder", "eagle.model.base.plan", "eagle.model.base.target"}
     assert not ours & _imported("eagle.model.base.model_call")
+
+
+def test_a_forward_without_more_keyword_arguments_keeps_its_own_attention(tmp_path):
+    """A forward that could not pass our pass down: nothing of ours is selected, and it serves as it is."""
+    model = make_target(tmp_path / "base", "llama", seed=3, layers=2)
+
+    class Closed(type(model)):
+        def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None, use_cache=None,
+                    output_hidden_states=None, logits_to_keep=0):
+            return super().forward(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                                   cache=cache, use_cache=use_cache, output_hidden_states=output_hidden_states,
+                                   logits_to_keep=logits_to_keep)
+
+    model.__class__ = Closed
+    target = Target(model, feature_layers=None)
+    assert target.forward_plan.attention is None and model.config._attn_implementation == "sdpa"
+    ids = torch.tensor([[5, 6, 7, 8]])
+    with torch.no_grad():
+        alone = model(ids).logits
+    ours = target.forward(ids, target.new_cache(4), torch.arange(4), features=False).logits
+    torch.testing.assert_close(ours, alone)

@@ -17,7 +17,8 @@ transformers (``tests/test_attention_backend.py``):
   ``set_attn_implementation`` also rewrites the configs of sub-models) names ours instead of ``"sdpa"`` /
   ``"eager"``, once, when the target is built (:func:`select_our_attention`). Given no :class:`OurPass`, ours call
   exactly the function the name replaced, so the model's own ``generate`` and other callers compute what they
-  computed, bit for bit;
+  computed, bit for bit. Set anew afterwards (``set_attn_implementation``), the target refuses its passes until
+  :meth:`~eagle.model.base.target.Target.replan`, and a query temperature taken over applies only under ours;
 - ``call_kwargs``: the keyword arguments of a model call (``TransformersKwargs``) reach the attention function:
   :data:`PASS_ARGUMENT` carries our pass's choices, :data:`POSITIONS_ARGUMENT` the query positions of a module
   with a query temperature;
