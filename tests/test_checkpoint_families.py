@@ -5,6 +5,7 @@ engine cannot serve losslessly is refused with a message."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 
@@ -13,7 +14,7 @@ import torch
 
 from eagle.model.engine.commit import Rows
 from eagle.model.base import kv_cache
-from eagle.model.backends.attention import QueryTemperature
+from eagle.model.backends.attention import QueryTemperature, base_attention
 from eagle.model.base.families import attention_problems
 from eagle.model.base.model_call import ModelCall, keep_logits
 from eagle.model.base.target import Target
@@ -116,7 +117,7 @@ def test_the_tiny_families_do_cross_their_boundaries(family, undo, targets):
     _, model = targets(family)
     target = Target(model, feature_layers=None)
     if undo == "temperature":
-        target.temperature.modules = []
+        target.forward_plan = dataclasses.replace(target.forward_plan, temperature=())
     else:
         target.layer_types = ["full_attention"] * target.num_layers
     assert worst_path_error(target, model) > 1e-3
@@ -136,10 +137,10 @@ def test_gpt_oss_loads_with_defaults_and_eager_attention(targets, tmp_path):
     from eagle.model import EaModel
 
     base, model = targets("gpt_oss")
-    assert model.config._attn_implementation == "eager"
+    assert base_attention(model.config._attn_implementation) == "eager"  # (ours stands for eager once targeted)
     make_head(tmp_path / "head", model, eagle3=True, seed=4)
     loaded = EaModel.from_pretrained(base_model_path=str(base), ea_model_path=str(tmp_path / "head"))
-    assert loaded.base_model.config._attn_implementation == "eager"
+    assert base_attention(loaded.base_model.config._attn_implementation) == "eager"
     prompt = torch.tensor([PROMPTS[0]])
     assert loaded.eagenerate(prompt, max_new_tokens=10).tolist() == \
         model.generate(prompt, max_new_tokens=10, do_sample=False).tolist()

@@ -360,12 +360,12 @@ def test_logits_that_are_not_the_lm_head_alone_are_never_computed_lazily(tmp_pat
 def test_tree_verification_runs_sdpa_gqa_and_gets_the_same_logits(tmp_path, monkeypatch):
     """On a CPU a tree forward of a grouped-query model runs SDPA's own GQA (no copy of the keys and values for each
     query head), gives bitwise the logits and features of transformers' SDPA path, and leaves the model's attention
-    setting as it was."""
-    import contextlib
+    setting as it was (ours stands for SDPA where no pass of ours asks for more)."""
+    import dataclasses
 
     import torch.nn.functional as F
 
-    from eagle.model.base import target as target_module
+    from eagle.model.backends import attention
     from eagle.model.base.target import Target
     from eagle.model.drafting.tree import tree_from_parents
 
@@ -393,8 +393,9 @@ def test_tree_verification_runs_sdpa_gqa_and_gets_the_same_logits(tmp_path, monk
 
     fast = verify()
     assert grouped == [True] * model.config.num_hidden_layers
-    assert model.config._attn_implementation == "sdpa"
-    monkeypatch.setattr(target_module, "our_attention", lambda *args: contextlib.nullcontext())
+    assert attention.base_attention(model.config._attn_implementation) == "sdpa"
+    monkeypatch.setattr(target, "forward_plan", dataclasses.replace(target.forward_plan,
+                                                                    attend=attention.sdpa_attention))
     stock = verify()
     assert grouped == [False] * model.config.num_hidden_layers  # transformers repeats keys and values instead
     assert torch.equal(fast.logits, stock.logits) and torch.equal(fast.features, stock.features)

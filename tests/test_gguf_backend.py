@@ -135,7 +135,7 @@ def test_every_weight_computes_over_the_gguf_blocks(load):
     assert model.ea_layer.embed_tokens is embedding  # the draft head reads the quantized embedding, no float copy
     packed = sum(m.weight.packed.numel() for m in linears)
     assert packed < 100 * 2**20  # about the file's size (98 MB), not 540 MB of float32
-    assert attention.uses_kernel_attention(base.config.get_text_config())
+    assert model.engine.target.forward_plan.kernel_attention
 
 
 def test_int8_numerics_reach_every_layer(load):
@@ -150,7 +150,7 @@ def test_off_gives_the_float32_model(load):
     base = model.base_model
     assert not any(isinstance(m, (QuantLinear, QuantEmbedding)) for m in base.modules())
     assert isinstance(base.get_input_embeddings(), nn.Embedding)
-    assert not attention.uses_kernel_attention(base.config.get_text_config())
+    assert not model.engine.target.forward_plan.kernel_attention
 
 
 def test_each_model_drafts_with_the_tree_the_head_carries_for_its_backend(load):
@@ -209,60 +209,58 @@ def test_restore_gives_float_layers_with_the_same_weights(loaded_base):
 
 # ------------------------------------------------------------------------------------------------ attention
 def test_our_passes_run_the_position_ordered_kernel(load, monkeypatch):
-    from transformers import AttentionInterface
-
     from eagle.kernels import attention as kernel_attention
-    from eagle.model.base import runner
+    from eagle.model.base import native_decoder
 
     model = load("float32")
+    target = model.engine.target
+    plan = target.forward_plan
+    assert plan.kernel_attention and plan.attend is kernel_attention.attention_forward
     config = model.base_model.config.get_text_config()
-    assert AttentionInterface()[attention.KERNEL_ATTENTION].__module__ == "eagle.kernels.attention"
-    with attention.our_attention(config):
-        assert config._attn_implementation == attention.KERNEL_ATTENTION
-    assert config._attn_implementation == "sdpa"  # the model's own generate sees it as it was
+    # the model's own generate: ours without our pass, i.e. transformers' SDPA
+    assert config._attn_implementation == attention.OUR_ATTENTION["sdpa"]
     native = []  # the engine's passes skip transformers' forward: every layer in one eagle::decoder_layers call,
-    real_native = runner.DecoderRunner._native_layers  # whose attention is the kernel's C++ function
-    monkeypatch.setattr(runner.DecoderRunner, "_native_layers",
+    real_native = native_decoder.NativeDecoder._native_layers  # whose attention is the kernel's C++ function
+    monkeypatch.setattr(native_decoder.NativeDecoder, "_native_layers",
                         lambda self, *a: native.append(real_native(self, *a)) or native[-1])
-    assert runner.runner_for(model.base_model) is not None
+    assert plan.native is not None
     model.eagenerate(_ids(model, PROMPTS[0]), max_new_tokens=4)
     assert len(native) >= 2 and all(result is not None for result in native)  # prefill and a verification
     calls = []
     kernel = kernel_attention.tree_attention
     monkeypatch.setattr(kernel_attention, "tree_attention", lambda *a, **k: calls.append(1) or kernel(*a, **k))
-    plan = runner.runner_for(model.base_model).plan
-    monkeypatch.setattr(runner.runner_for(model.base_model), "plan", None)  # the layers through their modules
+    arguments = plan.native.arguments
+    monkeypatch.setattr(plan.native, "arguments", None)  # the layers through their modules
     model.eagenerate(_ids(model, PROMPTS[0]), max_new_tokens=4)
-    monkeypatch.setattr(runner.runner_for(model.base_model), "plan", plan)
+    monkeypatch.setattr(plan.native, "arguments", arguments)
     assert len(calls) >= 30 * 2  # prefill and at least one verification, every layer
     calls.clear()
-    runner.remove_runner(model.base_model)  # transformers' forward reaches the kernel through AttentionInterface
+    target.forward_plan = dataclasses.replace(plan, native=None)  # transformers' forward reaches the kernel
     try:
         model.eagenerate(_ids(model, PROMPTS[0]), max_new_tokens=4)
     finally:
-        runner.install_runner(model.base_model)
+        target.forward_plan = plan
     assert len(calls) >= 30 * 2
 
 
-def test_the_runner_gives_the_bits_of_transformers_forward_on_the_embedded_model(load, monkeypatch):
+def test_the_native_decoder_gives_the_bits_of_transformers_forward_on_the_embedded_model(load, monkeypatch):
     """Through the modules: transformers' bits; the native layers: those of transformers' forward with the
     layers' norms in the native summation order (lane_rms_norm), and its values to float32 rounding."""
     from eagle.kernels.reference import lane_rms_norm
-    from eagle.model.base import runner
 
     for numerics in ("float32", "int8"):
         model = load(numerics)
         base, target = model.base_model, model.engine.target
-        run = runner.runner_for(base)
-        assert run is not None and run.plan is not None
+        plan = target.forward_plan
+        assert plan.native is not None and plan.native.arguments is not None
         ids = _ids(model, PROMPTS[2])
         outputs = {}
         for mode in ("native", "modules", "transformers", "transformers, lane norms"):
             with monkeypatch.context() as patch:
                 if mode == "modules":
-                    patch.setattr(run, "plan", None)
+                    patch.setattr(plan.native, "arguments", None)
                 if mode.startswith("transformers"):
-                    runner.remove_runner(base)
+                    patch.setattr(target, "forward_plan", dataclasses.replace(plan, native=None))
                 if mode.endswith("lane norms"):
                     for layer in base.model.layers:
                         for norm in (layer.input_layernorm, layer.post_attention_layernorm):
@@ -274,8 +272,6 @@ def test_the_runner_gives_the_bits_of_transformers_forward_on_the_embedded_model
                 second = target.verify(torch.tensor([[42, 7, 99]]), cache, ids.shape[1] + torch.tensor([0, 1, 1]),
                                        tree)
                 outputs[mode] = [first.logits, first.features, second.logits, second.features]
-            runner.install_runner(base)
-            run = runner.runner_for(base)
         for mine, reference in zip(outputs["modules"], outputs["transformers"]):
             assert torch.equal(mine, reference), numerics
         for mine, lane, reference in zip(outputs["native"], outputs["transformers, lane norms"],

@@ -13,7 +13,9 @@ from torch import nn
 
 from eagle import kernels
 from eagle.kernels.linear import QuantLinear
-from eagle.model.backends import attention, gguf
+from eagle.kernels import attention as kernel_attention
+from eagle.model.backends import gguf
+from eagle.model.base.plan import ForwardPlan
 
 pytestmark = [pytest.mark.skipif(not kernels.available(), reason="eagle's native kernels are not built here"),
               pytest.mark.e2e]  # Gemma 3 270M, a real GGUF
@@ -49,13 +51,13 @@ def test_gemma3_greedy_through_the_kernels_equals_the_float32_model(gemma):
     assert isinstance(model.get_input_embeddings(), gguf.ScaledQuantEmbedding)
     config = model.config.get_text_config()
     assert "sliding_attention" in config.layer_types
-    attention.use_kernel_attention(config)
+    plan = ForwardPlan.build(model)
+    assert plan.kernel_attention and plan.native is None  # Gemma: transformers' forward, the kernel's attention
+    model.set_attn_implementation(kernel_attention.register())  # the model's own generate, on the kernel
     assert len(LONG_PROMPT) > config.sliding_window
     for prompt, new_tokens in [(p, NEW_TOKENS) for p in PROMPTS] + [(LONG_PROMPT, 8)]:
         ids = torch.tensor([prompt])
         expected = reference.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
                                       do_sample=False)
-        with attention.our_attention(config):
-            got = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-                                 do_sample=False)
+        got = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, do_sample=False)
         assert got.tolist() == expected.tolist(), prompt[:8]

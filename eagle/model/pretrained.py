@@ -52,11 +52,11 @@ def model_paths(base_model_path, ea_model_path, kwargs: dict, load_head: bool = 
 
 
 def apply_gguf_kernels(base_model, ea_layer, base_model_path, numerics: str) -> None:
-    """The GGUF backend on ``base_model`` (its layers over the file's blocks, its attention the position-ordered
-    kernel, its forward :mod:`eagle.model.base.runner`'s where the family allows); a head that shared the float embedding reads the quantized one instead, so the float copy is freed."""
-    from eagle.model.backends.attention import use_kernel_attention
+    """The GGUF backend on ``base_model`` (its layers over the file's blocks); a head that shared the float
+    embedding reads the quantized one instead, so the float copy is freed. The target's plan, built anew then,
+    runs attention as the position-ordered kernel and, where the family allows, the whole forward as
+    :mod:`eagle.model.base.native_decoder`'s (:meth:`~eagle.model.base.target.Target.replan`)."""
     from eagle.model.backends.gguf import share_embedding_with_head
-    from eagle.model.base.runner import install_runner
 
     old_embedding = base_model.get_input_embeddings().weight
     count = linear_backend("gguf", gguf_path=gguf_file_of(base_model_path), numerics=numerics).convert(base_model)
@@ -64,8 +64,6 @@ def apply_gguf_kernels(base_model, ea_layer, base_model_path, numerics: str) -> 
     del old_embedding
     if getattr(ea_layer, "eagle_version", None) == 1:  # an EAGLE-1 head drafts with the target's (new) LM head
         ea_layer.attach_target_lm_head(base_model.get_output_embeddings())
-    use_kernel_attention(base_model.config.get_text_config())
-    install_runner(base_model)
     logger.info("GGUF kernels (%s activations) on %d modules%s", numerics, count,
                 "; the head reads the quantized embedding" if shared else "")
 
@@ -151,6 +149,8 @@ def load_pretrained(cls, *, use_eagle3: bool, base_model_path, ea_model_path, tr
                 lookup_tokens=settings.lookup_tokens, ea_model_path=ea_model_path, thread_policy=thread_policy,
                 allow_unknown_attention=allow_unknown_attention)
     convert_weights(base_model, ea_layer, base_model_path, pack_cpu_weights, numerics, draft_dtype)
+    if numerics is not None:
+        model.engine.target.replan()  # its layers are on the kernels now
     finish_tree(model, tree, sources, head_config, device, backend)
     return model
 

@@ -1,53 +1,70 @@
 """Attention backends: the one module that touches transformers' attention internals.
 
 The target runs as the stock transformers class; tree attention is a 4-D mask that its SDPA and eager attention
-honour as given. On a CPU, while our forward passes run, SDPA layers of grouped-query models go through
-:func:`tree_sdpa_attention` instead of transformers' own SDPA function (which copies every layer's keys and values
-once per query head group whenever several tokens go in under a mask). Each touch of transformers internals is named
-in :data:`TRANSFORMERS_TOUCHES` and tested against the pinned transformers (``tests/test_attention_backend.py``):
+honour as given. What our forward passes change in the attention is chosen once, when a target is built
+(:class:`~eagle.model.base.plan.ForwardPlan`), and reaches the attention function as a keyword argument of each
+model call (:class:`OurPass`): transformers passes the extra keyword arguments of a model call down to the
+attention function. Nothing is switched around a pass, so another caller of the same model (a thread, the model's
+own ``generate``) computes meanwhile what it always computes.
 
-- ``register``: ``AttentionInterface.register`` / ``AttentionMaskInterface.register`` (public) add our function
-  under :data:`TREE_SDPA`, with SDPA's own mask builder;
-- ``switch``: the config's ``_attn_implementation_internal`` (private: transformers' public
-  ``set_attn_implementation`` walks every submodule, too slow around each forward) names :data:`TREE_SDPA` during
-  our passes and ``"sdpa"`` again after them, so that the model's own ``generate`` and other callers see it as it was;
-- ``delegate``: ``transformers.integrations.sdpa_attention.sdpa_attention_forward`` (module path) computes
-  everything :func:`tree_sdpa_attention` does not handle itself;
+Each touch of transformers internals is named in :data:`TRANSFORMERS_TOUCHES` and tested against the pinned
+transformers (``tests/test_attention_backend.py``):
+
+- ``register``: ``AttentionInterface.register`` / ``AttentionMaskInterface.register`` (public) add
+  :func:`eagle_sdpa` and :func:`eagle_eager` under the names of :data:`OUR_ATTENTION`, with SDPA's and eager's own
+  mask builders;
+- ``select``: the config's ``_attn_implementation_internal`` (private: transformers' public
+  ``set_attn_implementation`` also rewrites the configs of sub-models) names ours instead of ``"sdpa"`` /
+  ``"eager"``, once, when the target is built (:func:`select_our_attention`). Given no :class:`OurPass`, ours call
+  exactly the function the name replaced, so the model's own ``generate`` and other callers compute what they
+  computed, bit for bit. Set anew afterwards (``set_attn_implementation``), the target refuses its passes until
+  :meth:`~eagle.model.base.target.Target.replan`, and a query temperature taken over applies only under ours;
+- ``call_kwargs``: the keyword arguments of a model call (``TransformersKwargs``) reach the attention function:
+  :data:`PASS_ARGUMENT` carries our pass's choices, :data:`POSITIONS_ARGUMENT` the query positions of a module
+  with a query temperature;
+- ``delegate``: ``transformers.integrations.sdpa_attention.sdpa_attention_forward`` (module path) computes what
+  :func:`tree_sdpa_attention` does not handle itself, and every SDPA call of someone else;
+- ``module_eager``: the modeling module's own ``eager_attention_forward`` (module attribute), which
+  :func:`eagle_eager` calls (a family's eager function may differ from the generic one);
 - ``query_temperature``: Llama-4's NoPE layers scale their queries by a temperature of the query position, which
-  the attention module computes from the cache length (``attn_temperature_tuning``, ``use_rope``,
-  ``floor_scale``, ``attn_scale``, attributes of ``Llama4TextAttention``). A tree node's cache slot is not its
-  position, so during our passes the module's own scaling is switched off and our attention function applies the
-  same formula to the positions the engine passes (:class:`QueryTemperature`);
-- ``module_eager``: the modeling module's own ``eager_attention_forward`` (module attribute), which our eager
-  entry point calls after that scaling (a family's eager function may differ from the generic one);
-- ``kernel``: with the GGUF kernels on (:func:`use_kernel_attention`), ``AttentionInterface.register`` /
-  ``AttentionMaskInterface.register`` add :func:`eagle.kernels.attention.attention_forward` (the position-ordered,
-  batch-invariant kernel) under :data:`KERNEL_ATTENTION`, and the ``switch`` names it instead of
-  :data:`TREE_SDPA` during our passes (SDPA or eager models alike), so prefill, plain decoding and tree
-  verification all run one kernel, whose bits for a token do not depend on the other queries of the call.
+  the attention module computes from its cache's length (``attn_temperature_tuning``, ``use_rope``,
+  ``floor_scale``, ``attn_scale``, ``layer_idx`` of ``Llama4TextAttention``; the ``cache`` and ``hidden_states``
+  its decoder layer passes it). A tree node's cache slot is not its position, so when the target is built the
+  module's own scaling is switched off, once, and our functions apply the same formula
+  (:class:`QueryTemperature`): to the positions our pass gives, or else to the positions the module would have
+  computed, which a forward pre-hook on the module reads from its cache as the module did;
+- ``kernel``: with the GGUF kernels, our passes run :func:`eagle.kernels.attention.attention_forward` (the
+  position-ordered, batch-invariant kernel, written to transformers' attention-function signature and keyword
+  arguments) in every layer, so prefill, plain decoding and tree verification all run one kernel, whose bits for
+  a token do not depend on the other queries of the call.
 """
 
 from __future__ import annotations
 
 import sys
-import weakref
-from contextlib import contextmanager
-from contextvars import ContextVar
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
 SUPPORTED_ATTENTION = ("sdpa", "eager")
-# Names under which our attention functions are registered with transformers' AttentionInterface (when a Target is
-# built, not on import).
-TREE_SDPA = "eagle_tree_sdpa"
-TREE_EAGER = "eagle_tree_eager"
-# During one of our passes: (ids of the attention modules whose query temperature we apply, query positions (B, T)).
-_TEMPERATURE: ContextVar = ContextVar("eagle_query_temperature", default=None)
-# Name under which eagle.kernels.attention's position-ordered kernel is registered (by use_kernel_attention).
-KERNEL_ATTENTION = "eagle_position_ordered"
-# id(config) -> weakref(config) of the configs whose passes run KERNEL_ATTENTION (a config is not hashable).
-_KERNEL_CONFIGS: dict[int, weakref.ref] = {}
+# The model's attention implementation -> the name ours is registered under (when a target is built, not on import).
+OUR_ATTENTION = {"sdpa": "eagle_sdpa", "eager": "eagle_eager"}
+# The keyword argument of a model call that carries our pass (OurPass) down to the attention functions.
+PASS_ARGUMENT = "eagle_pass"
+# The keyword argument a query-temperature module's hook adds: the (B, T) or (T,) positions of its queries.
+POSITIONS_ARGUMENT = "eagle_query_positions"
+
+
+@dataclass(frozen=True)
+class OurPass:
+    """What one of our forward passes asks of the attention: ``attend``, the attention function to run (with
+    transformers' attention-function signature), and ``positions``, the (B, T) query positions that a module with a
+    query temperature scales its queries by (None: the positions transformers would use, from the cache length)."""
+
+    attend: Callable
+    positions: torch.Tensor | None = None
 
 
 def tree_sdpa_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None,
@@ -60,7 +77,6 @@ def tree_sdpa_attention(module, query, key, value, attention_mask, dropout=0.0, 
     the tests) without the copy (timings: docs/PERFORMANCE.md). Everything else goes to transformers' function
     unchanged.
     """
-    query = _tempered(module, query)
     grouped = getattr(module, "num_key_value_groups", 1) > 1
     plain = not any(kwargs.get(name) is not None for name in ("position_bias", "s_aux", "softcap"))
     if (grouped and plain and attention_mask is not None and query.shape[2] > 1 and query.device.type == "cpu"
@@ -68,139 +84,159 @@ def tree_sdpa_attention(module, query, key, value, attention_mask, dropout=0.0, 
         out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, scale=scaling,
                                              enable_gqa=True)
         return out.transpose(1, 2).contiguous(), None
+    return sdpa_attention(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                          is_causal=is_causal, **kwargs)
+
+
+def sdpa_attention(module, query, key, value, attention_mask, **kwargs):
+    """transformers' own SDPA attention function."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                  is_causal=is_causal, **kwargs)
+    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
 
-def tree_eager_attention(module, query, key, value, attention_mask, **kwargs):
-    """The model's own eager attention (its modeling module's ``eager_attention_forward``), after the query
-    temperature of :class:`QueryTemperature`; used only for eager models that need that temperature."""
+def module_eager_attention(module, query, key, value, attention_mask, **kwargs):
+    """The model's own eager attention: its modeling module's ``eager_attention_forward``."""
     eager = getattr(sys.modules[type(module).__module__], "eager_attention_forward")
-    return eager(module, _tempered(module, query), key, value, attention_mask, **kwargs)
+    return eager(module, query, key, value, attention_mask, **kwargs)
+
+
+def _attend(default: Callable, module, query, key, value, attention_mask, ours: OurPass | None,
+            positions: torch.Tensor | None, kwargs: dict):
+    """The query temperature where the module has one (``positions``), then the function our pass asks for, or
+    ``default`` when the call is not one of our passes."""
+    if positions is not None:
+        query = QueryTemperature.apply(module, query, positions)
+    attend = default if ours is None else ours.attend
+    return attend(module, query, key, value, attention_mask, **kwargs)
+
+
+def eagle_sdpa(module, query, key, value, attention_mask, eagle_pass: OurPass | None = None,
+               eagle_query_positions: torch.Tensor | None = None, **kwargs):
+    """Registered in place of ``"sdpa"``: transformers' SDPA attention, or what our pass asks for."""
+    return _attend(sdpa_attention, module, query, key, value, attention_mask, eagle_pass, eagle_query_positions,
+                   kwargs)
+
+
+def eagle_eager(module, query, key, value, attention_mask, eagle_pass: OurPass | None = None,
+                eagle_query_positions: torch.Tensor | None = None, **kwargs):
+    """Registered in place of ``"eager"``: the model's own eager attention, or what our pass asks for."""
+    return _attend(module_eager_attention, module, query, key, value, attention_mask, eagle_pass,
+                   eagle_query_positions, kwargs)
 
 
 TRANSFORMERS_TOUCHES = {
     "register": "transformers.AttentionInterface.register / AttentionMaskInterface.register",
-    "switch": "PretrainedConfig._attn_implementation_internal",
+    "select": "PretrainedConfig._attn_implementation_internal (set once, when a target is built)",
+    "call_kwargs": "extra keyword arguments of a model call reach the attention function (TransformersKwargs)",
     "delegate": "transformers.integrations.sdpa_attention.sdpa_attention_forward",
-    "query_temperature": "Llama4TextAttention.attn_temperature_tuning / use_rope / floor_scale / attn_scale",
     "module_eager": "<modeling module>.eager_attention_forward",
-    "kernel": "transformers.AttentionInterface.register / AttentionMaskInterface.register (KERNEL_ATTENTION)",
+    "query_temperature": "Llama4TextAttention.attn_temperature_tuning / use_rope / floor_scale / attn_scale / "
+                         "layer_idx; its forward's cache and hidden_states keyword arguments",
+    "kernel": "the attention-function signature and keyword arguments, taken by "
+              "eagle.kernels.attention.attention_forward",
 }
-
-
-class QueryTemperature:
-    """The attention modules of a model whose queries are scaled by a temperature of the query position (Llama-4's
-    NoPE layers: ``1 + attn_scale * log1p(floor((position + 1) / floor_scale))``). transformers computes the
-    position from the cache length, which for a draft-tree node or a left-padded row is its cache slot, not its
-    position; during our passes the modules' own scaling is off and :func:`tree_sdpa_attention` /
-    :func:`tree_eager_attention` apply the formula to the positions the engine passes."""
-
-    def __init__(self, model):
-        self.modules = [m for m in model.modules() if getattr(m, "attn_temperature_tuning", False)
-                        and not getattr(m, "use_rope", True) and hasattr(m, "floor_scale")]
-
-    def __bool__(self) -> bool:
-        return bool(self.modules)
-
-    @staticmethod
-    def scales(module, positions: torch.Tensor) -> torch.Tensor:
-        """positions (B, T) -> (B, 1, T, 1) float32 query scales, the formula of ``Llama4TextAttention``."""
-        scales = torch.log1p(torch.floor((positions.float() + 1.0) / module.floor_scale)) * module.attn_scale + 1.0
-        return scales[:, None, :, None]
-
-
-def _tempered(module, query):
-    """query (B, heads, T, head_dim), scaled by its position's temperature when ``module`` is one of the active
-    :class:`QueryTemperature` modules (as transformers does: in float32, cast back)."""
-    active = _TEMPERATURE.get()
-    if active is None or id(module) not in active[0]:
-        return query
-    return (query * QueryTemperature.scales(module, active[1].to(query.device))).to(query.dtype)
 
 
 def check_attention_implementation(model) -> None:
     """Refuse a model whose attention implementation ignores custom 4-D (tree) masks."""
     attention = getattr(model.config, "_attn_implementation", None)
-    if attention not in SUPPORTED_ATTENTION:
+    if base_attention(attention) not in SUPPORTED_ATTENTION:
         raise ValueError(
             f"The base model uses attn_implementation={attention!r}, which ignores custom 4-D (tree) attention masks. "
             f"Load it with attn_implementation='sdpa' or 'eager'."
         )
 
 
-def prepare_attention(config) -> None:
-    """Make our attention usable by a model of ``config`` (registered once, when a target is built)."""
-    if getattr(config, "_attn_implementation_internal", None) in SUPPORTED_ATTENTION:
-        register_tree_sdpa()
+def base_attention(implementation: str | None) -> str | None:
+    """The model's own implementation behind ``implementation`` (ours name the one they stand in for)."""
+    return next((own for own, ours in OUR_ATTENTION.items() if ours == implementation), implementation)
 
 
-def register_tree_sdpa() -> None:
-    """Register :func:`tree_sdpa_attention` with transformers under :data:`TREE_SDPA` (once), with SDPA's own mask
-    builder, so that masks built meanwhile by another caller of the same model (a thread) are what they were."""
+def register_our_attention() -> None:
+    """Register :func:`eagle_sdpa` and :func:`eagle_eager` with transformers (once), with SDPA's and eager's own
+    mask builders, so that a model call without our pass builds the masks and computes what it did before."""
     from transformers import AttentionInterface, AttentionMaskInterface
-    from transformers.masking_utils import sdpa_mask
+    from transformers.masking_utils import eager_mask, sdpa_mask
 
-    if TREE_SDPA not in AttentionInterface():
-        AttentionInterface.register(TREE_SDPA, tree_sdpa_attention)
-        AttentionMaskInterface.register(TREE_SDPA, sdpa_mask)
-    if TREE_EAGER not in AttentionInterface():
-        from transformers.masking_utils import eager_mask
-
-        AttentionInterface.register(TREE_EAGER, tree_eager_attention)
-        AttentionMaskInterface.register(TREE_EAGER, eager_mask)
+    for own, function, mask in (("sdpa", eagle_sdpa, sdpa_mask), ("eager", eagle_eager, eager_mask)):
+        if OUR_ATTENTION[own] not in AttentionInterface():
+            AttentionInterface.register(OUR_ATTENTION[own], function)
+            AttentionMaskInterface.register(OUR_ATTENTION[own], mask)
 
 
-def use_kernel_attention(config, enabled: bool = True) -> None:
-    """From now on our passes over a model of ``config`` (its text config) run the position-ordered kernel
-    (:func:`eagle.kernels.attention.attention_forward`, registered under :data:`KERNEL_ATTENTION` with SDPA's mask
-    builder); ``enabled=False`` goes back to :func:`tree_sdpa_attention` / the model's own attention."""
-    if not enabled:
-        _KERNEL_CONFIGS.pop(id(config), None)
-        return
-    from transformers import AttentionInterface
-
-    if KERNEL_ATTENTION not in AttentionInterface():
-        from eagle.kernels.attention import register
-
-        register(KERNEL_ATTENTION)
-    _KERNEL_CONFIGS[id(config)] = weakref.ref(config)
+def select_our_attention(config) -> str:
+    """Name ours in ``config`` (a model's text config, SDPA or eager) in place of the model's own attention, once;
+    returns the name. A config that names ours already is left as it is."""
+    own = base_attention(getattr(config, "_attn_implementation_internal", None))
+    if own not in SUPPORTED_ATTENTION:
+        raise ValueError(f"Our attention stands in for 'sdpa' or 'eager' only, not {own!r}.")
+    register_our_attention()
+    config._attn_implementation_internal = OUR_ATTENTION[own]
+    return OUR_ATTENTION[own]
 
 
-def uses_kernel_attention(config) -> bool:
-    """Whether our passes over a model of ``config`` run the position-ordered kernel."""
-    entry = _KERNEL_CONFIGS.get(id(config))
-    return entry is not None and entry() is config
+def pass_attention(own: str, kernel: bool) -> Callable:
+    """The attention function our passes run over a model whose own attention is ``own``: the position-ordered
+    kernel with the GGUF kernels (``kernel``), else :func:`tree_sdpa_attention` for SDPA, the model's own eager
+    attention for eager."""
+    if kernel:
+        from eagle.kernels.attention import attention_forward
+
+        return attention_forward
+    return tree_sdpa_attention if own == "sdpa" else module_eager_attention
 
 
-@contextmanager
-def our_attention(config, temperature: QueryTemperature | None = None, positions: torch.Tensor | None = None):
-    """While the target runs a forward pass for us (always with a prepared 4-D mask, which transformers passes
-    through as it is), its SDPA layers use :func:`tree_sdpa_attention` (registered by :class:`Target`), or every
-    layer the position-ordered kernel where :func:`use_kernel_attention` says so, and the modules of
-    ``temperature`` (if any) scale their queries by ``positions`` ((B, T) query positions) instead of their cache
-    slots, under SDPA or eager attention (the kernel does not apply a query temperature: such a model runs the tree
-    functions); the model is left as it was afterwards."""
-    implementation = getattr(config, "_attn_implementation_internal", None)
-    if uses_kernel_attention(config) and implementation in SUPPORTED_ATTENTION and not temperature:
-        ours = KERNEL_ATTENTION
-    else:
-        ours = {"sdpa": TREE_SDPA, "eager": TREE_EAGER if temperature else None}.get(implementation)
-    if ours is None:
-        yield
-        return
-    token = _TEMPERATURE.set((frozenset(map(id, temperature.modules)), positions) if temperature else None)
-    for module in temperature.modules if temperature else ():
-        module.attn_temperature_tuning = False
-    config._attn_implementation_internal = ours
-    try:
-        yield
-    finally:
-        config._attn_implementation_internal = implementation
-        for module in temperature.modules if temperature else ():
-            module.attn_temperature_tuning = True
-        _TEMPERATURE.reset(token)
+class QueryTemperature:
+    """The attention modules of a model whose queries are scaled by a temperature of the query position (Llama-4's
+    NoPE layers: ``1 + attn_scale * log1p(floor((position + 1) / floor_scale))``). transformers computes the
+    position from the cache length, which for a draft-tree node or a left-padded row is its cache slot, not its
+    position. :meth:`take_over` moves the scaling into our attention functions, once: the module's own is switched
+    off and a forward pre-hook gives our functions the positions of its queries (:data:`POSITIONS_ARGUMENT`):
+    those of our pass, or those the module itself would have used."""
+
+    def __init__(self, model):
+        self.modules = [m for m in model.modules() if (getattr(m, "attn_temperature_tuning", False) is True
+                                                       or isinstance(getattr(m, "eagle_temperature_hook", None),
+                                                                     _QueryPositions))
+                        and not getattr(m, "use_rope", True) and hasattr(m, "floor_scale")]
+
+    def __bool__(self) -> bool:
+        return bool(self.modules)
+
+    def take_over(self) -> None:
+        """Our attention functions apply the modules' temperature from now on (idempotent)."""
+        for module in self.modules:
+            if not isinstance(getattr(module, "eagle_temperature_hook", None), _QueryPositions):
+                module.eagle_temperature_hook = _QueryPositions()
+                module.register_forward_pre_hook(module.eagle_temperature_hook, with_kwargs=True)
+                module.attn_temperature_tuning = False
+
+    @staticmethod
+    def scales(module, positions: torch.Tensor) -> torch.Tensor:
+        """positions (B, T) -> (B, 1, T, 1) float32 query scales, the formula of ``Llama4TextAttention``."""
+        scales = torch.log1p(torch.floor((positions.float() + 1.0) / module.floor_scale)) * module.attn_scale + 1.0
+        return scales.view(-1, 1, positions.shape[-1], 1)
+
+    @staticmethod
+    def apply(module, query: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """query (B, heads, T, head_dim) scaled by its positions' temperature ((B, T) or (T,)), as transformers
+        scales it: in float32, cast back."""
+        return (query * QueryTemperature.scales(module, positions.to(query.device))).to(query.dtype)
 
 
+class _QueryPositions:
+    """The forward pre-hook of a module whose temperature our attention functions apply: it adds the positions of
+    the module's queries to its keyword arguments, our pass's (:class:`OurPass`) or, in any other call, those the
+    module computes itself (``arange(T)`` after its cache's length)."""
+
+    def __call__(self, module, args, kwargs):
+        ours = kwargs.get(PASS_ARGUMENT)
+        if ours is not None and ours.positions is not None:
+            positions = ours.positions
+        else:
+            hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+            cache = kwargs.get("cache", kwargs.get("past_key_values"))
+            past = cache.get_seq_length(module.layer_idx) if cache is not None else 0
+            positions = torch.arange(hidden.shape[1], device=hidden.device) + past
+        return args, {**kwargs, POSITIONS_ARGUMENT: positions}

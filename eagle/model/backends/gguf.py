@@ -10,8 +10,8 @@ transformers built (``torch.equal``), else a ValueError names the tensor. A tens
 stays a float layer (logged once per type).
 
 The kernels are row-invariant (a token's output bits do not depend on the other rows of the call), which is what
-makes greedy EAGLE's logits bit-equal to plain decoding's; the backend also switches the target's attention to the
-position-ordered kernel (:func:`eagle.model.backends.attention.use_kernel_attention`).
+makes greedy EAGLE's logits bit-equal to plain decoding's; a target over a model on the kernels also runs its
+attention as the position-ordered kernel (:class:`eagle.model.base.plan.ForwardPlan`).
 
 ``gguf_kernels`` (``EaModel.from_pretrained``, ``--gguf-kernels``): ``"auto"`` (float32 numerics for a GGUF model
 on the CPU when the kernels are available, else the float32 model transformers builds), ``"float32"``, ``"int8"``
@@ -287,22 +287,17 @@ class GGUFLinear(PlainLinear):
         self.gguf_path, self.numerics = gguf_path, numerics
 
     def convert(self, module) -> int:
-        """The model's linear layers over the file's blocks; a runner attached before (it holds the packed weights
-        of the layers replaced here) is removed: ``install_runner`` attaches one for the new layers."""
-        from eagle.model.base.runner import remove_runner
-
+        """The model's linear layers over the file's blocks. A target built over ``module`` before keeps its plan
+        until :meth:`~eagle.model.base.target.Target.replan` builds one for the new layers."""
         if self.gguf_path is None:
             raise ValueError("The gguf linear backend needs the GGUF file the model was loaded from "
                              "(linear_backend('gguf', gguf_path=...)).")
-        remove_runner(module)
         return convert_gguf_model(module, self.gguf_path, self.numerics)
 
     def restore(self, module) -> int:
         """The QuantLinear layers back to float32 ``nn.Linear`` with the same (dequantized) weights (the embedding
-        stays a QuantEmbedding); the model's forward is transformers' own again."""
-        from eagle.model.base.runner import remove_runner
-
-        remove_runner(module)
+        stays a QuantEmbedding). A target built over ``module`` before keeps its plan until
+        :meth:`~eagle.model.base.target.Target.replan` builds one for the float layers."""
         count = 0
         for name, layer in list(module.named_modules()):
             if isinstance(layer, QuantLinear):

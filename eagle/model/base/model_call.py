@@ -21,8 +21,6 @@ from dataclasses import dataclass
 
 import torch
 
-from eagle.model.base.runner import runner_for
-
 #: Names a forward may give the cache, transformers 5's first.
 CACHE_ARGUMENTS = ("cache", "past_key_values")
 #: Names a forward may give logits_to_keep, transformers 5's first.
@@ -56,6 +54,7 @@ class ModelCall:
         self.cache_argument = named[0] if named else "cache"
         self.keep_argument = next((name for name in KEEP_ARGUMENTS if name in parameters), None)
         self.returns_dict = "return_dict" in parameters
+        self.takes_extra = takes_any  # more keyword arguments (transformers 5 passes them down to the attention)
 
     @property
     def legacy(self) -> bool:
@@ -63,14 +62,11 @@ class ModelCall:
         return self.cache_argument != "cache"
 
     def __call__(self, model, *, input_ids, attention_mask, position_ids, cache, output_hidden_states,
-                 logits_to_keep=0) -> ForwardOutput:
-        """One forward pass; ``logits_to_keep`` as transformers 5 takes it (int or 1-D tensor of positions). A
-        model with a :class:`~eagle.model.base.runner.DecoderRunner` attached runs it instead (same results)."""
-        runner = runner_for(model)
-        if runner is not None and runner.usable():
-            return runner(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
-                          output_hidden_states=output_hidden_states, logits_to_keep=logits_to_keep)
-        kwargs = {self.cache_argument: cache}
+                 logits_to_keep=0, extra: dict | None = None) -> ForwardOutput:
+        """One forward pass; ``logits_to_keep`` as transformers 5 takes it (int or 1-D tensor of positions);
+        ``extra``: more keyword arguments for the model (transformers passes them down to the attention
+        function)."""
+        kwargs = {**(extra or {}), self.cache_argument: cache}
         if self.keep_argument is not None:
             kwargs[self.keep_argument] = logits_to_keep
         if self.returns_dict:

@@ -14,13 +14,13 @@ from dataclasses import dataclass
 import torch
 
 from eagle.model.heads.draft_config import head_layer_ids
-from eagle.model.backends.attention import (QueryTemperature, check_attention_implementation, our_attention,
-                                                   prepare_attention)
+from eagle.model.backends.attention import check_attention_implementation
 from eagle.model.backends.linear import real_rows_only
 from eagle.model.base.logits import LazyLogits, LazyProjection
 from eagle.model.base.families import check_attention_known
 from eagle.model.base.kv_cache import TreeKVCache
 from eagle.model.base.model_call import ModelCall, check_tree_attention
+from eagle.model.base.plan import ForwardPlan
 
 def eagle3_layer_ids(num_layers: int) -> list[int]:
     """Indices into HF ``output_hidden_states`` (entry i = input of layer i) that feed an EAGLE-3 head:
@@ -81,7 +81,8 @@ class Target:
     per row, its logits possibly projected lazily).
 
     ``feature_layers``: indices into ``output_hidden_states`` to concatenate (EAGLE-3: three layers; EAGLE-1:
-    ``[-1]``, the final normed state), or None when no draft head reads them.
+    ``[-1]``, the final normed state), or None when no draft head reads them. ``forward_plan``: how its passes run
+    (:class:`~eagle.model.base.plan.ForwardPlan`), built with the target; :meth:`replan` builds it anew.
     """
 
     def __init__(self, model, feature_layers: list[int] | None, allow_unknown_attention: bool = False):
@@ -89,14 +90,12 @@ class Target:
         check_attention_known(model, allow_unknown_attention)
         self.model = model
         self.config = model.config.get_text_config()
-        prepare_attention(self.config)
+        self.forward_plan = ForwardPlan.build(model)
         self.feature_layers = feature_layers
         self.num_layers = self.config.num_hidden_layers
         self.window = getattr(self.config, "sliding_window", None)
         self.chunk = getattr(self.config, "attention_chunk_size", None)
         self.layer_types = layer_types(self.config)
-        self.temperature = QueryTemperature(model)  # Llama 4's NoPE layers: query scales of the position
-        self.call = ModelCall(model)
         self._slot_bytes: int | None = None
         self.device = model.get_input_embeddings().weight.device
         self.dtype = model.get_input_embeddings().weight.dtype
@@ -108,6 +107,16 @@ class Target:
         if self.call.legacy and not allow_unknown_attention:
             check_tree_attention(self)  # remote code of transformers 4: its 4-D mask convention is its own
         self.slot_bytes()  # measured now, so that the first generation's memory check runs nothing
+
+    @property
+    def call(self) -> ModelCall:
+        """The model's forward signature (the plan's)."""
+        return self.forward_plan.call
+
+    def replan(self, kernel_attention: bool | None = None) -> None:
+        """Build the forward plan anew from the model as it is now (after its linear layers moved to or off the
+        GGUF kernels); ``kernel_attention`` as :meth:`ForwardPlan.build` takes it."""
+        self.forward_plan = ForwardPlan.build(self.model, kernel_attention)
 
     def new_cache(self, capacity: int) -> TreeKVCache:
         return TreeKVCache(self.num_layers, capacity)
@@ -258,10 +267,10 @@ class Target:
         position_ids = position_ids.to(self.device)
         real = None if valid is None or not skip_padding else valid[:, past:].to(self.device)
         position_ids = position_ids if position_ids.dim() == 2 else position_ids[None]
-        with our_attention(self.config, self.temperature, position_ids), real_rows_only(real):
-            return self.call(self.model, input_ids=input_ids.to(self.device), attention_mask=mask,
-                             position_ids=position_ids, cache=cache, output_hidden_states=hidden_states,
-                             logits_to_keep=logits_to_keep)
+        with real_rows_only(real):
+            return self.forward_plan.run(self.model, input_ids=input_ids.to(self.device), attention_mask=mask,
+                                         position_ids=position_ids, cache=cache, output_hidden_states=hidden_states,
+                                         logits_to_keep=logits_to_keep, query_positions=position_ids)
 
     def _reads_features(self, features: bool) -> bool:
         return features and self.feature_layers is not None

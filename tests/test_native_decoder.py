@@ -1,8 +1,11 @@
-"""The runner (eagle.model.base.runner) computes exactly what transformers' forward computes, for the Llama-style
-families it knows, on tiny random models whose linear layers run on the GGUF kernels: prefill and tree verification,
-a left-padded batch, sliding-window layers, both numerics; and it stays out of what it does not know."""
+"""The native decoder (eagle.model.base.native_decoder) computes exactly what transformers' forward computes, for
+the Llama-style families it knows, on tiny random models whose linear layers run on the GGUF kernels: prefill and
+tree verification, a left-padded batch, sliding-window layers, both numerics; and it stays out of what it does not
+know."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import numpy as np
 import pytest
@@ -13,8 +16,7 @@ from eagle import kernels
 from eagle.kernels.attention import visible_keys
 from eagle.kernels.gguf_weights import GGUFWeight
 from eagle.kernels.reference import lane_rms_norm
-from eagle.model.base import runner
-from eagle.model.backends import attention
+from eagle.model.base import native_decoder
 from eagle.model.backends.gguf import GGUFQuantLinear
 from eagle.model.base.target import Target
 from tiny_models import target_config
@@ -30,7 +32,7 @@ FAMILIES = {
 
 def quantized_model(family: str, numerics: str = "float32", **overrides):
     """A tiny random ``family`` model whose every linear layer computes over Q8_0 blocks of its weight, its attention
-    the position-ordered kernel, as the GGUF backend leaves a model (without a GGUF file)."""
+    the position-ordered kernel in a target's passes, as the GGUF backend leaves a model (without a GGUF file)."""
     import gguf
     from transformers import AutoModelForCausalLM
 
@@ -44,7 +46,6 @@ def quantized_model(family: str, numerics: str = "float32", **overrides):
             parent, _, child = name.rpartition(".")
             setattr(model.get_submodule(parent) if parent else model, child,
                     GGUFQuantLinear(weight, layer.bias, numerics))
-    attention.use_kernel_attention(model.config.get_text_config())
     return model
 
 
@@ -66,15 +67,15 @@ def _passes(target: Target) -> list:
     return [first.logits, first.features, second.logits, second.features]
 
 
-def _runner_passes(model, target: Target, native: bool) -> list:
-    """:func:`_passes` through the installed runner (its native layers or its modules), checking that it ran."""
-    run = runner.runner_for(model)
-    plan = run.plan
+def _decoder_passes(target: Target, native: bool) -> list:
+    """:func:`_passes` through the target's native decoder (its native layers or its modules), checking that it
+    ran."""
+    decoder = target.forward_plan.native
     calls = []
-    real_native = runner.DecoderRunner._native_layers
+    real_native = native_decoder.NativeDecoder._native_layers
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(run, "plan", plan if native else None)
-        patch.setattr(runner.DecoderRunner, "_native_layers",
+        patch.setattr(decoder, "arguments", decoder.arguments if native else None)
+        patch.setattr(native_decoder.NativeDecoder, "_native_layers",
                       lambda self, *a: calls.append(real_native(self, *a)) or calls[-1])
         passes = _passes(target)
     assert len(calls) == 2 and all((call is not None) == native for call in calls)
@@ -91,16 +92,16 @@ def _lane_norms(patch, model) -> None:
 
 @pytest.mark.parametrize("numerics", ["float32", "int8"])
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_the_runner_gives_the_bits_of_transformers_forward(family, numerics):
+def test_the_native_decoder_gives_the_bits_of_transformers_forward(family, numerics):
     """Through the modules: transformers' bits. The native layers: the bits of the same forward with the norms'
     documented summation order (every other step as transformers rounds it), and transformers' values to float32
     rounding."""
     model = quantized_model(family, numerics)
-    assert runner.install_runner(model) and runner.runner_for(model).plan is not None
     target = Target(model, feature_layers=[0, 2, -1])
-    modules = _runner_passes(model, target, native=False)
-    native = _runner_passes(model, target, native=True)
-    runner.remove_runner(model)
+    assert target.forward_plan.native is not None and target.forward_plan.native.arguments is not None
+    modules = _decoder_passes(target, native=False)
+    native = _decoder_passes(target, native=True)
+    target.forward_plan = dataclasses.replace(target.forward_plan, native=None)  # transformers' forward
     theirs = _passes(target)
     with pytest.MonkeyPatch.context() as patch:
         _lane_norms(patch, model)
@@ -130,10 +131,9 @@ def _without_window(model):
 
 def test_logits_of_chosen_positions_are_those_of_every_position():
     model = quantized_model("llama")
-    runner.install_runner(model)
     ids = torch.randint(6, 128, (1, 7))
     mask = torch.zeros(1, 1, 7, 7).masked_fill_(~torch.ones(7, 7, dtype=torch.bool).tril_(), float("-inf"))
-    run = runner.runner_for(model)
+    run = native_decoder.native_decoder(model, kernel_attention=True)
     every = run(input_ids=ids, attention_mask=mask, position_ids=torch.arange(7)[None], cache=None,
                 output_hidden_states=True, logits_to_keep=0)
     chosen = run(input_ids=ids, attention_mask=mask, position_ids=torch.arange(7)[None], cache=None,
@@ -144,31 +144,32 @@ def test_logits_of_chosen_positions_are_those_of_every_position():
     assert torch.equal(chosen.logits[0], every.logits[0, [0, 4]]) and torch.equal(last.logits[0, 0], every.logits[0, 6])
 
 
-def test_what_the_runner_does_not_know_keeps_transformers_forward():
+def test_what_the_native_decoder_does_not_know_keeps_transformers_forward():
     gemma = quantized_model("gemma")
-    assert "GemmaForCausalLM is not one of" in runner.runner_problem(gemma)
-    assert not runner.install_runner(gemma) and runner.runner_for(gemma) is None
+    assert "GemmaForCausalLM is not one of" in native_decoder.native_problem(gemma, kernel_attention=True)
+    assert native_decoder.native_decoder(gemma, kernel_attention=True) is None
 
     float_layer = quantized_model("llama")
     float_layer.model.layers[1].mlp.up_proj = nn.Linear(64, 128, bias=False)
-    assert runner.runner_problem(float_layer) == "not every linear layer computes on the GGUF kernels"
+    assert native_decoder.native_problem(float_layer, True) == "not every linear layer computes on the GGUF kernels"
 
     other_attention = quantized_model("llama")
-    attention.use_kernel_attention(other_attention.config.get_text_config(), False)
-    assert runner.runner_problem(other_attention) == "its attention does not run the position-ordered kernel"
+    assert (native_decoder.native_problem(other_attention, kernel_attention=False)
+            == "its attention does not run the position-ordered kernel")
 
-    switched = quantized_model("llama")
-    assert runner.install_runner(switched)
-    attention.use_kernel_attention(switched.config.get_text_config(), False)  # switched back after installing
-    assert not runner.runner_for(switched).usable()
+    switched = Target(quantized_model("llama"), feature_layers=None)
+    assert switched.forward_plan.native is not None and switched.forward_plan.kernel_attention
+    switched.replan(kernel_attention=False)  # switched back after the target was built
+    assert switched.forward_plan.native is None and not switched.forward_plan.kernel_attention
 
 
-def test_an_installed_runner_does_not_keep_its_model_alive():
+def test_a_native_decoder_does_not_keep_its_model_alive():
     import gc
     import weakref
 
     model = quantized_model("llama")
-    assert runner.install_runner(model)
+    decoder = native_decoder.native_decoder(model, kernel_attention=True)
+    assert decoder is not None
     alive = weakref.ref(model)
     del model
     gc.collect()
@@ -176,22 +177,21 @@ def test_an_installed_runner_does_not_keep_its_model_alive():
 
 
 def test_the_native_layers_give_the_same_bits_at_any_thread_count():
-    model = quantized_model("qwen2")
-    assert runner.install_runner(model) and runner.runner_for(model).plan is not None
-    target = Target(model, feature_layers=[0, 2, -1])
+    target = Target(quantized_model("qwen2"), feature_layers=[0, 2, -1])
+    assert target.forward_plan.native.arguments is not None
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        alone = _runner_passes(model, target, native=True)
+        alone = _decoder_passes(target, native=True)
         torch.set_num_threads(3)
-        shared = _runner_passes(model, target, native=True)
+        shared = _decoder_passes(target, native=True)
     finally:
         torch.set_num_threads(threads)
     assert all(torch.equal(a, b) for a, b in zip(alone, shared))
 
 
 def _native_arguments(model, cache_slots: int = 8, queries: int = 2):
-    plan = runner.runner_for(model).plan
+    plan = native_decoder.native_decoder(model, kernel_attention=True).arguments
     batch, hidden = 1, model.config.hidden_size
     kv_heads, head_dim = plan.dims[1:3]
     layers = len(model.model.layers)
@@ -217,9 +217,7 @@ def _native_arguments(model, cache_slots: int = 8, queries: int = 2):
     ("wrong weight", "the packed weight is N="),
 ])
 def test_the_native_layers_refuse_what_does_not_fit(change, message):
-    model = quantized_model("llama")
-    assert runner.install_runner(model)
-    arguments = _native_arguments(model)
+    arguments = _native_arguments(quantized_model("llama"))
     if change == "short keys":
         arguments["keys"][1] = arguments["keys"][1][:, :, :4].contiguous()
     elif change == "wrong weight":
@@ -233,9 +231,8 @@ def test_the_native_layers_refuse_what_does_not_fit(change, message):
 
 
 def test_a_forward_past_the_cache_capacity_is_refused_before_anything_is_written():
-    model = quantized_model("llama")
-    assert runner.install_runner(model)
-    target = Target(model, feature_layers=[0, 2, -1])
+    target = Target(quantized_model("llama"), feature_layers=[0, 2, -1])
+    assert target.forward_plan.native is not None
     cache = target.new_cache(4)
     with pytest.raises(ValueError, match="KV cache overflow: 0 cached \\+ 5 new positions exceed its capacity of 4"):
         target.prefill(torch.randint(6, 128, (1, 5)), cache)
