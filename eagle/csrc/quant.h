@@ -75,11 +75,12 @@ struct TypeInfo {
   constexpr int groups_per_unit() const { return group ? unit / group : 0; }
 };
 
-// The one table of the types (see the formula above). Adding a GGUF type takes: its id in Type, its entry here, its
-// decoding from the GGUF block (native_unit in quant_layout.cpp; column_params where its a and b are not those of
-// an existing kind), the per-type parts of the SIMD kernels (their parameter loads, where its codes are not 4, 5, 6
-// or 8 bits or its scales not those of an existing kind), and its slow reference decoder (eagle/kernels/reference.py).
-// The kernels are instantiated for every entry through with_quant_type / with_any_type.
+// The one table of the types (see the formula above), indexed by type id through type_index. Adding a GGUF type
+// takes its id in Type and its entry here (the ops, the packed layouts, TypeTraits, the kernels' instantiations and
+// eagle.kernels.quant_types() follow), plus its kernels: its decoding from the GGUF block (native_unit in
+// quant_layout.cpp) and, where its parameters or codes differ from those of the types here (scales, mins, code
+// widths), the branches of column_params and of the SIMD kernels' parameter and code loads; and its slow reference
+// decoder (eagle/kernels/reference.py), which the tests compare it with.
 //   type, name, unit, native bytes, packed bytes, group, code bits, offset, has_m, has_scales
 inline constexpr TypeInfo kTypes[] = {
     {F32, "F32", 1, 4, 4, 0, 0, -1, false, false},

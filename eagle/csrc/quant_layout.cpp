@@ -288,7 +288,7 @@ void column_params(const TypeInfo& t, const Column& c, int64_t k, float* a, floa
     if (!t.has_scales) {
       a[g] = d;
       b[g] = t.has_m ? half_to_float(c.m[unit]) : 0.0f;
-    } else if (t.type == Q6_K) {
+    } else if (!t.has_m) {  // Q6_K: int8 scales
       a[g] = d * static_cast<float>(static_cast<int8_t>(c.sc[g]));
       b[g] = 0.0f;
     } else {

@@ -29,7 +29,14 @@ logger = logging.getLogger(__name__)
 
 _lock = threading.Lock()
 _state: dict = {"loaded": False, "reason": None, "warned": set()}
-_forced_off = threading.local()  # force_fallback() of this thread
+
+
+class _ForcedOff(threading.local):
+    value = False  # force_fallback() of this thread
+
+
+_forced_off = _ForcedOff()
+_OFF = ("0", "off", "false", "no")
 
 
 def _load() -> str | None:
@@ -64,9 +71,10 @@ def _isa_problem() -> str | None:
 
 def unavailable_reason() -> str | None:
     """Why the kernels cannot be used (None when they can)."""
-    if os.environ.get("EAGLE_KERNELS", "1").strip().lower() in ("0", "off", "false", "no"):
+    switch = os.environ.get("EAGLE_KERNELS")  # (read on every call: the attention asks once per layer)
+    if switch is not None and switch.strip().lower() in _OFF:
         return "disabled by EAGLE_KERNELS=0"
-    if getattr(_forced_off, "value", False):
+    if _forced_off.value:
         return "disabled by eagle.kernels.force_fallback()"
     return _load()
 
@@ -97,7 +105,7 @@ def ops():
 def force_fallback(enabled: bool = True):
     """While active (in this thread), the kernels count as unavailable and modules built meanwhile use the float32
     fallback."""
-    previous = getattr(_forced_off, "value", False)
+    previous = _forced_off.value
     _forced_off.value = enabled
     try:
         yield

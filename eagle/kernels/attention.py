@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from eagle.kernels import available
+from eagle import kernels
 from eagle.kernels.reference_attention import reference_attention
 
 logger = logging.getLogger(__name__)
@@ -124,7 +124,7 @@ def visible_keys(mask: torch.Tensor, compiled: bool | None = None) -> VisibleKey
     ``compiled`` selects the form (lists for the compiled op, a bool mask for the reference); default: the compiled
     form when the op is available.
     """
-    cache = _visible_caches[available() if compiled is None else bool(compiled)]
+    cache = _visible_caches[kernels.available() if compiled is None else bool(compiled)]
     entry = cache.get(id(mask))
     if entry is not None and entry[0]() is mask and (entry[1] is None or entry[1] == mask._version):
         return entry[2]
@@ -175,7 +175,7 @@ def _compiled_ok(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, si
     if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad
                                     or (sinks is not None and sinks.requires_grad)):
         return False
-    return available()
+    return kernels.available()
 
 
 @functools.cache
