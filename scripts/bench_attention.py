@@ -26,6 +26,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from eagle import kernels
 from eagle.kernels import attention
 
 logger = logging.getLogger("bench_attention")
@@ -117,11 +118,12 @@ def parse_args(argv=None):
 def main(argv=None) -> None:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    if not attention.available():
+    if not kernels.available():
         logger.warning("the compiled kernel is unavailable (%s): 'ours' times the float64 reference",
-                       attention.unavailable_reason())
+                       kernels.unavailable_reason())
     else:
-        logger.info("kernel paths on this CPU: %s (auto picks the first)", ", ".join(attention.cpu_isas()))
+        logger.info("kernel paths on this CPU: %s; running %s (%s)", ", ".join(kernels.isas()), kernels.isa(),
+                    kernels.isa_reason())
     previous = torch.get_num_threads()
     print(f"{'thr':>3} {'B':>2} {'S':>5} {'T':>3} | {'call ms: ours':>13} {'sdpa_gqa':>9} {'sdpa_rep':>9} "
           f"{'ratio_gqa':>9} {'ratio_rep':>9} | {'forward ms: ours':>16} {'sdpa_gqa':>9} {'sdpa_rep':>9} "

@@ -134,7 +134,8 @@ def main(argv: list[str] | None = None) -> None:
     from eagle import kernels
 
     matrices = load_matrices(args.gguf or gguf_path(args.gemma))
-    print(f"kernels: {kernels.isa()}; torch {torch.__version__}; load average before: {load_average()}")
+    print(f"kernels: {kernels.isa()} ({kernels.isa_reason()}); torch {torch.__version__}; "
+          f"load average before: {load_average()}")
     for threads in args.threads:
         if args.clock == "thread" and threads > 1:
             logger.warning("--clock thread measures the calling thread only: skipping %d threads", threads)

@@ -4,39 +4,17 @@ refusal of malformed input."""
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
-
 import pytest
 import torch
 
+from eagle import kernels
 from eagle.kernels import attention
 from eagle.kernels.reference_attention import reference_attention
 
-CSRC = Path(__file__).resolve().parent.parent / "eagle" / "csrc"
-
-
-def _build_for_tests() -> None:
-    """Without an installed extension, JIT-build eagle/csrc/attention.cpp (tests only; the package's build is
-    setup.py). EAGLE_SANITIZE=1 adds AddressSanitizer and UBSan."""
-    from torch.utils.cpp_extension import load
-
-    sanitize = os.environ.get("EAGLE_SANITIZE") == "1"
-    flags = ["-O3", "-ffp-contract=off", "-std=c++17"]
-    extra = ["-fsanitize=address,undefined", "-fno-omit-frame-pointer", "-g"] if sanitize else []
-    load(name="eagle_attention_test" + ("_sanitize" if sanitize else ""), sources=[str(CSRC / "attention.cpp")],
-         extra_cflags=flags + extra, extra_ldflags=extra, is_python_module=False)
-    attention._extension_state.cache_clear()
-
-
 @pytest.fixture(scope="module")
 def ops():
-    if not attention.available():
-        try:
-            _build_for_tests()
-        except (RuntimeError, OSError) as error:  # no compiler: only the reference tests run
-            pytest.skip(f"attention extension unavailable and could not be built: {error}")
-    assert attention.available(), attention.unavailable_reason()
+    if not kernels.available():  # no extension: only the reference tests run
+        pytest.skip(f"the kernels are unavailable: {kernels.unavailable_reason()}")
     return torch.ops.eagle
 
 
@@ -92,7 +70,7 @@ def random_qkv(batch, q_heads, kv_heads, queries, slots, dim, value_dim=None, se
     return q, k, v
 
 
-def run(ops, q, k, v, mask, scale, sinks=None, softcap=None, isa="auto"):
+def run(ops, q, k, v, mask, scale, sinks=None, softcap=None, isa=None):
     lists = attention.visible_keys(mask)
     return ops.tree_attention(q, k, v, lists.offsets, lists.indices, scale, sinks, softcap, isa)
 
@@ -126,7 +104,7 @@ def test_matches_reference_masks_and_groups(ops, mask_name, groups):
     batch, queries, slots, kv_heads = 3, 6, 41, 2
     mask = _masks(batch, queries, slots, seed=groups)[mask_name]
     q, k, v = random_qkv(batch, kv_heads * groups, kv_heads, queries, slots, 64, seed=groups)
-    for isa in attention.cpu_isas():
+    for isa in kernels.isas():
         out = run(ops, q, k, v, mask, 0.125, isa=isa)
         assert_matches_reference(out, q, k, v, mask, 0.125)
 
@@ -136,7 +114,7 @@ def test_matches_reference_head_dims(ops, dim, value_dim):
     batch, queries, slots = 2, 5, 37
     mask = _masks(batch, queries, slots, seed=dim)["tree"]
     q, k, v = random_qkv(batch, 6, 2, queries, slots, dim, value_dim, seed=dim)
-    for isa in attention.cpu_isas():
+    for isa in kernels.isas():
         assert_matches_reference(run(ops, q, k, v, mask, dim ** -0.5, isa=isa), q, k, v, mask, dim ** -0.5)
 
 
@@ -146,7 +124,7 @@ def test_matches_reference_sinks_and_softcap(ops):
     mask[1, 3] = False  # a query that sees nothing: zeros, with or without sinks
     q, k, v = random_qkv(batch, 6, 3, queries, slots, 64, seed=5, std=2.0)
     sinks = torch.randn(6) * 3
-    for isa in attention.cpu_isas():
+    for isa in kernels.isas():
         for s, cap in [(sinks, None), (None, 8.0), (sinks, 5.0), (None, 0.5)]:
             out = run(ops, q, k, v, mask, 0.125, s, cap, isa=isa)
             assert_matches_reference(out, q, k, v, mask, 0.125, s, cap)
@@ -164,7 +142,7 @@ def test_extreme_scores_stay_finite(ops):
 
 def test_instruction_sets_agree_bitwise(ops):
     """The AVX-512, AVX2 and portable paths follow one lane structure: the same bits on one machine."""
-    isas = attention.cpu_isas()
+    isas = kernels.isas()
     q, k, v = random_qkv(2, 8, 2, 9, 45, 80, 72, seed=11)
     mask = _masks(2, 9, 45, seed=11)["lengths"]
     sinks = torch.randn(8)
@@ -185,7 +163,7 @@ def test_query_alone_equals_query_among_others(ops, queries):
     mask = tree_mask(slots - queries, random_tree_parents(queries, g), slots)[None]
     q, k, v = random_qkv(1, 9, 3, queries, slots, 64, seed=queries)
     sinks = torch.randn(9)
-    for isa in attention.cpu_isas():
+    for isa in kernels.isas():
         together = run(ops, q, k, v, mask, 0.125, sinks, 30.0, isa=isa)
         for t in range(queries):
             alone = run(ops, q[:, :, t:t + 1], k, v, mask[:, t:t + 1].clone(), 0.125, sinks, 30.0, isa=isa)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import platform
 import shutil
+import subprocess
 import sys
 
 import numpy as np
@@ -21,9 +22,10 @@ from eagle.kernels import reference
 from eagle.kernels.gguf_weights import GGUFWeight, llama_qk_row_order, read_gguf_weights
 from eagle.kernels.linear import QuantEmbedding, QuantLinear
 
-QUANT_TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"]
 FLOAT_TYPES = ["F32", "F16", "BF16"]
-ALL_TYPES = FLOAT_TYPES + QUANT_TYPES
+# the types the kernels handle (the extension's table), or without the kernels those the reference decodes
+ALL_TYPES = list(kernels.quant_types() or reference.BLOCKS)
+QUANT_TYPES = [t for t in ALL_TYPES if t not in FLOAT_TYPES]
 K_QUANTS = {"Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208]}  # byte offsets of each block's fp16 scales
 # (N, K) per type: N = 43 leaves columns outside the float32 kernels' 4-column tiles and pads the int8 layout's
 # last 16-column group; K = 96 leaves an odd 32-input group; K = 70 leaves partial vectors of the float weights
@@ -99,6 +101,46 @@ def test_the_kernels_are_built_and_load_on_x86_64_linux():
 def test_no_extension_is_loaded_by_importing_the_package():
     code = "import sys, eagle.kernels, eagle.kernels.linear; sys.exit('eagle._kernels' in sys.modules)"
     assert os.system(f"{sys.executable} -c \"{code}\"") == 0
+
+
+# ------------------------------------------------------------------------------------------------ types and ISAs
+@needs_kernels
+def test_the_extension_lists_the_types_the_reference_and_gguf_py_know_with_their_blocks():
+    names, ids, elements, sizes = kernels.ops().quant_types()
+    assert kernels.quant_types() == tuple(names) == tuple(ALL_TYPES)
+    assert set(names) == set(reference.BLOCKS)
+    for name, type_id, block, size in zip(names, ids, elements, sizes):
+        assert GGMLQuantizationType[name].value == type_id, name
+        assert GGML_QUANT_SIZES[GGMLQuantizationType[name]] == (block, size) == reference.BLOCKS[name], name
+    with kernels.force_fallback():
+        assert kernels.quant_types() == ()
+
+
+@needs_kernels
+def test_the_isa_report_names_the_isa_in_use_and_why():
+    assert kernels.isas()[0] == kernels.best_isa() and kernels.isas()[-1] == "portable"
+    assert kernels.isa() in kernels.isas() and kernels.isa_reason()
+    with kernels.use_isa("portable"):
+        assert kernels.isa() == "portable" and "set_kernel_isa" in kernels.isa_reason()
+    with pytest.raises(RuntimeError, match="unknown isa 'sse9': expected one of avx512, avx2, portable"):
+        kernels.ops().set_kernel_isa("sse9")
+
+
+def isa_in_a_new_process(value: str) -> str:
+    """What eagle.kernels says of its instruction set in a process started with EAGLE_KERNELS_ISA=value."""
+    code = ("import torch, eagle.kernels as k; r = k.unavailable_reason(); "
+            "print(r if r else k.isa() + ' | ' + k.isa_reason())")
+    env = {**os.environ, "EAGLE_KERNELS_ISA": value}
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True,
+                          timeout=300).stdout.strip()
+
+
+@needs_kernels
+def test_the_environment_variable_picks_the_isa_and_an_unknown_name_lists_the_valid_ones():
+    assert isa_in_a_new_process("portable") == "portable | EAGLE_KERNELS_ISA=portable"
+    assert isa_in_a_new_process("") == f"{kernels.best_isa()} | the best this CPU runs (EAGLE_KERNELS_ISA is not set)"
+    problem = isa_in_a_new_process("sse9")
+    assert "EAGLE_KERNELS_ISA: unknown isa 'sse9': expected one of avx512, avx2, portable" in problem
 
 
 # ------------------------------------------------------------------------------------------------ dequantization

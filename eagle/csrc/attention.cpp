@@ -1,11 +1,11 @@
-// Position-ordered, batch-invariant attention on the CPU (ops eagle::tree_attention, eagle::visible_keys,
-// eagle::attention_isas).
+// Position-ordered, batch-invariant attention on the CPU (ops eagle::tree_attention, eagle::visible_keys).
 //
 // Each query walks its visible keys in slot order (scores, the exact maximum, then the exponential sum and the
 // weighted values in that order; attention_kernels.h gives the fixed lane structure). Its output depends only on its
 // q row and its visible keys' rows, so a tree node's attention in a verification forward is bit-identical to the
 // same token's attention in plain decoding, whatever T, B, the query's place in the call, the masked slots between
-// its keys or the thread count. The AVX-512, AVX2 and portable paths compute the same bits.
+// its keys or the thread count. The AVX-512, AVX2 and portable paths compute the same bits; a call runs the
+// extension's instruction set (isa.h: EAGLE_KERNELS_ISA, eagle::set_kernel_isa), or the one its `isa` names.
 //
 // The visible keys are given as lists (CSR): for query t of mask row b, indices[offsets[b * T + t] ..
 // offsets[b * T + t + 1]) are its visible slots, strictly ascending, shared by all heads (and by all layers of one
@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "attention_kernels.h"
+#include "isa.h"
 #include "ops.h"
 #include "parallel.h"
 
@@ -29,54 +30,18 @@ namespace {
 
 namespace kern = attention_kernels;
 
-enum class Isa { kScalar, kAvx2, kAvx512 };
-
-bool cpu_supports(Isa isa) {
-#ifdef EAGLE_ATTENTION_X86
-  if (isa == Isa::kAvx512) return __builtin_cpu_supports("avx512f");
-  if (isa == Isa::kAvx2) return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-#endif
-  return isa == Isa::kScalar;
-}
-
-const char* isa_name(Isa isa) {
-  return isa == Isa::kAvx512 ? "avx512" : (isa == Isa::kAvx2 ? "avx2" : "scalar");
-}
-
-std::vector<std::string> attention_isas() {
-  std::vector<std::string> names;
-  for (Isa isa : {Isa::kAvx512, Isa::kAvx2, Isa::kScalar})
-    if (cpu_supports(isa)) names.emplace_back(isa_name(isa));
-  return names;
-}
-
-Isa pick_isa(c10::string_view requested) {
-  if (requested == "auto") {
-    for (Isa isa : {Isa::kAvx512, Isa::kAvx2})
-      if (cpu_supports(isa)) return isa;
-    return Isa::kScalar;
-  }
-  for (Isa isa : {Isa::kAvx512, Isa::kAvx2, Isa::kScalar}) {
-    if (requested == isa_name(isa)) {
-      TORCH_CHECK(cpu_supports(isa), "tree_attention: isa='", std::string(requested),
-                  "' was requested but this CPU does not support it; available: ", c10::Join(", ", attention_isas()));
-      return isa;
-    }
-  }
-  TORCH_CHECK(false, "tree_attention: unknown isa '", std::string(requested),
-              "'; expected 'auto', 'avx512', 'avx2' or 'scalar'");
-}
-
 struct Kernels {
   void (*scores)(const kern::QueryJob*, int, int, int64_t, kern::Rows, const kern::ScoreParams&);
   float (*weights)(float*, int64_t, const float*);
   void (*values)(const kern::QueryJob*, int, int, kern::Rows, int64_t);
 };
 
+// the kernels of an instruction set (isa.h; all compute the same bits): the portable ones where this build has no
+// x86 paths
 Kernels kernels_for(Isa isa) {
 #ifdef EAGLE_ATTENTION_X86
-  if (isa == Isa::kAvx512) return {kern::avx512::scores, kern::avx512::weights, kern::avx512::values};
-  if (isa == Isa::kAvx2) return {kern::avx2::scores, kern::avx2::weights, kern::avx2::values};
+  if (isa == ISA_AVX512) return {kern::avx512::scores, kern::avx512::weights, kern::avx512::values};
+  if (isa == ISA_AVX2) return {kern::avx2::scores, kern::avx2::weights, kern::avx2::values};
 #endif
   (void)isa;
   return {kern::scalar::scores, kern::scalar::weights, kern::scalar::values};
@@ -203,7 +168,7 @@ at::Tensor last_dim_contiguous(const at::Tensor& x) { return x.stride(3) == 1 ? 
 at::Tensor tree_attention(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
                           const at::Tensor& offsets, const at::Tensor& indices, double scale,
                           const std::optional<at::Tensor>& sinks_in, std::optional<double> softcap,
-                          c10::string_view isa) {
+                          const std::optional<std::string>& isa) {
   check_tensor(q_in, "q", at::kFloat, 4, "(B, Hq, T, D)");
   check_tensor(k_in, "k", at::kFloat, 4, "(B, Hkv, S, D)");
   check_tensor(v_in, "v", at::kFloat, 4, "(B, Hkv, S, Dv)");
@@ -240,7 +205,7 @@ at::Tensor tree_attention(const at::Tensor& q_in, const at::Tensor& k_in, const 
             sinks.defined() ? sinks.data_ptr<float>() : nullptr,
             {D, static_cast<float>(scale), softcap.has_value(), static_cast<float>(softcap.value_or(1.0))},
             out.data_ptr<float>(), query_blocks(B, Hkv, T)};
-  const Kernels K = kernels_for(pick_isa(isa));
+  const Kernels K = kernels_for(isa ? parse_isa(*isa, "tree_attention") : current_isa());
   const int64_t chunks = B * Hkv * P.query_blocks;
   // Below ~this many multiply-adds, waking a second thread costs more than it saves (threads never change bits).
   constexpr int64_t kSerialWork = 1 << 15;
@@ -329,15 +294,14 @@ std::tuple<at::Tensor, at::Tensor> visible_keys(const at::Tensor& mask, double m
 
 at::Tensor tree_attention_call(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                const at::Tensor& offsets, const at::Tensor& indices, double scale) {
-  return tree_attention(q, k, v, offsets, indices, scale, std::nullopt, std::nullopt, "auto");
+  return tree_attention(q, k, v, offsets, indices, scale, std::nullopt, std::nullopt, std::nullopt);
 }
 
 }  // namespace eagle
 
 TORCH_LIBRARY_FRAGMENT(eagle, m) {
   m.def("tree_attention(Tensor q, Tensor k, Tensor v, Tensor offsets, Tensor indices, float scale, "
-        "Tensor? sinks=None, float? softcap=None, str isa='auto') -> Tensor",
+        "Tensor? sinks=None, float? softcap=None, str? isa=None) -> Tensor",
         &eagle::tree_attention);
   m.def("visible_keys(Tensor mask, float masked_value) -> (Tensor, Tensor)", &eagle::visible_keys);
-  m.def("attention_isas() -> str[]", &eagle::attention_isas);
 }

@@ -5,19 +5,24 @@
 //   dequantize(weight, type, n, k)                     packed weight -> (N, K) float32
 //   quant_embedding(ids, weight, type, n, k)           ids (...) int64 -> (..., K) float32 rows
 //   quantize_rows(x)                                   the int8 activation quantizer: (q, d, s) of x (M, K)
-//   packed_nbytes(type, n, k, numerics), kernel_isa(), set_kernel_isa(name)
+//   packed_nbytes(type, n, k, numerics)
+//   quant_types()                                      the types of quant.h's table: names, ids, block sizes
+// (the instruction-set ops are in isa.cpp)
 // Every op checks its arguments (dtype, device, contiguity, shape, K a multiple of the type's block, the packed
 // weight's header and byte count) before touching memory.
 #include <Python.h>
 #include <torch/library.h>
 #include <ATen/ATen.h>
 
+#include <c10/util/StringUtil.h>
+
 #include <atomic>
-#include <cstdlib>
 #include <cstring>
 #include <string>
+#include <tuple>
 #include <vector>
 
+#include "isa.h"
 #include "ops.h"
 #include "parallel.h"
 #include "quant.h"
@@ -30,55 +35,18 @@ using quant::Header;
 using quant::Layout;
 using quant::TypeInfo;
 
-// ------------------------------------------------------------------------------------------------ ISA choice
-std::atomic<int> g_isa{-1};
-
-int best_isa() {
-#if defined(__x86_64__) || defined(_M_X64)
-  __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
-      __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("fma") &&
-      __builtin_cpu_supports("f16c"))
-    return quant::ISA_AVX512;
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
-    return quant::ISA_AVX2;
-#endif
-  return quant::ISA_PORTABLE;
-}
-
-const char* isa_name(int isa) {
-  return isa == quant::ISA_AVX512 ? "avx512" : isa == quant::ISA_AVX2 ? "avx2" : "portable";
-}
-
-int parse_isa(const std::string& name) {
-  if (name == "avx512") return quant::ISA_AVX512;
-  if (name == "avx2") return quant::ISA_AVX2;
-  if (name == "portable") return quant::ISA_PORTABLE;
-  TORCH_CHECK(false, "unknown kernel ISA '", name, "': expected one of avx512, avx2, portable");
-  return -1;
-}
-
-int set_isa_checked(int isa) {
-  const int best = best_isa();
-  TORCH_CHECK(isa <= best, "this CPU cannot run the ", isa_name(isa), " kernels (the best it runs is ",
-              isa_name(best), ")");
-  g_isa.store(isa);
-  return isa;
-}
-
-int current_isa() {
-  int isa = g_isa.load();
-  if (isa >= 0) return isa;
-  const char* env = std::getenv("EAGLE_KERNELS_ISA");
-  return set_isa_checked(env && *env ? parse_isa(env) : best_isa());
-}
-
 // ------------------------------------------------------------------------------------------------ checks
+// the names of quant::kTypes, in its order
+std::vector<std::string> type_names() {
+  std::vector<std::string> names;
+  for (const TypeInfo& t : quant::kTypes) names.emplace_back(t.name);
+  return names;
+}
+
 const TypeInfo& checked_type(const std::string& name, const char* op) {
   const TypeInfo* t = quant::type_info_by_name(name.c_str());
-  TORCH_CHECK_VALUE(t != nullptr, op, ": weight type '", name,
-              "' is not handled by the kernels (handled: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, "
-              "Q6_K)");
+  TORCH_CHECK_VALUE(t != nullptr, op, ": weight type '", name, "' is not handled by the kernels (handled: ",
+                    c10::Join(", ", type_names()), ")");
   return *t;
 }
 
@@ -226,10 +194,10 @@ int64_t packed_nbytes(const std::string& type, int64_t n, int64_t k, const std::
 }
 
 // the int8 activation quantizer of an instruction set (all three give the same bits)
-void quantize_rows_with(int isa, const float* x, int64_t m, quant::QuantizedRows& rows) {
-  if (isa == quant::ISA_AVX512) {
+void quantize_rows_with(Isa isa, const float* x, int64_t m, quant::QuantizedRows& rows) {
+  if (isa == ISA_AVX512) {
     quant::quantize_rows_avx512(x, 0, m, rows);
-  } else if (isa == quant::ISA_AVX2) {
+  } else if (isa == ISA_AVX2) {
     quant::quantize_rows_avx2(x, 0, m, rows);
   } else {
     quant::quantize_rows_portable(x, 0, m, rows);
@@ -252,12 +220,12 @@ std::vector<at::Tensor> quantize_rows_op(const at::Tensor& x_in) {
 
 using Kernel = bool (*)(const quant::LinearArgs&, int64_t, int64_t, float*);
 
-Kernel kernel_for(Layout layout, int isa) {
+Kernel kernel_for(Layout layout, Isa isa) {
   if (layout == quant::LAYOUT_K)
-    return isa == quant::ISA_AVX512 ? quant::linear_k_avx512
-           : isa == quant::ISA_AVX2 ? quant::linear_k_avx2 : quant::linear_k_portable;
-  return isa == quant::ISA_AVX512 ? quant::linear_n_avx512
-         : isa == quant::ISA_AVX2 ? quant::linear_n_avx2 : quant::linear_n_portable;
+    return isa == ISA_AVX512 ? quant::linear_k_avx512
+           : isa == ISA_AVX2 ? quant::linear_k_avx2 : quant::linear_k_portable;
+  return isa == ISA_AVX512 ? quant::linear_n_avx512
+         : isa == ISA_AVX2 ? quant::linear_n_avx2 : quant::linear_n_portable;
 }
 
 // One weight of a call, checked, with its output allocated and its work split in chunks of columns.
@@ -305,7 +273,7 @@ Prepared prepare(const at::Tensor& x, const TypeInfo& t, Layout layout, const Li
 void run_prepared(std::vector<Prepared>& calls, const at::Tensor& x, const char* op) {
   const int64_t m = x.size(0), k = x.size(1);
   if (m == 0) return;
-  const int isa = current_isa();
+  const Isa isa = current_isa();
   std::vector<int8_t> q;
   std::vector<float> d, s;
   std::vector<int32_t> sum16;
@@ -410,11 +378,16 @@ at::Tensor quant_embedding(const at::Tensor& ids, const at::Tensor& weight, cons
   return out;
 }
 
-std::string kernel_isa() { return isa_name(current_isa()); }
-
-void set_kernel_isa(const std::string& name) { set_isa_checked(name.empty() ? best_isa() : parse_isa(name)); }
-
-std::string best_kernel_isa() { return isa_name(best_isa()); }
+// The types of quant::kTypes: names, ggml type ids, elements and bytes per GGUF block.
+std::tuple<std::vector<std::string>, std::vector<int64_t>, std::vector<int64_t>, std::vector<int64_t>> quant_types() {
+  std::vector<int64_t> ids, elements, bytes;
+  for (const TypeInfo& t : quant::kTypes) {
+    ids.push_back(t.type);
+    elements.push_back(t.unit);
+    bytes.push_back(t.native_bytes);
+  }
+  return {type_names(), ids, elements, bytes};
+}
 
 }  // namespace
 
@@ -447,9 +420,7 @@ TORCH_LIBRARY(eagle, m) {
   m.def("dequantize(Tensor weight, str type, int n, int k) -> Tensor", &dequantize);
   m.def("quant_embedding(Tensor ids, Tensor weight, str type, int n, int k) -> Tensor", &quant_embedding);
   m.def("quantize_rows(Tensor x) -> Tensor[]", &quantize_rows_op);
-  m.def("kernel_isa() -> str", &kernel_isa);
-  m.def("best_kernel_isa() -> str", &best_kernel_isa);
-  m.def("set_kernel_isa(str name) -> ()", &set_kernel_isa);
+  m.def("quant_types() -> (str[], int[], int[], int[])", &quant_types);
 }
 
 }  // namespace eagle

@@ -57,6 +57,8 @@ struct Header {
 };
 static_assert(sizeof(Header) == kHeaderBytes, "header is 64 bytes");
 
+// The facts of one GGUF type, for every kernel and the extension's ops: this table's entries are the types the
+// extension handles (torch.ops.eagle.quant_types() reports them to Python).
 struct TypeInfo {
   Type type;
   const char* name;
@@ -66,11 +68,55 @@ struct TypeInfo {
   int group;            // inputs per (a, b) group; 0 for float types
   int code_bits;        // 4, 5, 6 or 8; 0 for float types
   int offset;           // symmetric types: w = a (u - offset) (an integer correction in int8 numerics); -1 otherwise
-  bool has_m;           // a second fp16 per unit: m (Q4_1, Q5_1) or dmin (Q4_K, Q5_K)
+  bool has_m;           // a second fp16 per unit: m (Q4_1, Q5_1) or dmin (Q4_K, Q5_K); the asymmetric types
   bool has_scales;      // K-quants: an integer scale per group (and a 6-bit min per group for Q4_K / Q5_K)
-  int planes() const { return code_bits == 5 ? 1 : code_bits == 6 ? 2 : 0; }  // bit planes above the low nibble
-  bool nibbles() const { return code_bits >= 4 && code_bits <= 6; }
-  int groups_per_unit() const { return group ? unit / group : 0; }
+  constexpr int planes() const { return code_bits == 5 ? 1 : code_bits == 6 ? 2 : 0; }  // bit planes above 4 bits
+  constexpr bool nibbles() const { return code_bits >= 4 && code_bits <= 6; }
+  constexpr int groups_per_unit() const { return group ? unit / group : 0; }
+};
+
+// The one table of the types (see the formula above), indexed by type id through type_index. Adding a GGUF type
+// takes its id in Type and its entry here (the ops, the packed layouts, TypeTraits, the kernels' instantiations and
+// eagle.kernels.quant_types() follow), plus its kernels: its decoding from the GGUF block (native_unit in
+// quant_layout.cpp) and, where its parameters or codes differ from those of the types here (scales, mins, code
+// widths), the branches of column_params and of the SIMD kernels' parameter and code loads; and its slow reference
+// decoder (eagle/kernels/reference.py), which the tests compare it with.
+//   type, name, unit, native bytes, packed bytes, group, code bits, offset, has_m, has_scales
+inline constexpr TypeInfo kTypes[] = {
+    {F32, "F32", 1, 4, 4, 0, 0, -1, false, false},
+    {F16, "F16", 1, 2, 2, 0, 0, -1, false, false},
+    {BF16, "BF16", 1, 2, 2, 0, 0, -1, false, false},
+    {Q4_0, "Q4_0", 32, 18, 18, 32, 4, 8, false, false},
+    {Q4_1, "Q4_1", 32, 20, 20, 32, 4, -1, true, false},
+    {Q5_0, "Q5_0", 32, 22, 22, 32, 5, 16, false, false},
+    {Q5_1, "Q5_1", 32, 24, 24, 32, 5, -1, true, false},
+    {Q8_0, "Q8_0", 32, 34, 34, 32, 8, 128, false, false},
+    {Q4_K, "Q4_K", 256, 144, 148, 32, 4, -1, true, true},
+    {Q5_K, "Q5_K", 256, 176, 180, 32, 5, -1, true, true},
+    {Q6_K, "Q6_K", 256, 210, 210, 16, 6, 32, false, true},
+};
+inline constexpr int kTypeCount = static_cast<int>(sizeof(kTypes) / sizeof(kTypes[0]));
+
+// index of type id `type` in kTypes (kTypeCount when it is not there)
+constexpr int type_index(int type) {
+  for (int i = 0; i < kTypeCount; ++i)
+    if (kTypes[i].type == type) return i;
+  return kTypeCount;
+}
+
+// A type's facts as compile-time constants, for the SIMD kernels' per-type templates: read from kTypes.
+template <int TYPE>
+struct TypeTraits {
+  static_assert(type_index(TYPE) < kTypeCount, "TypeTraits of a type that is not in kTypes");
+  static constexpr TypeInfo kInfo = kTypes[type_index(TYPE)];
+  static constexpr int kBits = kInfo.code_bits;
+  static constexpr int kGroup = kInfo.group;
+  static constexpr int kUnit = kInfo.unit;
+  static constexpr bool kAsym = kInfo.has_m;
+  static constexpr bool kScales = kInfo.has_scales;
+  static constexpr int kOffset = kInfo.offset > 0 ? kInfo.offset : 0;  // w = a (u - kOffset); 0: asymmetric
+  static constexpr int kPlanes = kInfo.planes();
+  static constexpr bool kFloat = kInfo.group == 0;
 };
 
 // Byte offsets inside one column (LAYOUT_K) or one unit record of a 16-column group (LAYOUT_N).
@@ -102,21 +148,34 @@ inline Offsets offsets(const TypeInfo& t, Layout layout, int64_t k) {
   return o;
 }
 
-// Calls f(std::integral_constant<int, TYPE>{}) for a quantized type (TYPE a compile-time constant, for the SIMD
-// kernels' per-type templates) and returns true; false for any other type (the float types included).
+// Calls f(std::integral_constant<int, TYPE>{}) for the entry I.. of kTypes whose id is `type` (only the quantized
+// entries when kQuantizedOnly) and returns true; false for any other type.
+template <bool kQuantizedOnly, int I = 0, typename F>
+bool with_type_from(int32_t type, const F& f) {
+  if constexpr (I == kTypeCount) {
+    return false;
+  } else {
+    if constexpr (!kQuantizedOnly || kTypes[I].group > 0) {
+      if (type == kTypes[I].type) {
+        f(std::integral_constant<int, kTypes[I].type>{});
+        return true;
+      }
+    }
+    return with_type_from<kQuantizedOnly, I + 1>(type, f);
+  }
+}
+
+// f(std::integral_constant<int, TYPE>{}) for a quantized type of kTypes (TYPE a compile-time constant, for the SIMD
+// kernels' per-type templates), returning true; false for any other type (the float types included).
 template <typename F>
 bool with_quant_type(int32_t type, const F& f) {
-  switch (type) {
-    case Q4_0: f(std::integral_constant<int, Q4_0>{}); return true;
-    case Q4_1: f(std::integral_constant<int, Q4_1>{}); return true;
-    case Q5_0: f(std::integral_constant<int, Q5_0>{}); return true;
-    case Q5_1: f(std::integral_constant<int, Q5_1>{}); return true;
-    case Q8_0: f(std::integral_constant<int, Q8_0>{}); return true;
-    case Q4_K: f(std::integral_constant<int, Q4_K>{}); return true;
-    case Q5_K: f(std::integral_constant<int, Q5_K>{}); return true;
-    case Q6_K: f(std::integral_constant<int, Q6_K>{}); return true;
-    default: return false;
-  }
+  return with_type_from<true>(type, f);
+}
+
+// the same for every type of kTypes, the float types included
+template <typename F>
+bool with_any_type(int32_t type, const F& f) {
+  return with_type_from<false>(type, f);
 }
 
 // nullptr for a type the kernels do not handle
@@ -187,9 +246,8 @@ struct LinearArgs {
   float* y;                 // (M, N)
 };
 
-enum Isa : int32_t { ISA_PORTABLE = 0, ISA_AVX2 = 1, ISA_AVX512 = 2 };
-
-// Each returns false when it does not handle args.type (then ops.cpp refuses with the type named).
+// One set per instruction set (isa.h). Each returns false when it does not handle args.type (then ops.cpp refuses
+// with the type named).
 bool linear_k_portable(const LinearArgs& a, int64_t n_begin, int64_t n_end, float* scratch);
 bool linear_n_portable(const LinearArgs& a, int64_t n_begin, int64_t n_end, float* scratch);
 bool linear_k_avx2(const LinearArgs& a, int64_t n_begin, int64_t n_end, float* scratch);

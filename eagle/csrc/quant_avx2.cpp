@@ -115,16 +115,15 @@ void k_rows(const LinearArgs& args, const float* const* w, int64_t r0, int64_t n
   store_sums<R, C>(args, acc, r0, n);
 }
 
-// a GGUF type's constants, for both numerics (kSteps16: the int8 kernel's 4-input steps summed in int16)
+// a GGUF type's constants (quant.h's table), and the rules of this instruction set derived from them:
+//   kIntOffset: the integer correction of the int8 kernel, sum(q_x) * offset subtracted per group; none for 8-bit
+//     codes, which the sign trick multiplies as the signed q = u - 128 itself (vpdpbusd's kernels take u and 128)
+//   kSteps16: the int8 kernel's 4-input steps summed in int16 before widening (exact: see n_tile)
 template <int TYPE>
-struct Traits {
-  static constexpr int kBits = (TYPE == Q5_0 || TYPE == Q5_1 || TYPE == Q5_K) ? 5 : TYPE == Q6_K ? 6 : TYPE == Q8_0 ? 8 : 4;
-  static constexpr int kGroup = TYPE == Q6_K ? 16 : 32;
-  static constexpr int kUnit = (TYPE == Q4_K || TYPE == Q5_K || TYPE == Q6_K) ? 256 : 32;
-  static constexpr bool kAsym = TYPE == Q4_1 || TYPE == Q5_1 || TYPE == Q4_K || TYPE == Q5_K;
-  static constexpr int kOffset = TYPE == Q4_0 ? 8 : TYPE == Q5_0 ? 16 : TYPE == Q6_K ? 32 : 0;  // Q8_0: none (a q)
-  static constexpr int kPlanes = kBits == 5 ? 1 : kBits == 6 ? 2 : 0;
-  static constexpr int kSteps16 = kBits == 4 ? 8 : kBits == 5 ? 4 : kBits == 6 ? 2 : 1;
+struct Traits : TypeTraits<TYPE> {
+  using Base = TypeTraits<TYPE>;
+  static constexpr int kIntOffset = Base::kBits == 8 ? 0 : Base::kOffset;
+  static constexpr int kSteps16 = Base::kBits == 4 ? 8 : Base::kBits == 5 ? 4 : Base::kBits == 6 ? 2 : 1;
 };
 
 // Quantized weights (LAYOUT_K), decoded in registers: a tile of R rows x C columns walks the inputs 8 at a time in
@@ -136,14 +135,17 @@ struct Traits {
 template <int TYPE>
 __attribute__((always_inline)) inline void k_group_params(const uint8_t* col, const Offsets& o, int64_t g, __m256& a,
                                                           __m256& b) {
-  if constexpr (TYPE == Q6_K) {
-    a = _mm256_set1_ps(h2f(ld16(col + o.d + 2 * (g / 16))) * static_cast<float>(static_cast<int8_t>(col[o.sc + g])));
-  } else if constexpr (TYPE == Q4_K || TYPE == Q5_K) {
-    a = _mm256_set1_ps(h2f(ld16(col + o.d + 2 * (g / 8))) * static_cast<float>(col[o.sc + g]));
-    b = _mm256_set1_ps(-(h2f(ld16(col + o.m + 2 * (g / 8))) * static_cast<float>(col[o.mn + g])));
+  using T = Traits<TYPE>;
+  constexpr int kPerUnit = T::kUnit / T::kGroup;
+  if constexpr (T::kScales && !T::kAsym) {  // Q6_K: int8 scales
+    const float scale = static_cast<float>(static_cast<int8_t>(col[o.sc + g]));
+    a = _mm256_set1_ps(h2f(ld16(col + o.d + 2 * (g / kPerUnit))) * scale);
+  } else if constexpr (T::kScales) {  // Q4_K, Q5_K: 6-bit scales and mins
+    a = _mm256_set1_ps(h2f(ld16(col + o.d + 2 * (g / kPerUnit))) * static_cast<float>(col[o.sc + g]));
+    b = _mm256_set1_ps(-(h2f(ld16(col + o.m + 2 * (g / kPerUnit))) * static_cast<float>(col[o.mn + g])));
   } else {
     a = _mm256_set1_ps(h2f(ld16(col + o.d + 2 * g)));
-    if constexpr (Traits<TYPE>::kAsym) b = _mm256_set1_ps(h2f(ld16(col + o.m + 2 * g)));
+    if constexpr (T::kAsym) b = _mm256_set1_ps(h2f(ld16(col + o.m + 2 * g)));
   }
 }
 
@@ -249,18 +251,19 @@ void k_run(const LinearArgs& args, int64_t n_begin, int64_t n_end) {
 template <int TYPE>
 __attribute__((always_inline)) inline void n_params(const uint8_t* rec, const Offsets& o, int gi, int half, __m256& a,
                                                     __m256& b) {
+  using T = Traits<TYPE>;
   const __m256 d = _mm256_cvtph_ps(ld128(rec + o.d + 16 * half));
-  if constexpr (TYPE == Q4_K || TYPE == Q5_K) {
+  if constexpr (T::kScales && T::kAsym) {  // Q4_K, Q5_K: 6-bit scales and mins
     const __m256 dmin = _mm256_cvtph_ps(ld128(rec + o.m + 16 * half));
     const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(ld64x(rec + o.sc + 16 * gi + 8 * half)));
     const __m256 mn = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(ld64x(rec + o.mn + 16 * gi + 8 * half)));
     a = _mm256_mul_ps(d, sc);
     b = _mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(dmin, mn));
-  } else if constexpr (TYPE == Q6_K) {
+  } else if constexpr (T::kScales) {  // Q6_K: int8 scales
     a = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(ld64x(rec + o.sc + 16 * gi + 8 * half))));
   } else {
     a = d;
-    if constexpr (Traits<TYPE>::kAsym) b = _mm256_cvtph_ps(ld128(rec + o.m + 16 * half));
+    if constexpr (T::kAsym) b = _mm256_cvtph_ps(ld128(rec + o.m + 16 * half));
   }
 }
 
@@ -320,9 +323,9 @@ __attribute__((noinline)) void n_tile(const LinearArgs& args, const uint8_t* bas
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
         __m256i start = _mm256_setzero_si256();
-        if constexpr (T::kOffset > 0) {
+        if constexpr (T::kIntOffset > 0) {
           const int32_t* sums = xq.sum16 + (row0 + r) * (k / 16) + kbase / 16;
-          start = _mm256_set1_epi32(-T::kOffset * (G == 16 ? sums[0] : sums[0] + sums[1]));
+          start = _mm256_set1_epi32(-T::kIntOffset * (G == 16 ? sums[0] : sums[0] + sums[1]));
         }
 #pragma GCC unroll 2
         for (int hh = 0; hh < H; ++hh) { isum[r][hh] = start; s16[r][hh] = _mm256_setzero_si256(); }

@@ -67,12 +67,14 @@ __attribute__((always_inline)) inline void k_params(const TypeInfo& t, const uin
   for (int64_t g = 0; g < groups; g += 16) {
     const __mmask16 mask = first_lanes(groups - g);
     __m512 av, bv = _mm512_setzero_ps();
-    if constexpr (TYPE == Q4_0 || TYPE == Q4_1 || TYPE == Q5_0 || TYPE == Q5_1 || TYPE == Q8_0) {
+    using T = TypeTraits<TYPE>;
+    if constexpr (!T::kScales) {  // one group per unit
       av = load_halves(col + o.d + 2 * g, mask);
-      if constexpr (TYPE == Q4_1 || TYPE == Q5_1) bv = load_halves(col + o.m + 2 * g, mask);
+      if constexpr (T::kAsym) bv = load_halves(col + o.m + 2 * g, mask);
     } else {
       // the unit (super-block) of each group: its fp16 d (and dmin) gathered per lane
-      constexpr int kPerUnit = TYPE == Q6_K ? 16 : 8;
+      constexpr int kPerUnit = T::kUnit / T::kGroup;
+      static_assert(kPerUnit == 8 || kPerUnit == 16, "8 or 16 groups per unit");
       const __m512i unit = _mm512_srli_epi32(_mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(g)),
                                                               _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10,
                                                                                 11, 12, 13, 14, 15)),
@@ -80,7 +82,7 @@ __attribute__((always_inline)) inline void k_params(const TypeInfo& t, const uin
       const __m512 d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(
           _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), mask, unit, col + o.d, 2)));
       const __m128i sc = _mm_maskz_loadu_epi8(mask, col + o.sc + g);
-      if constexpr (TYPE == Q6_K) {
+      if constexpr (!T::kAsym) {  // Q6_K: int8 scales
         av = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sc)));
       } else {
         const __m512 dmin = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(
@@ -102,8 +104,8 @@ inline __m512 iota16() {
 // table of the 16 weights of codes u = base .. base + 15: a * (u - o) (symmetric types) or fma(a, u, b)
 template <int TYPE>
 inline __m512 table(float a, float b, float base) {
-  constexpr bool kSymmetric = TYPE == Q4_0 || TYPE == Q5_0;
-  constexpr float kOffset = TYPE == Q4_0 ? 8.0f : TYPE == Q5_0 ? 16.0f : 0.0f;
+  constexpr bool kSymmetric = !TypeTraits<TYPE>::kAsym;
+  constexpr float kOffset = static_cast<float>(TypeTraits<TYPE>::kOffset);
   if constexpr (kSymmetric) {
     return _mm512_mul_ps(_mm512_set1_ps(a), _mm512_add_ps(iota16(), _mm512_set1_ps(base - kOffset)));
   } else {
@@ -116,7 +118,7 @@ inline __m512 table(float a, float b, float base) {
 // nibbles come out of one load (`lanes`: lane j, nibble s is input 16 s + j of the chunk).
 template <int TYPE>
 struct KDecoder {
-  static constexpr int kBits = (TYPE == Q5_0 || TYPE == Q5_1 || TYPE == Q5_K) ? 5 : TYPE == Q6_K ? 6 : TYPE == Q8_0 ? 8 : 4;
+  static constexpr int kBits = TypeTraits<TYPE>::kBits;
 
   const uint8_t* col;
   const Offsets* o;
@@ -329,7 +331,7 @@ __attribute__((noinline)) void k_tile_float(const Tile& tile, const uint8_t* con
 // Rows per tile: 4 (3 for 5-bit codes, whose decoding holds two tables per column), by C = 4 columns. A tile's
 // rows share each decoded weight vector; its x rows (4 x K floats) stay in L1 across the columns of a work chunk.
 template <int TYPE>
-constexpr int kTileRows = (TYPE == Q5_0 || TYPE == Q5_1 || TYPE == Q5_K) ? 3 : 4;
+constexpr int kTileRows = TypeTraits<TYPE>::kBits == 5 ? 3 : 4;
 
 struct Rows {
   template <int R, typename F>
@@ -383,7 +385,7 @@ void k_run(const LinearArgs& args, int64_t n_begin, int64_t n_end, float* scratc
   const Tile base{args.x, args.k, args.y + n_begin, args.n, args.bias ? args.bias + n_begin : nullptr};
   const uint8_t* cols[kMaxChunkColumns];
   for (int64_t c = 0; c < columns; ++c) cols[c] = args.payload + (n_begin + c) * row_bytes;
-  if constexpr (TYPE == F32 || TYPE == F16 || TYPE == BF16) {
+  if constexpr (TypeTraits<TYPE>::kFloat) {
     Rows::each<4>(args, base, [&](const Tile& tile, auto rows) {
       int64_t c = 0;
       for (; c + 4 <= columns; c += 4) k_tile_float<TYPE, rows.value, 4>(at_column(tile, c), cols + c);
@@ -428,31 +430,28 @@ void k_run(const LinearArgs& args, int64_t n_begin, int64_t n_end, float* scratc
 }
 
 // ============================================================================================ int8 numerics
+// a GGUF type's constants (quant.h's table); vpdpbusd multiplies the unsigned codes u, so every symmetric type,
+// 8-bit codes included (u = q + 128), takes the integer correction of its offset
 template <int TYPE>
-struct NTraits {
-  static constexpr int kBits = (TYPE == Q5_0 || TYPE == Q5_1 || TYPE == Q5_K) ? 5 : TYPE == Q6_K ? 6 : TYPE == Q8_0 ? 8 : 4;
-  static constexpr int kGroup = TYPE == Q6_K ? 16 : 32;
-  static constexpr int kUnit = (TYPE == Q4_K || TYPE == Q5_K || TYPE == Q6_K) ? 256 : 32;
-  static constexpr bool kAsym = TYPE == Q4_1 || TYPE == Q5_1 || TYPE == Q4_K || TYPE == Q5_K;
-  static constexpr int kOffset = TYPE == Q4_0 ? 8 : TYPE == Q5_0 ? 16 : TYPE == Q8_0 ? 128 : TYPE == Q6_K ? 32 : 0;
-};
+using NTraits = TypeTraits<TYPE>;
 
 // a (and b) of the 16 columns for group gi of a unit record
 template <int TYPE>
 __attribute__((always_inline)) inline void n_params(const uint8_t* rec, const Offsets& o, int gi, __m512& a, __m512& b) {
   const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + o.d)));
-  if constexpr (TYPE == Q4_K || TYPE == Q5_K) {
+  using T = NTraits<TYPE>;
+  if constexpr (T::kScales && T::kAsym) {  // Q4_K, Q5_K: 6-bit scales and mins
     const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + o.m)));
     const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + o.sc + 16 * gi));
     const __m128i mn = _mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + o.mn + 16 * gi));
     a = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(sc)));
     b = _mm512_sub_ps(_mm512_setzero_ps(), _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(mn))));
-  } else if constexpr (TYPE == Q6_K) {
+  } else if constexpr (T::kScales) {  // Q6_K: int8 scales
     const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + o.sc + 16 * gi));
     a = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sc)));
   } else {
     a = d;
-    if constexpr (NTraits<TYPE>::kAsym) b = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + o.m)));
+    if constexpr (T::kAsym) b = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + o.m)));
   }
 }
 
@@ -603,14 +602,7 @@ bool linear_k_avx512(const LinearArgs& args, int64_t n_begin, int64_t n_end, flo
       if (!linear_k_avx512(args, n, n + kStepColumns < n_end ? n + kStepColumns : n_end, scratch)) return false;
     return true;
   }
-  switch (args.type->type) {
-    case F32: k_run<F32>(args, n_begin, n_end, scratch); return true;
-    case F16: k_run<F16>(args, n_begin, n_end, scratch); return true;
-    case BF16: k_run<BF16>(args, n_begin, n_end, scratch); return true;
-    default:
-      return with_quant_type(args.type->type,
-                             [&](auto type) { k_run<decltype(type)::value>(args, n_begin, n_end, scratch); });
-  }
+  return with_any_type(args.type->type, [&](auto type) { k_run<decltype(type)::value>(args, n_begin, n_end, scratch); });
 }
 
 bool linear_n_avx512(const LinearArgs& args, int64_t n_begin, int64_t n_end, float*) {

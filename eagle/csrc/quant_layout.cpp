@@ -9,21 +9,6 @@ namespace eagle::quant {
 
 namespace {
 
-// type, name, unit, native bytes, packed bytes, group, code bits, offset, has_m, has_scales
-const TypeInfo kTypes[] = {
-    {F32, "F32", 1, 4, 4, 0, 0, -1, false, false},
-    {F16, "F16", 1, 2, 2, 0, 0, -1, false, false},
-    {BF16, "BF16", 1, 2, 2, 0, 0, -1, false, false},
-    {Q4_0, "Q4_0", 32, 18, 18, 32, 4, 8, false, false},
-    {Q4_1, "Q4_1", 32, 20, 20, 32, 4, -1, true, false},
-    {Q5_0, "Q5_0", 32, 22, 22, 32, 5, 16, false, false},
-    {Q5_1, "Q5_1", 32, 24, 24, 32, 5, -1, true, false},
-    {Q8_0, "Q8_0", 32, 34, 34, 32, 8, 128, false, false},
-    {Q4_K, "Q4_K", 256, 144, 148, 32, 4, -1, true, true},
-    {Q5_K, "Q5_K", 256, 176, 180, 32, 5, -1, true, true},
-    {Q6_K, "Q6_K", 256, 210, 210, 16, 6, 32, false, true},
-};
-
 inline uint16_t load_u16(const uint8_t* p) { return static_cast<uint16_t>(p[0] | (p[1] << 8)); }
 inline void store_u16(uint8_t* p, uint16_t v) { p[0] = static_cast<uint8_t>(v); p[1] = static_cast<uint8_t>(v >> 8); }
 inline uint32_t load_u32(const uint8_t* p) {
@@ -303,7 +288,7 @@ void column_params(const TypeInfo& t, const Column& c, int64_t k, float* a, floa
     if (!t.has_scales) {
       a[g] = d;
       b[g] = t.has_m ? half_to_float(c.m[unit]) : 0.0f;
-    } else if (t.type == Q6_K) {
+    } else if (!t.has_m) {  // Q6_K: int8 scales
       a[g] = d * static_cast<float>(static_cast<int8_t>(c.sc[g]));
       b[g] = 0.0f;
     } else {

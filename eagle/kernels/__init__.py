@@ -2,17 +2,23 @@
 
 Nothing is loaded at import: the extension loads on the first call that needs it. When it is missing (not built:
 no compiler at install, not an x86-64 or other supported build) or fails to load, :func:`available` is False,
-:func:`unavailable_reason` says why, a warning is logged once, and the modules built on it
-(:class:`eagle.kernels.linear.QuantLinear`, ...) run their float32 fallback (dequantized weights and
-``torch.nn.functional``), which computes the same weights with PyTorch's own kernels.
+:func:`unavailable_reason` says why, a warning is logged once, and the modules built on it run their fallback:
+:class:`eagle.kernels.linear.QuantLinear` and friends dequantize to float32 and use ``torch.nn.functional`` (the
+same weights through PyTorch's own kernels), :mod:`eagle.kernels.attention` its float64 reference (the same math).
 
 ``EAGLE_KERNELS=0`` in the environment, or :func:`force_fallback`, makes the kernels unavailable on purpose (tests
-of the fallback, comparisons). ``EAGLE_KERNELS_ISA=avx512|avx2|portable`` (or :func:`use_isa`) picks the
-instruction set the kernels run with (default: the best this CPU has).
+of the fallback, comparisons). ``EAGLE_KERNELS_ISA=avx512|avx2|portable`` picks the instruction set every kernel
+of the extension runs with, the linear kernels and the attention alike (read once, when the extension first needs
+it; default: the best this CPU runs); :func:`use_isa` changes it while active. A name this CPU cannot run, or an
+unknown one, leaves the kernels unavailable, :func:`unavailable_reason` naming the valid ones. :func:`isa` and
+:func:`isa_reason` report the one in use and why, :func:`isas` those this CPU runs.
+
+:func:`quant_types` lists the GGUF types the kernels handle, as the extension's one table of types has them.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
 import logging
 import os
@@ -23,29 +29,52 @@ logger = logging.getLogger(__name__)
 
 _lock = threading.Lock()
 _state: dict = {"loaded": False, "reason": None, "warned": set()}
-_forced_off = threading.local()  # force_fallback() of this thread
+
+
+class _ForcedOff(threading.local):
+    value = False  # force_fallback() of this thread
+
+
+_forced_off = _ForcedOff()
+_OFF = ("0", "off", "false", "no")
 
 
 def _load() -> str | None:
     """Loads the extension once; returns why it is unavailable, or None."""
+    if _state["loaded"]:
+        return _state["reason"]
     with _lock:
         if not _state["loaded"]:
-            _state["loaded"] = True
             try:
                 import torch  # first: the extension links against torch's libraries, which torch's import loads
 
                 importlib.import_module("eagle._kernels")
-                torch.ops.eagle.kernel_isa()  # the ops registered
+                torch.ops.eagle.kernel_isas()  # the ops registered
             except Exception as err:  # noqa: BLE001 - any load failure means: run the fallback
                 _state["reason"] = f"the compiled extension eagle._kernels could not be loaded ({err})"
+            else:
+                _state["reason"] = _isa_problem()
+            _state["loaded"] = True
         return _state["reason"]
+
+
+def _isa_problem() -> str | None:
+    """Why the instruction set the environment asks for cannot be used (EAGLE_KERNELS_ISA), or None."""
+    import torch
+
+    try:
+        torch.ops.eagle.kernel_isa()
+    except RuntimeError as err:
+        return f"the kernels' instruction set cannot be set: {str(err).splitlines()[0]}"
+    return None
 
 
 def unavailable_reason() -> str | None:
     """Why the kernels cannot be used (None when they can)."""
-    if os.environ.get("EAGLE_KERNELS", "1").strip().lower() in ("0", "off", "false", "no"):
+    switch = os.environ.get("EAGLE_KERNELS")  # (read on every call: the attention asks once per layer)
+    if switch is not None and switch.strip().lower() in _OFF:
         return "disabled by EAGLE_KERNELS=0"
-    if getattr(_forced_off, "value", False):
+    if _forced_off.value:
         return "disabled by eagle.kernels.force_fallback()"
     return _load()
 
@@ -56,8 +85,9 @@ def available() -> bool:
     if reason is not None and reason not in _state["warned"]:
         _state["warned"].add(reason)
         logger.warning("eagle's native CPU kernels are unavailable: %s. GGUF weights are dequantized to float32 and "
-                       "run through PyTorch instead (slower, and exact only up to float rounding between a token "
-                       "computed alone and inside a batch).", reason)
+                       "run through PyTorch instead, and the position-ordered attention runs its float64 reference "
+                       "(slower, and exact only up to float rounding between a token computed alone and inside a "
+                       "batch).", reason)
     return reason is None
 
 
@@ -75,7 +105,7 @@ def ops():
 def force_fallback(enabled: bool = True):
     """While active (in this thread), the kernels count as unavailable and modules built meanwhile use the float32
     fallback."""
-    previous = getattr(_forced_off, "value", False)
+    previous = _forced_off.value
     _forced_off.value = enabled
     try:
         yield
@@ -85,21 +115,46 @@ def force_fallback(enabled: bool = True):
 
 def isa() -> str:
     """The instruction set the kernels run with: ``avx512``, ``avx2`` or ``portable``."""
-    return str(ops().kernel_isa())
+    return str(ops().kernel_isa()[0])
+
+
+def isa_reason() -> str:
+    """Why :func:`isa` is the one in use, e.g. ``EAGLE_KERNELS_ISA=avx2`` or ``the best this CPU runs
+    (EAGLE_KERNELS_ISA is not set)``."""
+    return str(ops().kernel_isa()[1])
+
+
+def isas() -> list[str]:
+    """The instruction sets this CPU runs the kernels with, best first (e.g. ``['avx512', 'avx2', 'portable']``)."""
+    return [str(name) for name in ops().kernel_isas()]
 
 
 def best_isa() -> str:
     """The best instruction set this CPU runs the kernels with."""
-    return str(ops().best_kernel_isa())
+    return isas()[0]
 
 
 @contextmanager
 def use_isa(name: str):
-    """Run the kernels with instruction set ``name`` (``avx512``, ``avx2``, ``portable``) while active; a CPU
-    that lacks it raises RuntimeError. Process-wide (the kernels read one setting)."""
+    """Run the kernels (linear and attention) with instruction set ``name`` (``avx512``, ``avx2``, ``portable``)
+    while active; a CPU that lacks it, or an unknown name, raises RuntimeError. Process-wide (the kernels read one
+    setting)."""
     previous = isa()
     ops().set_kernel_isa(name)
     try:
         yield
     finally:
         ops().set_kernel_isa(previous)
+
+
+@functools.cache
+def _quant_types() -> tuple[str, ...]:
+    import torch
+
+    return tuple(str(name) for name in torch.ops.eagle.quant_types()[0])
+
+
+def quant_types() -> tuple[str, ...]:
+    """The GGUF type names the kernels handle, e.g. ``('F32', 'F16', 'BF16', 'Q4_0', ...)``, as the extension's
+    table of types lists them; empty when the kernels are unavailable."""
+    return _quant_types() if unavailable_reason() is None else ()

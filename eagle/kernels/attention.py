@@ -11,8 +11,10 @@ query's place among them or the thread count. PyTorch's CPU SDPA does not promis
 with ``AttentionInterface`` (:func:`register`).
 
 The visible keys of a mask are compacted once into lists (:func:`visible_keys`) and cached for that mask object:
-transformers hands the same mask object to every layer of a forward. Where the compiled op is unavailable (no
-extension, a tensor on another device or of another dtype, autograd), the float64 reference
+transformers hands the same mask object to every layer of a forward. The compiled op runs the instruction set of
+every kernel of the extension (:mod:`eagle.kernels`: ``EAGLE_KERNELS_ISA``, :func:`eagle.kernels.use_isa`). Where
+it is unavailable (:func:`eagle.kernels.available`: no extension, ``EAGLE_KERNELS=0``, ...) or cannot take the
+call (a tensor on another device or of another dtype, autograd), the float64 reference
 (:mod:`eagle.kernels.reference_attention`) computes the same math, slowly.
 """
 
@@ -26,7 +28,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .reference_attention import reference_attention
+from eagle import kernels
+from eagle.kernels.reference_attention import reference_attention
 
 logger = logging.getLogger(__name__)
 
@@ -53,53 +56,6 @@ class VisibleKeys:
     mask_batch: int
     queries: int
     slots: int
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# The compiled extension
-
-
-def _load_extension() -> str | None:
-    """Load the compiled extension once (through :mod:`eagle.kernels`); return why it is unavailable, or None."""
-    from eagle import kernels
-
-    return None if kernels.available() else kernels.unavailable_reason()
-
-
-def _ops_registered() -> bool:
-    try:
-        torch.ops.eagle.tree_attention
-    except (AttributeError, RuntimeError):
-        return False
-    return True
-
-
-@functools.cache
-def _extension_state() -> tuple[bool, str | None]:
-    if _ops_registered():
-        return True, None
-    reason = _load_extension()
-    if reason is None and not _ops_registered():
-        reason = "the compiled extension loaded but does not register eagle::tree_attention"
-    if reason is not None:
-        logger.warning("Position-ordered attention kernel unavailable (%s); the float64 PyTorch reference runs "
-                       "instead (same math, much slower).", reason)
-    return reason is None, reason
-
-
-def available() -> bool:
-    """Whether the compiled ``eagle::tree_attention`` op can run (loads the extension on first call)."""
-    return _extension_state()[0]
-
-
-def unavailable_reason() -> str | None:
-    """Why the compiled op is unavailable, or None when it is available."""
-    return _extension_state()[1]
-
-
-def cpu_isas() -> list[str]:
-    """The instruction-set paths of the compiled op this CPU can run, best first (e.g. avx512, avx2, scalar)."""
-    return list(torch.ops.eagle.attention_isas()) if available() else []
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -168,7 +124,7 @@ def visible_keys(mask: torch.Tensor, compiled: bool | None = None) -> VisibleKey
     ``compiled`` selects the form (lists for the compiled op, a bool mask for the reference); default: the compiled
     form when the op is available.
     """
-    cache = _visible_caches[available() if compiled is None else bool(compiled)]
+    cache = _visible_caches[kernels.available() if compiled is None else bool(compiled)]
     entry = cache.get(id(mask))
     if entry is not None and entry[0]() is mask and (entry[1] is None or entry[1] == mask._version):
         return entry[2]
@@ -219,7 +175,7 @@ def _compiled_ok(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, si
     if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad
                                     or (sinks is not None and sinks.requires_grad)):
         return False
-    return available()
+    return kernels.available()
 
 
 @functools.cache

@@ -28,7 +28,6 @@ from torch import nn
 
 from eagle import kernels
 from eagle.kernels.gguf_weights import GGUFWeight
-from eagle.kernels.reference import BLOCKS, FLOAT_TYPES
 
 logger = logging.getLogger(__name__)
 
@@ -38,14 +37,14 @@ _logged_types: set[str] = set()
 
 def kernel_handles(type_name: str) -> bool:
     """Whether the native kernels run weights of this GGUF type (and are available here)."""
-    return type_name in BLOCKS and kernels.available()
+    return kernels.available() and type_name in kernels.quant_types()
 
 
 def _fallback_note(type_name: str) -> None:
     if kernels.unavailable_reason() is None and type_name not in _logged_types:
         _logged_types.add(type_name)
         logger.warning("The native kernels do not handle GGUF type %s: its tensors are dequantized to float32 and run "
-                       "through PyTorch (handled: %s).", type_name, ", ".join(BLOCKS))
+                       "through PyTorch (handled: %s).", type_name, ", ".join(kernels.quant_types()))
 
 
 class _PackedWeight(nn.Module):

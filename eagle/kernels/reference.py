@@ -13,11 +13,12 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-# elements and bytes per block, as in gguf.GGML_QUANT_SIZES
-BLOCKS = {"F32": (1, 4), "F16": (1, 2), "BF16": (1, 2), "Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22),
-          "Q5_1": (32, 24), "Q8_0": (32, 34), "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210)}
-FLOAT_TYPES = ("F32", "F16", "BF16")
+# The types this module decodes itself (:func:`dequantize` hands any other to gguf-py), with their elements and
+# bytes per block from gguf-py. Which types the kernels handle is the extension's answer: eagle.kernels.quant_types().
+BLOCKS = {name: GGML_QUANT_SIZES[GGMLQuantizationType[name]]
+          for name in ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")}
 
 
 @dataclass
@@ -114,8 +115,7 @@ def dequantize(type_name: str, blocks: torch.Tensor, shape: tuple[int, ...]) -> 
     if type_name == "BF16":
         return (flat.view(torch.int16).int() << 16).view(torch.float32).reshape(shape)
     if type_name not in BLOCKS:
-        import numpy as np
-        from gguf import GGMLQuantizationType, quants
+        from gguf import quants
 
         values = quants.dequantize(flat.numpy().view(np.uint8), GGMLQuantizationType[type_name])
         return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).reshape(shape)
