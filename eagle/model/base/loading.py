@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+from eagle.kernels.gguf_check import check_gguf_file
 from eagle.model.backends.attention import SUPPORTED_ATTENTION
 
 
@@ -47,6 +48,8 @@ def load_base_model(base_model_path: str, **kwargs):
         raise ValueError(f"attn_implementation={asked!r} cannot apply EAGLE's tree attention mask; use 'sdpa' "
                          "(the default where transformers supports it for the model) or 'eager'.")
     location, gguf_file = split_gguf_path(base_model_path)
+    if gguf_file:  # a malformed file is named here, before transformers' or the kernels' readers see it
+        check_gguf_file(os.path.join(location, gguf_file))
     extra = {"gguf_file": gguf_file} if gguf_file else {}
     trust = kwargs.get("trust_remote_code", False)
     try:
