@@ -1,0 +1,250 @@
+"""Function-preserving widening of a Llama-architecture model and of its EAGLE-3 head into a bigger Llama shape.
+
+The widened model computes exactly the function of the source model (up to float rounding): its greedy tokens are
+the source's, so an EAGLE head keeps its acceptance while every forward pass reads and multiplies the weights of
+the bigger shape. The rules, for a source of hidden size ``h`` widened to ``H`` (``head_dim`` unchanged):
+
+- Residual stream: its dims ``h..H-1`` stay zero for every token. The embedding's extra columns are zero; every
+  matrix that writes into the residual (``o_proj``, ``down_proj``, the head's ``fc``) has zero rows there. The
+  matrices that only read it (``q/k/v_proj``, ``gate/up_proj``, an untied ``lm_head``) hold small random values
+  in the extra columns (they multiply zeros), with the standard deviation of the source tensor, so that memory
+  traffic, compute and quantization blocks are those of a real model of the big shape.
+- RMSNorm ``w * x * rsqrt(mean(x^2) + eps)`` over ``H`` dims of which ``h`` are nonzero: ``mean_H = (h / H)
+  mean_h``, so with ``eps' = eps * h / H``, ``rsqrt(mean_H + eps') = sqrt(H / h) * rsqrt(mean_h + eps)`` and
+  ``w' = w * sqrt(h / H)`` on the real dims gives the source's output exactly; the extra dims of ``w'`` are 1 (they
+  scale zeros).
+- Attention (grouped queries: query head ``i`` reads KV head ``i // g`` with ``g`` = query heads / KV heads): source
+  KV head ``j`` becomes KV head ``j``, and source query head ``g0 * j + r`` (``r < g0``) becomes query head ``g * j
+  + r``, so it still reads its own KV head; this needs ``g >= g0`` and at least as many KV heads. Every other head
+  is extra: random ``q/k/v`` rows, zero ``o_proj`` columns (it adds nothing). RoPE is unchanged (same theta and
+  ``head_dim``).
+- MLP: extra intermediate units have random ``gate/up`` rows and zero ``down_proj`` columns.
+- Extra layers are appended after the source's, so the layers an EAGLE-3 head reads keep their indices (the
+  widened head's config names them, as the default ``[2, L // 2, L - 3]`` would move): random readers, zero
+  ``o_proj`` and ``down_proj``, unit norms; each adds nothing to the residual.
+- A tied LM head stays tied (it reads the final normed state, zero in the extra dims).
+
+The EAGLE-3 head is widened to the target's new shape with the same rules (a real head of a big model has its
+target's width): its residual is ``fc``'s output, so ``fc`` has zero rows in the extra dims and the source's
+columns of each of the three target features at ``k * H .. k * H + h``; the decoder layer's ``q/k/v`` read
+``cat(embedding, hidden)`` of ``2 H`` dims, the source's columns at ``0..h`` and ``H..H + h``. Its hidden size then
+equals the target's, so it ships no embedding and uses the widened target's (zero extra columns), as the source head
+does. ``d2t``/``t2d`` are unchanged.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from dataclasses import dataclass
+from typing import Iterator, Mapping
+
+import torch
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A Llama shape to widen into (``head_dim`` must be the source's)."""
+
+    name: str
+    hidden_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    intermediate_size: int
+    num_hidden_layers: int
+    head_dim: int = 64
+
+    @classmethod
+    def of_config(cls, config, name: str = "source") -> "Shape":
+        """The shape of a transformers Llama config."""
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        return cls(name, config.hidden_size, config.num_attention_heads, config.num_key_value_heads,
+                   config.intermediate_size, config.num_hidden_layers, head_dim)
+
+    @property
+    def group(self) -> int:
+        return self.num_attention_heads // self.num_key_value_heads
+
+
+# Shapes SmolLM2-135M (hidden 576, 9 query / 3 KV heads of 64, intermediate 1536, 30 layers) widens into.
+SHAPES = {
+    # small enough for tests: 12 query / 3 KV heads (group 4 instead of 3), one extra layer (~210M parameters)
+    "tiny": Shape("tiny", 768, 12, 3, 1792, 31),
+    # ~1.9B parameters: SmolLM2-1.7B's width (hidden 2048, intermediate 8192, 32 heads of 64) with Llama 3.2's
+    # 8 KV heads, 30 layers
+    "2b": Shape("2b", 2048, 32, 8, 8192, 30),
+    # Llama 3.1 8B's shape (hidden 4096, 32 layers, intermediate 14336) with heads of 64: 64 query / 16 KV heads;
+    # ~7.2B parameters with SmolLM2's 49152-token tied vocabulary
+    "8b": Shape("8b", 4096, 64, 16, 14336, 32),
+}
+
+
+def check_widening(source: Shape, shape: Shape) -> None:
+    """Raise a ValueError naming the first field of ``shape`` that cannot hold ``source`` function-preservingly."""
+    name = f"The shape {shape.name!r}"
+    if shape.head_dim != source.head_dim:
+        raise ValueError(f"{name} has head_dim {shape.head_dim}, but widening keeps the source's head_dim "
+                         f"{source.head_dim}.")
+    for field in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_key_value_heads"):
+        if getattr(shape, field) < getattr(source, field):
+            raise ValueError(f"{name} has {field} {getattr(shape, field)}, fewer than the source's "
+                             f"{getattr(source, field)}; a widening needs at least as many.")
+    if shape.num_attention_heads % shape.num_key_value_heads:
+        raise ValueError(f"{name} has {shape.num_attention_heads} query heads, not a multiple of its "
+                         f"{shape.num_key_value_heads} KV heads.")
+    if shape.hidden_size % shape.num_attention_heads:
+        raise ValueError(f"{name} has hidden_size {shape.hidden_size}, not a multiple of its "
+                         f"{shape.num_attention_heads} query heads (transformers' Llama config requires it).")
+    if shape.group < source.group:
+        raise ValueError(f"{name} groups {shape.group} query heads per KV head, fewer than the source's "
+                         f"{source.group}: each source KV head's {source.group} query heads must share one KV head.")
+
+
+def query_head_positions(source: Shape, shape: Shape) -> list[int]:
+    """The new index of each source query head: ``g0 * j + r`` -> ``g * j + r`` (see the module docstring)."""
+    return [shape.group * (i // source.group) + i % source.group for i in range(source.num_attention_heads)]
+
+
+def unit_index(positions: list[int], width: int) -> torch.Tensor:
+    """Rows (or columns) of units of ``width`` (heads of head_dim) placed at ``positions``."""
+    return torch.cat([torch.arange(p * width, (p + 1) * width) for p in positions])
+
+
+class Widener:
+    """Builds widened tensors one at a time from source tensors (float32), deterministic for a seed."""
+
+    def __init__(self, source: Shape, shape: Shape, seed: int = 0, dtype: torch.dtype = torch.float32,
+                 origin: str = "the source"):
+        check_widening(source, shape)
+        self.source, self.shape, self.seed, self.dtype = source, shape, seed, dtype
+        self.origin = origin  # named in errors: the file or directory the source tensors come from
+        hd = source.head_dim
+        self.q_rows = unit_index(query_head_positions(source, shape), hd)
+        self.kv_rows = torch.arange(source.num_key_value_heads * hd)
+        self.real = torch.arange(source.hidden_size)
+        self.units = torch.arange(source.intermediate_size)
+
+    def random(self, name: str, size: tuple[int, int], like: torch.Tensor) -> torch.Tensor:
+        """Normal values with ``like``'s standard deviation, seeded by the tensor's name."""
+        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + zlib.crc32(name.encode()))
+        std = float(like.float().std()) if like.numel() > 1 else 0.02
+        return torch.randn(size, generator=generator) * (std or 0.02)
+
+    def matrix(self, name: str, src: torch.Tensor, size: tuple[int, int], rows: torch.Tensor, cols: torch.Tensor,
+               reader: bool, zero_rows_from: int | None = None) -> torch.Tensor:
+        """``size`` with ``src`` at (``rows``, ``cols``); elsewhere random (``reader``) or zero; rows from
+        ``zero_rows_from`` on zero (they would write into the residual's extra dims)."""
+        if tuple(src.shape) != (len(rows), len(cols)):
+            raise ValueError(f"Tensor {name} of {self.origin} has shape {tuple(src.shape)}, but its config implies "
+                             f"{(len(rows), len(cols))}.")
+        out = self.random(name, size, src) if reader else torch.zeros(size)
+        if zero_rows_from is not None:
+            out[zero_rows_from:] = 0
+        out[rows[:, None], cols[None, :]] = src.float()
+        return out.to(self.dtype)
+
+    def norm(self, src: torch.Tensor | None) -> torch.Tensor:
+        """An RMSNorm weight over the widened hidden size: ``w * sqrt(h / H)`` on the real dims, 1 elsewhere; an
+        extra layer's (``src`` None) is all ones."""
+        out = torch.ones(self.shape.hidden_size)
+        if src is not None:
+            out[: self.source.hidden_size] = src.float() * math.sqrt(self.source.hidden_size / self.shape.hidden_size)
+        return out.to(self.dtype)
+
+    def eps(self, eps: float) -> float:
+        """The RMSNorm epsilon over the widened hidden size."""
+        return eps * self.source.hidden_size / self.shape.hidden_size
+
+    def sizes(self, input_size: int | None = None) -> dict[str, tuple[int, int]]:
+        s = self.shape
+        inp = input_size or s.hidden_size
+        return {"q_proj": (s.num_attention_heads * s.head_dim, inp),
+                "k_proj": (s.num_key_value_heads * s.head_dim, inp),
+                "v_proj": (s.num_key_value_heads * s.head_dim, inp),
+                "o_proj": (s.hidden_size, s.num_attention_heads * s.head_dim),
+                "gate_proj": (s.intermediate_size, s.hidden_size), "up_proj": (s.intermediate_size, s.hidden_size),
+                "down_proj": (s.hidden_size, s.intermediate_size)}
+
+    def attention(self, prefix: str, src: Mapping[str, torch.Tensor], input_cols: torch.Tensor,
+                  extra: bool = False, input_size: int | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """``q/k/v/o_proj`` of one layer (``prefix`` ends with ``self_attn.``); ``input_cols``: the source's input
+        columns in the widened input; ``extra``: a layer the source lacks (``src`` gives only the scales)."""
+        sizes = self.sizes(input_size)
+        for proj, rows in (("q_proj", self.q_rows), ("k_proj", self.kv_rows), ("v_proj", self.kv_rows)):
+            name, weight = f"{prefix}{proj}.weight", src[f"{prefix}{proj}.weight"]
+            yield name, (self.random(name, sizes[proj], weight).to(self.dtype) if extra
+                         else self.matrix(name, weight, sizes[proj], rows, input_cols, reader=True))
+        name = f"{prefix}o_proj.weight"
+        yield name, (torch.zeros(sizes["o_proj"], dtype=self.dtype) if extra
+                     else self.matrix(name, src[name], sizes["o_proj"], self.real, self.q_rows, reader=False))
+
+    def mlp(self, prefix: str, src: Mapping[str, torch.Tensor], extra: bool = False
+            ) -> Iterator[tuple[str, torch.Tensor]]:
+        """``gate/up/down_proj`` of one layer (``prefix`` ends with ``mlp.``)."""
+        sizes = self.sizes()
+        for proj in ("gate_proj", "up_proj"):
+            name, weight = f"{prefix}{proj}.weight", src[f"{prefix}{proj}.weight"]
+            yield name, (self.random(name, sizes[proj], weight).to(self.dtype) if extra
+                         else self.matrix(name, weight, sizes[proj], self.units, self.real, reader=True))
+        name = f"{prefix}down_proj.weight"
+        yield name, (torch.zeros(sizes["down_proj"], dtype=self.dtype) if extra
+                     else self.matrix(name, src[name], sizes["down_proj"], self.real, self.units, reader=False))
+
+
+def widened_model_tensors(state: Mapping[str, torch.Tensor], widener: Widener, tied: bool
+                          ) -> Iterator[tuple[str, torch.Tensor]]:
+    """The widened model's tensors (transformers' Llama names), one at a time, from the source's ``state``."""
+    src, shape = widener.source, widener.shape
+    embedding = state["model.embed_tokens.weight"]
+    yield "model.embed_tokens.weight", widener.matrix(
+        "model.embed_tokens.weight", embedding, (embedding.shape[0], shape.hidden_size),
+        torch.arange(embedding.shape[0]), widener.real, reader=False)
+    for layer in range(shape.num_hidden_layers):
+        extra = layer >= src.num_hidden_layers
+        source_prefix = f"model.layers.{min(layer, src.num_hidden_layers - 1)}."
+        prefix = f"model.layers.{layer}."
+        view = {name.replace(source_prefix, prefix): tensor for name, tensor in state.items()
+                if name.startswith(source_prefix)}
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            yield f"{prefix}{norm}.weight", widener.norm(None if extra else view[f"{prefix}{norm}.weight"])
+        yield from widener.attention(f"{prefix}self_attn.", view, widener.real, extra=extra)
+        yield from widener.mlp(f"{prefix}mlp.", view, extra=extra)
+    yield "model.norm.weight", widener.norm(state["model.norm.weight"])
+    if not tied:
+        head = state["lm_head.weight"]
+        yield "lm_head.weight", widener.matrix("lm_head.weight", head, (head.shape[0], shape.hidden_size),
+                                               torch.arange(head.shape[0]), widener.real, reader=True)
+
+
+HEAD_LAYER_TENSORS = {f"midlayer.{name}.weight" for name in (
+    "hidden_norm", "input_layernorm", "post_attention_layernorm", "self_attn.q_proj", "self_attn.k_proj",
+    "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")}
+
+
+def widened_head_tensors(state: Mapping[str, torch.Tensor], widener: Widener) -> Iterator[tuple[str, torch.Tensor]]:
+    """The widened EAGLE-3 head's tensors (``fc``, ``midlayer.*``, ``norm``, ``lm_head``, ``d2t``, ``t2d``), from a
+    source head of the source target's width whose state has no embedding (it uses the target's)."""
+    h, H = widener.source.hidden_size, widener.shape.hidden_size
+    known = {"fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d"} | HEAD_LAYER_TENSORS
+    unknown = sorted(k for k in state if k not in known)
+    missing = sorted(k for k in known - {"d2t", "t2d"} if k not in state)
+    if unknown or missing:
+        raise ValueError(f"The EAGLE-3 head {widener.origin} has tensors a widening does not handle "
+                         f"({', '.join(unknown) or 'none'}) or lacks some ({', '.join(missing) or 'none'}); expected "
+                         "one decoder layer `midlayer.*` without biases, `fc`, `norm`, `lm_head`, `d2t`, `t2d`.")
+    fc = state["fc.weight"]
+    features = torch.cat([k * H + torch.arange(h) for k in range(3)])
+    yield "fc.weight", widener.matrix("fc.weight", fc, (H, 3 * H), widener.real, features, reader=True,
+                                      zero_rows_from=h)
+    for norm in ("hidden_norm", "input_layernorm", "post_attention_layernorm"):
+        yield f"midlayer.{norm}.weight", widener.norm(state[f"midlayer.{norm}.weight"])
+    both = torch.cat([torch.arange(h), H + torch.arange(h)])  # cat(embedding, hidden): embedding first
+    yield from widener.attention("midlayer.self_attn.", state, both, input_size=2 * H)
+    yield from widener.mlp("midlayer.mlp.", state)
+    yield "norm.weight", widener.norm(state["norm.weight"])
+    head = state["lm_head.weight"]
+    yield "lm_head.weight", widener.matrix("lm_head.weight", head, (head.shape[0], H), torch.arange(head.shape[0]),
+                                           widener.real, reader=True)
+    for name in ("d2t", "t2d"):
+        if name in state:
+            yield name, state[name]
