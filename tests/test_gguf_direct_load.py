@@ -83,6 +83,21 @@ def test_every_kernel_layer_dequantizes_to_transformers_weight(smollm2_direct):
     assert checked == gguf.kernel_modules(direct) - 1  # the tied LM head's blocks are the embedding's
 
 
+def test_the_tensor_file_reads_the_blocks_the_memory_map_views():
+    from eagle.kernels.gguf_weights import GGUFTensorFile, read_gguf_weights
+
+    path = defaults.default_base_model_path()
+    tensors, viewed = GGUFTensorFile(path), read_gguf_weights(path)
+    assert sorted(tensors.names()) == sorted(viewed) and len(tensors) == len(viewed)
+    for name, weight in viewed.items():
+        read = tensors[name]
+        assert (read.type_name, read.shape) == (weight.type_name, weight.shape) == (tensors.type_name(name), read.shape)
+        assert torch.equal(read.blocks, weight.blocks), name
+    assert tensors.get("no.such.tensor") is None
+    with pytest.raises(KeyError, match="no.such.tensor"):
+        tensors["no.such.tensor"]
+
+
 def test_a_kernel_layer_whose_blocks_differ_is_named(smollm2_direct, monkeypatch):
     direct, _ = smollm2_direct
     real = gguf.float_from_gguf

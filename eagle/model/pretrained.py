@@ -91,7 +91,7 @@ def load_base(base_model_path, gguf_kernels, kwargs: dict):
     return model, tokenizer, resolve_gguf_kernels(gguf_kernels, base_model_path, model), None
 
 
-def load_head(ea_model_path, base_model, use_eagle3: bool, head_dtype, count: int | None):
+def load_draft_head(ea_model_path, base_model, use_eagle3: bool, head_dtype, count: int | None):
     """``(head or None, loaded)``: the draft head at ``ea_model_path`` (None: no head) and, for a base model loaded
     straight into the kernels (``count`` modules on them), the ``loaded`` of :func:`apply_gguf_kernels`."""
     if ea_model_path is None:
@@ -192,7 +192,7 @@ def load_pretrained(cls, *, use_eagle3: bool, base_model_path, ea_model_path, tr
     base_model_path, ea_model_path = model_paths(base_model_path, ea_model_path, kwargs, load_head)
     base_model, tokenizer, numerics, count = load_base(base_model_path, gguf_kernels, kwargs)
     head_dtype = draft_load_dtype(draft_dtype, numerics is not None)
-    ea_layer, loaded = load_head(ea_model_path if load_head else None, base_model, use_eagle3, head_dtype, count)
+    ea_layer, loaded = load_draft_head(ea_model_path if load_head else None, base_model, use_eagle3, head_dtype, count)
     head_config = {} if ea_layer is None else ea_layer.config
     device = base_model.get_input_embeddings().weight.device
     backend = kernel_backend(numerics)  # the kernels' costs call for a tree of their own

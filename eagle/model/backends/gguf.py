@@ -285,12 +285,12 @@ def direct_processor(architecture: str, config):
     (a processor that merges tensors, or an architecture transformers loads through its newer GGUF path)."""
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
 
-    if not direct_processor_class_ok(architecture):
+    if not loads_tensor_by_tensor(architecture):
         return None
     return TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=config.get_text_config().to_dict())
 
 
-def direct_processor_class_ok(architecture: str) -> bool:
+def loads_tensor_by_tensor(architecture: str) -> bool:
     """Whether :func:`fill_from_gguf` can load a GGUF of ``architecture`` (see :func:`direct_processor`)."""
     from transformers.integrations.gguf.utils import is_gguf_arch_supported
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
@@ -339,7 +339,7 @@ def init_buffers(model: nn.Module) -> None:
     their module)."""
     with torch.no_grad():
         for module in model.modules():
-            meta = [name for name, buffer in module.named_buffers(recurse=False) if buffer is not None and buffer.is_meta]
+            meta = [name for name, buffer in module.named_buffers(recurse=False) if buffer.is_meta]
             for name in meta:
                 module._buffers[name] = torch.empty_like(module._buffers[name], device="cpu")
             if meta:

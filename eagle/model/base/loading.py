@@ -87,7 +87,7 @@ DIRECT_LOAD_ARGUMENTS = ("attn_implementation", "dtype", "torch_dtype", "trust_r
 def direct_gguf_load_possible(base_model_path: str, kwargs: dict) -> bool:
     """Whether :func:`load_gguf_direct` can load ``base_model_path`` with ``kwargs``: a GGUF file on the CPU in
     float32 (no ``device_map``, no other dtype) whose architecture transformers loads tensor by tensor."""
-    from eagle.model.backends.gguf import gguf_architecture, gguf_file_of, direct_processor_class_ok
+    from eagle.model.backends.gguf import gguf_architecture, gguf_file_of, loads_tensor_by_tensor
 
     path = gguf_file_of(base_model_path)
     dtype = kwargs.get("dtype", kwargs.get("torch_dtype"))
@@ -95,7 +95,7 @@ def direct_gguf_load_possible(base_model_path: str, kwargs: dict) -> bool:
         return False
     if dtype not in (None, "auto", torch.float32, "float32"):
         return False
-    return direct_processor_class_ok(gguf_architecture(path))
+    return loads_tensor_by_tensor(gguf_architecture(path))
 
 
 def load_gguf_direct(base_model_path: str, numerics: str = "float32", **kwargs):
@@ -113,6 +113,9 @@ def load_gguf_direct(base_model_path: str, numerics: str = "float32", **kwargs):
     _check_attention_argument(kwargs)
     kwargs.pop("dtype", None)
     location, gguf_file = split_gguf_path(base_model_path)
+    if gguf_file is None:
+        raise ValueError(f"{base_model_path} is not a .gguf file (nor a directory holding one): only a GGUF file "
+                         "loads straight into the kernels; load it with load_base_model.")
     trust = kwargs.get("trust_remote_code", False)
     config = AutoConfig.from_pretrained(location, gguf_file=gguf_file, trust_remote_code=trust)
     config.name_or_path = location
