@@ -180,7 +180,10 @@ def load_pretrained(cls, *, use_eagle3: bool, base_model_path, ea_model_path, tr
     file's quantized blocks and attention runs the position-ordered kernel (:mod:`eagle.model.backends.gguf`):
     ``"auto"`` (float32 activations where the kernels are available, else the float32 model with one warning),
     ``"float32"``, ``"int8"`` (int8 activations) or ``False`` (the float32 model transformers dequantizes). oneDNN
-    packing then applies to the head (and any layer the kernels leave float), never to a converted layer.
+    packing then applies to the head (and any layer the kernels leave float), never to a converted layer. A GGUF
+    file loaded in float32 on the CPU (no ``device_map``) goes straight into the kernels, without a float32 model
+    (:func:`eagle.model.base.loading.load_gguf_direct`: about the file's size in memory); other loads convert
+    transformers' float32 model.
 
     ``load_head=False``: the base model alone (no ``ea_model_path``), for plain decoding on the same engine and
     backends (``naivegenerate``, ``generate(use_eagle=False)``, the benchmark's head-less baselines); EAGLE
