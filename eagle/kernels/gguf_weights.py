@@ -5,6 +5,10 @@ read until used, nothing is written back) into :class:`GGUFWeight` objects. Ever
 against its declared type and shape before anything reads it: a corrupted or truncated tensor is a ValueError that
 names it, never a crash later in native code. The blocks stay a view of the file until a consumer repacks them
 (:class:`eagle.kernels.linear.QuantLinear`), so resident memory is the file's blocks, not a float32 copy.
+
+:class:`GGUFTensorFile` reads the same tensors one at a time, each into memory of its own that is freed once its
+consumer has repacked it: a loader that repacks a whole model holds one tensor's bytes besides the packed layout,
+never the file's pages mapped and the packed copy at once.
 """
 
 from __future__ import annotations
@@ -151,3 +155,55 @@ def read_gguf_weights(path: str | os.PathLike, names: set[str] | None = None) ->
     if names is not None and (missing := set(names) - set(weights)):
         raise KeyError(f"{path} has no tensor named {sorted(missing)}")
     return weights
+
+
+@dataclass(frozen=True)
+class _TensorEntry:
+    type_name: str
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+
+
+class GGUFTensorFile:
+    """A GGUF file's tensors by name, each read from the file when asked for (``file[name]`` -> :class:`GGUFWeight`
+    whose blocks are a fresh copy of its bytes, not a view of a mapping). The header is read once through the
+    memory-mapped reader of :func:`read_gguf_weights`, with the same checks (every tensor inside the file, its byte
+    count matching its type and shape)."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = os.fspath(path)
+        reader = _TensorReader(self.path, "c")
+        self._entries = {}
+        for tensor in reader.tensors:
+            shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+            nbytes = _expected_bytes(tensor.name, tensor.tensor_type.name, shape)
+            self._entries[tensor.name] = _TensorEntry(tensor.tensor_type.name, shape, int(tensor.data_offset), nbytes)
+        del reader
+
+    def __contains__(self, name) -> bool:
+        return name in self._entries
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def names(self) -> list[str]:
+        return list(self._entries)
+
+    def type_name(self, name: str) -> str:
+        return self._entries[name].type_name
+
+    def get(self, name: str | None, default=None) -> GGUFWeight | None:
+        return self[name] if name in self._entries else default
+
+    def __getitem__(self, name: str) -> GGUFWeight:
+        entry = self._entries.get(name)
+        if entry is None:
+            raise KeyError(f"{self.path} has no tensor named {name!r}")
+        data = np.fromfile(self.path, dtype=np.uint8, count=entry.nbytes, offset=entry.offset)
+        if data.nbytes != entry.nbytes:
+            raise ValueError(f"GGUF tensor {name!r} of {self.path}: read {data.nbytes} of its {entry.nbytes} bytes "
+                             "(the file changed or is truncated)")
+        rows = int(np.prod(entry.shape[:-1], dtype=np.int64))
+        blocks = torch.from_numpy(data).reshape(rows, entry.nbytes // max(rows, 1))
+        return GGUFWeight(name, entry.type_name, entry.shape, blocks)

@@ -16,7 +16,7 @@ from eagle.model.heads.quantized import apply_draft_quantization, draft_load_dty
 from eagle.model.backends.gguf import GGUF_KERNEL_VALUES, gguf_file_of, resolve_gguf_kernels
 from eagle.model.backends.registry import linear_backend, switch_backend
 from eagle.model.backends.onednn import should_auto_pack
-from eagle.model.base.loading import load_base_model
+from eagle.model.base.loading import direct_gguf_load_possible, load_base_model, load_gguf_direct
 from eagle.model.tuning.head_tree import check_tree_arguments, head_tree_for, kernel_backend, resolve_tree
 
 logger = logging.getLogger(__name__)
@@ -51,21 +51,75 @@ def model_paths(base_model_path, ea_model_path, kwargs: dict, load_head: bool = 
     return base_model_path, ea_model_path
 
 
-def apply_gguf_kernels(base_model, ea_layer, base_model_path, numerics: str) -> None:
+def apply_gguf_kernels(base_model, ea_layer, base_model_path, numerics: str, loaded: tuple | None = None) -> None:
     """The GGUF backend on ``base_model`` (its layers over the file's blocks); a head that shared the float
     embedding reads the quantized one instead, so the float copy is freed. The target's plan, built anew then,
     runs attention as the position-ordered kernel and, where the family allows, the whole forward as
-    :mod:`eagle.model.base.native_decoder`'s (:meth:`~eagle.model.base.target.Target.replan`)."""
+    :mod:`eagle.model.base.native_decoder`'s (:meth:`~eagle.model.base.target.Target.replan`). ``loaded``: for a
+    model loaded straight into the kernels, (modules on the kernels, the stand-in embedding weight the head
+    tied to, see :func:`load_head_over_kernels`): nothing left to convert."""
     from eagle.model.backends.gguf import share_embedding_with_head
 
-    old_embedding = base_model.get_input_embeddings().weight
-    count = linear_backend("gguf", gguf_path=gguf_file_of(base_model_path), numerics=numerics).convert(base_model)
+    if loaded is None:
+        old_embedding = base_model.get_input_embeddings().weight
+        count = linear_backend("gguf", gguf_path=gguf_file_of(base_model_path), numerics=numerics).convert(base_model)
+    else:
+        count, old_embedding = loaded
     shared = share_embedding_with_head(ea_layer, old_embedding, base_model.get_input_embeddings())
     del old_embedding
     if getattr(ea_layer, "eagle_version", None) == 1:  # an EAGLE-1 head drafts with the target's (new) LM head
         ea_layer.attach_target_lm_head(base_model.get_output_embeddings())
     logger.info("GGUF kernels (%s activations) on %d modules%s", numerics, count,
                 "; the head reads the quantized embedding" if shared else "")
+
+
+def load_base(base_model_path, gguf_kernels, kwargs: dict):
+    """``(model, tokenizer, numerics, count)``: a GGUF file on the CPU that ``gguf_kernels`` puts on the kernels is
+    loaded straight into them (:func:`eagle.model.base.loading.load_gguf_direct`, ``count`` modules on the
+    kernels); anything else (``gguf_kernels=False``, another dtype or device, kernels unavailable) through
+    transformers, ``count`` None and ``numerics`` from :func:`resolve_gguf_kernels` (converted later)."""
+    from eagle import kernels
+    from eagle.model.backends.gguf import kernel_modules
+
+    if gguf_kernels is not False and direct_gguf_load_possible(base_model_path, kwargs):
+        usable = kernels.available() if gguf_kernels == "auto" else kernels.unavailable_reason() is None
+        if usable:
+            numerics = "float32" if gguf_kernels == "auto" else gguf_kernels
+            model, tokenizer = load_gguf_direct(base_model_path, numerics, **kwargs)
+            return model, tokenizer, numerics, kernel_modules(model)
+    model, tokenizer = load_base_model(base_model_path, **kwargs)
+    return model, tokenizer, resolve_gguf_kernels(gguf_kernels, base_model_path, model), None
+
+
+def load_draft_head(ea_model_path, base_model, use_eagle3: bool, head_dtype, count: int | None):
+    """``(head or None, loaded)``: the draft head at ``ea_model_path`` (None: no head) and, for a base model loaded
+    straight into the kernels (``count`` modules on them), the ``loaded`` of :func:`apply_gguf_kernels`."""
+    if ea_model_path is None:
+        return None, None if count is None else (count, None)
+    if count is None:
+        return load_ea_layer(ea_model_path, base_model, use_eagle3, head_dtype), None
+    head, stand_in = load_head_over_kernels(ea_model_path, base_model, use_eagle3, head_dtype)
+    return head, (count, stand_in)
+
+
+def load_head_over_kernels(ea_model_path, base_model, use_eagle3: bool, head_dtype):
+    """``(head, stand_in)``: the draft head of a model whose embedding is already on the kernels. The head is built
+    against a stand-in float embedding of the same shape that takes no memory (one zero, broadcast), which
+    :func:`apply_gguf_kernels` then swaps for the quantized embedding (the head reads the same rows as the
+    target)."""
+    import torch
+    from torch import nn
+
+    quantized = base_model.get_input_embeddings()
+    stand_in = nn.Embedding(quantized.num_embeddings, quantized.embedding_dim, device="meta")
+    stand_in.weight = nn.Parameter(torch.zeros(1, 1).expand(quantized.num_embeddings, quantized.embedding_dim),
+                                   requires_grad=False)
+    base_model.set_input_embeddings(stand_in)
+    try:
+        head = load_ea_layer(ea_model_path, base_model, use_eagle3, head_dtype)
+    finally:
+        base_model.set_input_embeddings(quantized)
+    return head, stand_in.weight
 
 
 def check_options(pack_cpu_weights, thread_policy, gguf_kernels) -> None:
@@ -80,14 +134,14 @@ def check_options(pack_cpu_weights, thread_policy, gguf_kernels) -> None:
 
 
 def convert_weights(base_model, ea_layer, base_model_path, pack_cpu_weights, numerics: str | None,
-                    draft_dtype="auto") -> None:
+                    draft_dtype="auto", loaded: tuple | None = None) -> None:
     """The linear backends ``from_pretrained``'s options ask for: the GGUF kernels first in ``numerics`` (None:
     none; see :func:`apply_gguf_kernels`), the head's Q8_0 layers where ``draft_dtype`` asks for them
     (:mod:`eagle.model.heads.quantized`), then oneDNN packing of the layers still float (whether to pack is decided
     on the model as loaded, so the head of a converted model is packed as before)."""
     pack = pack_cpu_weights is True or (pack_cpu_weights == "auto" and should_auto_pack(base_model))
     if numerics is not None:
-        apply_gguf_kernels(base_model, ea_layer, base_model_path, numerics)
+        apply_gguf_kernels(base_model, ea_layer, base_model_path, numerics, loaded)
     if ea_layer is not None:
         apply_draft_quantization(ea_layer, base_model, draft_dtype, numerics is not None)
     if pack:
@@ -126,7 +180,10 @@ def load_pretrained(cls, *, use_eagle3: bool, base_model_path, ea_model_path, tr
     file's quantized blocks and attention runs the position-ordered kernel (:mod:`eagle.model.backends.gguf`):
     ``"auto"`` (float32 activations where the kernels are available, else the float32 model with one warning),
     ``"float32"``, ``"int8"`` (int8 activations) or ``False`` (the float32 model transformers dequantizes). oneDNN
-    packing then applies to the head (and any layer the kernels leave float), never to a converted layer.
+    packing then applies to the head (and any layer the kernels leave float), never to a converted layer. A GGUF
+    file loaded in float32 on the CPU (no ``device_map``) goes straight into the kernels, without a float32 model
+    (:func:`eagle.model.base.loading.load_gguf_direct`: about the file's size in memory); other loads convert
+    transformers' float32 model.
 
     ``load_head=False``: the base model alone (no ``ea_model_path``), for plain decoding on the same engine and
     backends (``naivegenerate``, ``generate(use_eagle=False)``, the benchmark's head-less baselines); EAGLE
@@ -136,10 +193,9 @@ def load_pretrained(cls, *, use_eagle3: bool, base_model_path, ea_model_path, tr
     check_options(pack_cpu_weights, thread_policy, gguf_kernels)
     check_tree_arguments(**tree)  # invalid settings fail before loading
     base_model_path, ea_model_path = model_paths(base_model_path, ea_model_path, kwargs, load_head)
-    base_model, tokenizer = load_base_model(base_model_path, **kwargs)
-    numerics = resolve_gguf_kernels(gguf_kernels, base_model_path, base_model)
-    ea_layer = None if not load_head else load_ea_layer(ea_model_path, base_model, use_eagle3,
-                                                         draft_load_dtype(draft_dtype, numerics is not None))
+    base_model, tokenizer, numerics, count = load_base(base_model_path, gguf_kernels, kwargs)
+    head_dtype = draft_load_dtype(draft_dtype, numerics is not None)
+    ea_layer, loaded = load_draft_head(ea_model_path if load_head else None, base_model, use_eagle3, head_dtype, count)
     head_config = {} if ea_layer is None else ea_layer.config
     device = base_model.get_input_embeddings().weight.device
     backend = kernel_backend(numerics)  # the kernels' costs call for a tree of their own
@@ -148,7 +204,7 @@ def load_pretrained(cls, *, use_eagle3: bool, base_model_path, ea_model_path, tr
                 base_model_name_or_path=base_model_path, use_eagle3=use_eagle3,
                 lookup_tokens=settings.lookup_tokens, ea_model_path=ea_model_path, thread_policy=thread_policy,
                 allow_unknown_attention=allow_unknown_attention)
-    convert_weights(base_model, ea_layer, base_model_path, pack_cpu_weights, numerics, draft_dtype)
+    convert_weights(base_model, ea_layer, base_model_path, pack_cpu_weights, numerics, draft_dtype, loaded)
     if numerics is not None:
         model.engine.target.replan()  # its layers are on the kernels now
     finish_tree(model, tree, sources, head_config, device, backend)

@@ -9,6 +9,12 @@ are freed. Every replaced weight is checked at load: its blocks must dequantize 
 transformers built (``torch.equal``), else a ValueError names the tensor. A tensor type the kernels do not handle
 stays a float layer (logged once per type).
 
+:func:`fill_from_gguf` builds the same modules without a float32 model: over a model built on the meta device
+(:func:`eagle.model.base.loading.load_gguf_direct`), it reads the file one tensor at a time, installs the kernel
+modules, makes the other parameters (norms, biases, layers of a type the kernels do not handle) float32 as
+transformers does, and computes the buffers; :func:`verify_kernel_weights` is then the check above, one tensor at
+a time against gguf-py's dequantization of the file.
+
 The kernels are row-invariant (a token's output bits do not depend on the other rows of the call), which is what
 makes greedy EAGLE's logits bit-equal to plain decoding's; a target over a model on the kernels also runs its
 attention as the position-ordered kernel (:class:`eagle.model.base.plan.ForwardPlan`).
@@ -130,10 +136,11 @@ def gguf_architecture(gguf_path: str) -> str:
     return bytes(field.parts[field.data[0]]).decode("utf-8", errors="replace")
 
 
-def hf_to_gguf_names(model, architecture: str) -> dict[str, str]:
+def hf_to_gguf_names(model, architecture: str, hf_names=None) -> dict[str, str]:
     """HF parameter name (``model.layers.0.self_attn.q_proj.weight``) -> GGUF tensor name (``blk.0.attn_q.weight``),
     from gguf-py's tensor-name table for ``architecture``, the table transformers' GGUF loading reads
-    (``get_gguf_hf_weights_map`` builds the same map, once per submodule: seconds for a small model)."""
+    (``get_gguf_hf_weights_map`` builds the same map, once per submodule: seconds for a small model). ``hf_names``:
+    the names to map (default: ``model``'s state dict)."""
     from gguf import MODEL_ARCH_NAMES, get_tensor_name_map
 
     arch = next((key for key, value in MODEL_ARCH_NAMES.items() if value == architecture), None)
@@ -141,7 +148,7 @@ def hf_to_gguf_names(model, architecture: str) -> dict[str, str]:
         raise ValueError(f"gguf-py has no tensor-name table for the GGUF architecture {architecture!r}")
     table = get_tensor_name_map(arch, model.config.get_text_config().num_hidden_layers)
     names = {}
-    for hf_name in model.state_dict(keep_vars=True):
+    for hf_name in model.state_dict(keep_vars=True) if hf_names is None else hf_names:
         base, dot, suffix = hf_name.rpartition(".")
         gguf_name = table.get_name(base) if dot else None
         if gguf_name is not None:
@@ -169,7 +176,10 @@ def _hf_rows(weight: GGUFWeight, hf_name: str, config, permuted: bool) -> GGUFWe
 
 
 def _check_equal(quant: nn.Module, dense: torch.Tensor, gguf_name: str) -> None:
-    """The replaced layer's weight must be exactly the float32 weight transformers built."""
+    """The replaced layer's weight must be exactly the float32 weight transformers built (nothing to compare with
+    on a model built without float weights: ``dense`` on the meta device)."""
+    if dense.is_meta:
+        return
     weight = quant.weight.dequantized()
     if weight.shape != dense.shape or not torch.equal(weight, dense.detach().to(weight.device)):
         raise ValueError(f"GGUF tensor {gguf_name!r}: its blocks do not dequantize to the float32 weight transformers "
@@ -230,10 +240,10 @@ def _convert_embeddings(model, weights, names, numerics) -> tuple[int, set[str]]
     module_names = {id(m): n for n, m in model.named_modules()}
     embed_name, head_name = module_names.get(id(embedding)), module_names.get(id(head))
     gguf_name = names.get(f"{embed_name}.weight")
-    if embed_name is None or gguf_name not in weights or not kernel_handles(weights[gguf_name].type_name):
+    table = weights.get(gguf_name) if embed_name is not None else None
+    if table is None or not kernel_handles(table.type_name):
         _note_unhandled(f"the token embedding ({gguf_name})")
         return 0, set()
-    table = weights[gguf_name]
     tied = (head is not None and type(head) is nn.Linear and head.weight is embedding.weight and head.bias is None)
     shared = GGUFQuantLinear(table, None, numerics) if tied else table
     scale = getattr(embedding, "embed_scale", None)
@@ -246,11 +256,12 @@ def _convert_embeddings(model, weights, names, numerics) -> tuple[int, set[str]]
     return 2, {head_name}
 
 
-def convert_gguf_model(model: nn.Module, gguf_path: str, numerics: str = "float32") -> int:
+def convert_gguf_model(model: nn.Module, gguf_path: str, numerics: str = "float32", weights=None) -> int:
     """Replace ``model``'s linear layers, embedding and tied LM head by kernels over the GGUF file's blocks (module
     docstring), in place; returns how many modules changed. Raises ValueError naming a tensor whose blocks do not
-    give transformers' float32 weight."""
-    weights = read_gguf_weights(gguf_path)
+    give transformers' float32 weight. ``weights``: the file's tensors by name (default: every tensor, viewed
+    through a memory map; a :class:`~eagle.kernels.gguf_weights.GGUFTensorFile` reads them one at a time)."""
+    weights = read_gguf_weights(gguf_path) if weights is None else weights
     architecture = gguf_architecture(gguf_path)
     names, permuted = hf_to_gguf_names(model, architecture), llama_permuted(architecture)
     with torch.no_grad():
@@ -262,6 +273,138 @@ def convert_gguf_model(model: nn.Module, gguf_path: str, numerics: str = "float3
     return count
 
 
+# ------------------------------------------------------------------------------------------------ direct loading
+# transformers' per-tensor GGUF processors that read one tensor alone (no other tensor, no state across tensors):
+# the float parameters of a model built without float weights go through them one at a time.
+_PER_TENSOR_PROCESSORS = ("TensorProcessor", "LlamaTensorProcessor", "Gemma2TensorProcessor", "NemotronTensorProcessor")
+
+
+def direct_processor(architecture: str, config):
+    """transformers' tensor processor for a GGUF of ``architecture`` (the one its float32 loading applies: Gemma's
+    norms minus one, Llama's Q / K rows reordered), or None where the file cannot be loaded tensor by tensor
+    (a processor that merges tensors, or an architecture transformers loads through its newer GGUF path)."""
+    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
+
+    if not loads_tensor_by_tensor(architecture):
+        return None
+    return TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=config.get_text_config().to_dict())
+
+
+def loads_tensor_by_tensor(architecture: str) -> bool:
+    """Whether :func:`fill_from_gguf` can load a GGUF of ``architecture`` (see :func:`direct_processor`)."""
+    from transformers.integrations.gguf.utils import is_gguf_arch_supported
+    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
+
+    processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)
+    return processor.__name__ in _PER_TENSOR_PROCESSORS and not is_gguf_arch_supported(architecture)
+
+
+def float_from_gguf(weight: GGUFWeight, processor) -> torch.Tensor:
+    """The float32 tensor transformers' GGUF loading makes of ``weight``: gguf-py's ``dequantize`` of its blocks,
+    then ``processor``'s change for that tensor name."""
+    import numpy as np
+    from gguf import GGMLQuantizationType, quants
+
+    values = quants.dequantize(weight.blocks.numpy(), GGMLQuantizationType[weight.type_name]).reshape(weight.shape)
+    values = processor.process(weights=values, name=weight.name, tensor_key_mapping={},
+                               parsed_parameters={"config": processor.config, "tensors": {}}).weights
+    return torch.from_numpy(np.copy(values)).to(torch.float32)
+
+
+def load_float_parameters(model: nn.Module, tensors, names: dict[str, str], processor, select=None) -> int:
+    """Every parameter of ``model`` still on the meta device (and passing ``select(module, name)``) made a float32
+    parameter from its GGUF tensor (:func:`float_from_gguf`), one tensor at a time; a parameter shared by several
+    modules (a tied LM head) stays shared. Returns how many tensors were read."""
+    made: dict[int, nn.Parameter] = {}
+    for module_name, module in model.named_modules():
+        for name, param in list(module.named_parameters(recurse=False)):
+            if not param.is_meta or (select is not None and not select(module, name)):
+                continue
+            if id(param) not in made:
+                gguf_name = names.get(f"{module_name}.{name}" if module_name else name)
+                if gguf_name is None or gguf_name not in tensors:
+                    continue  # no tensor: check_materialized names it
+                values = float_from_gguf(tensors[gguf_name], processor)
+                if values.shape != param.shape:
+                    raise ValueError(f"GGUF tensor {gguf_name!r} of {tensors.path} has shape {tuple(values.shape)}, "
+                                     f"but the model built from its metadata expects {tuple(param.shape)}.")
+                made[id(param)] = nn.Parameter(values, requires_grad=param.requires_grad)
+            setattr(module, name, made[id(param)])
+    return len(made)
+
+
+def init_buffers(model: nn.Module) -> None:
+    """The buffers of a model built on the meta device (rotary frequencies, Gemma's embedding scale) computed on the
+    CPU as transformers computes them when it loads a model (empty tensors, then the model's ``_init_weights`` of
+    their module)."""
+    with torch.no_grad():
+        for module in model.modules():
+            meta = [name for name, buffer in module.named_buffers(recurse=False) if buffer.is_meta]
+            for name in meta:
+                module._buffers[name] = torch.empty_like(module._buffers[name], device="cpu")
+            if meta:
+                model._init_weights(module)
+
+
+def check_materialized(model: nn.Module, gguf_path: str) -> None:
+    """ValueError naming the first parameter or buffer left on the meta device (no tensor of the file filled it)."""
+    for kind, items in (("parameter", model.named_parameters()), ("buffer", model.named_buffers())):
+        for name, tensor in items:
+            if tensor.is_meta:
+                raise ValueError(f"{gguf_path} has no tensor for the model's {kind} {name!r} (expected one that "
+                                 "gguf-py's tensor-name table maps to it); the model cannot be built from this file.")
+
+
+def verify_kernel_weights(model: nn.Module, gguf_path: str, processor=None) -> int:
+    """Check that every kernel module of ``model`` (loaded from ``gguf_path``) dequantizes to exactly the float32
+    weight transformers builds from the file's tensor (:func:`float_from_gguf`), reading one tensor at a time;
+    returns how many were checked. ValueError naming the first tensor that differs."""
+    from eagle.kernels.gguf_weights import GGUFTensorFile
+
+    tensors, architecture = GGUFTensorFile(gguf_path), gguf_architecture(gguf_path)
+    processor = processor or direct_processor(architecture, model.config)
+    kernel_layers = {f"{name}.weight": m for name, m in model.named_modules()
+                     if isinstance(m, (QuantLinear, QuantEmbedding))}
+    checked = 0
+    for hf_name, gguf_name in hf_to_gguf_names(model, architecture, kernel_layers).items():
+        if gguf_name in tensors:  # a tied LM head has none: its blocks are the embedding's
+            _check_equal(kernel_layers[hf_name], float_from_gguf(tensors[gguf_name], processor), gguf_name)
+            checked += 1
+    return checked
+
+
+def _is_matrix_weight(module: nn.Module, name: str) -> bool:
+    return name == "weight" and isinstance(module, (nn.Linear, nn.Embedding))
+
+
+def fill_from_gguf(model: nn.Module, gguf_path: str, numerics: str = "float32", processor=None,
+                   verify: bool = False) -> int:
+    """A model built on the meta device (no float weights) filled from the GGUF file, in place: its linear layers,
+    embedding and tied LM head the same kernel modules :func:`convert_gguf_model` installs, over the file's blocks
+    read one tensor at a time; norms, biases and any layer the kernels do not handle float32 as transformers
+    builds them (:func:`float_from_gguf`); buffers as transformers computes them. Returns how many modules compute
+    on the kernels. ValueError where the file lacks a tensor the model has. ``verify``: then check each kernel
+    module against transformers' float32 weight (:func:`verify_kernel_weights`; dequantizes every weight once)."""
+    from eagle.kernels.gguf_weights import GGUFTensorFile
+
+    tensors = GGUFTensorFile(gguf_path)
+    architecture = gguf_architecture(gguf_path)
+    processor = processor or direct_processor(architecture, model.config)
+    if processor is None:
+        raise ValueError(f"{gguf_path}: transformers' loading of a {architecture!r} GGUF does not go tensor by "
+                         "tensor; load it with gguf_kernels=False.")
+    names = hf_to_gguf_names(model, architecture)
+    init_buffers(model)
+    with torch.no_grad():
+        load_float_parameters(model, tensors, names, processor, lambda m, n: not _is_matrix_weight(m, n))
+        count = convert_gguf_model(model, gguf_path, numerics, weights=tensors)
+        load_float_parameters(model, tensors, names, processor)  # layers the kernels do not handle
+    check_materialized(model, gguf_path)
+    if verify:
+        verify_kernel_weights(model, gguf_path, processor)
+    return count
+
+
 def share_embedding_with_head(head: nn.Module, old_weight: torch.Tensor, embedding: nn.Module) -> bool:
     """A draft head that read the target's float32 embedding (``old_weight``, shared) reads its
     :class:`QuantEmbedding` instead (same rows, bit for bit), so the float copy is freed. Returns whether it did."""
@@ -270,6 +413,11 @@ def share_embedding_with_head(head: nn.Module, old_weight: torch.Tensor, embeddi
         return False
     head.embed_tokens = embedding
     return True
+
+
+def kernel_modules(model: nn.Module) -> int:
+    """How many of ``model``'s modules compute over GGUF blocks (linear layers, embedding, LM head)."""
+    return sum(isinstance(m, (QuantLinear, QuantEmbedding)) for m in model.modules())
 
 
 def kernel_numerics(model: nn.Module) -> str | None:

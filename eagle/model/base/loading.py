@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import logging
 import os
+import time
+
+import torch
 
 from eagle.kernels.gguf_check import check_gguf_file
 from eagle.model.backends.attention import SUPPORTED_ATTENTION
+
+logger = logging.getLogger(__name__)
 
 
 def split_gguf_path(path: str) -> tuple[str, str | None]:
@@ -30,6 +36,16 @@ def split_gguf_path(path: str) -> tuple[str, str | None]:
     return path, None
 
 
+def _check_attention_argument(kwargs: dict) -> None:
+    """``torch_dtype`` renamed ``dtype`` in ``kwargs``; a ValueError for an attention that ignores tree masks."""
+    if "torch_dtype" in kwargs:
+        kwargs.setdefault("dtype", kwargs.pop("torch_dtype"))
+    asked = kwargs.get("attn_implementation")
+    if asked is not None and asked not in SUPPORTED_ATTENTION:
+        raise ValueError(f"attn_implementation={asked!r} cannot apply EAGLE's tree attention mask; use 'sdpa' "
+                         "(the default where transformers supports it for the model) or 'eager'.")
+
+
 def load_base_model(base_model_path: str, **kwargs):
     """``AutoModelForCausalLM`` + tokenizer from a directory, a Hub id, or a GGUF file (dequantised by transformers).
 
@@ -41,12 +57,7 @@ def load_base_model(base_model_path: str, **kwargs):
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    if "torch_dtype" in kwargs:
-        kwargs.setdefault("dtype", kwargs.pop("torch_dtype"))
-    asked = kwargs.get("attn_implementation")
-    if asked is not None and asked not in SUPPORTED_ATTENTION:
-        raise ValueError(f"attn_implementation={asked!r} cannot apply EAGLE's tree attention mask; use 'sdpa' "
-                         "(the default where transformers supports it for the model) or 'eager'.")
+    _check_attention_argument(kwargs)
     location, gguf_file = split_gguf_path(base_model_path)
     if gguf_file:  # a malformed file is named here, before transformers' or the kernels' readers see it
         check_gguf_file(os.path.join(location, gguf_file))
@@ -69,4 +80,55 @@ def load_base_model(base_model_path: str, **kwargs):
                          "attention mask; pass attn_implementation='sdpa' or 'eager'.")
     tokenizer = AutoTokenizer.from_pretrained(location, trust_remote_code=trust, **extra)
     model.eval()
+    return model, tokenizer
+
+
+# The keyword arguments a GGUF load straight into the kernels honours (anything else goes through transformers).
+DIRECT_LOAD_ARGUMENTS = ("attn_implementation", "dtype", "torch_dtype", "trust_remote_code")
+
+
+def direct_gguf_load_possible(base_model_path: str, kwargs: dict) -> bool:
+    """Whether :func:`load_gguf_direct` can load ``base_model_path`` with ``kwargs``: a GGUF file on the CPU in
+    float32 (no ``device_map``, no other dtype) whose architecture transformers loads tensor by tensor."""
+    from eagle.model.backends.gguf import gguf_architecture, gguf_file_of, loads_tensor_by_tensor
+
+    path = gguf_file_of(base_model_path)
+    dtype = kwargs.get("dtype", kwargs.get("torch_dtype"))
+    if path is None or any(key not in DIRECT_LOAD_ARGUMENTS for key in kwargs):
+        return False
+    if dtype not in (None, "auto", torch.float32, "float32"):
+        return False
+    return loads_tensor_by_tensor(gguf_architecture(path))
+
+
+def load_gguf_direct(base_model_path: str, numerics: str = "float32", **kwargs):
+    """``(model, tokenizer)`` for a GGUF file with the model's linear layers, embedding and tied LM head on eagle's
+    kernels, built without a float32 model: the config and tokenizer from the file's metadata through transformers,
+    the model's modules on the meta device, then filled from the file one tensor at a time
+    (:func:`eagle.model.backends.gguf.fill_from_gguf`). The result equals :func:`load_base_model` followed by
+    :func:`eagle.model.backends.gguf.convert_gguf_model` (the same modules, blocks and float norms), at about the
+    file's size in memory. ``kwargs``: those of :data:`DIRECT_LOAD_ARGUMENTS`."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from eagle.model.backends.gguf import fill_from_gguf, release_freed_memory
+
+    started = time.perf_counter()
+    _check_attention_argument(kwargs)
+    kwargs.pop("dtype", None)
+    location, gguf_file = split_gguf_path(base_model_path)
+    if gguf_file is None:
+        raise ValueError(f"{base_model_path} is not a .gguf file (nor a directory holding one): only a GGUF file "
+                         "loads straight into the kernels; load it with load_base_model.")
+    trust = kwargs.get("trust_remote_code", False)
+    config = AutoConfig.from_pretrained(location, gguf_file=gguf_file, trust_remote_code=trust)
+    config.name_or_path = location
+    # The tokenizer first: the metadata it parses is freed before the blocks are packed, so peaks do not add up.
+    tokenizer = AutoTokenizer.from_pretrained(location, trust_remote_code=trust, gguf_file=gguf_file)
+    release_freed_memory()
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, **kwargs)
+    count = fill_from_gguf(model, os.path.join(location, gguf_file), numerics)
+    model.eval()
+    logger.info("Loaded %s straight into the kernels in %.1f s: %d modules on the kernels (%s activations)",
+                base_model_path, time.perf_counter() - started, count, numerics)
     return model, tokenizer
