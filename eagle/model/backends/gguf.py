@@ -35,6 +35,7 @@ from torch import nn
 from eagle.kernels.gguf_weights import GGUFWeight, llama_qk_row_order, read_gguf_weights
 from eagle.kernels.linear import QuantEmbedding, QuantLinear, kernel_handles
 from eagle.model.backends.linear import PlainLinear, current_real_rows
+from eagle.utils.gguf_paths import gguf_file_of
 
 logger = logging.getLogger(__name__)
 
@@ -78,21 +79,6 @@ class ScaledQuantEmbedding(QuantEmbedding):
 
 
 # ------------------------------------------------------------------------------------------------ the option
-def gguf_file_of(base_model_path) -> str | None:
-    """The GGUF file ``base_model_path`` names (a ``.gguf`` file, or a directory holding one), else None."""
-    import os
-
-    from eagle.model.base.loading import split_gguf_path
-
-    if base_model_path is None:
-        return None
-    try:
-        location, name = split_gguf_path(str(base_model_path))
-    except (FileNotFoundError, ValueError):
-        return None
-    return None if name is None else os.path.join(location, name)
-
-
 def resolve_gguf_kernels(value, base_model_path, model) -> str | None:
     """The numerics the kernels run ``model`` with (``"float32"`` / ``"int8"``), or None for the float32 model.
 
@@ -277,6 +263,9 @@ def convert_gguf_model(model: nn.Module, gguf_path: str, numerics: str = "float3
 # transformers' per-tensor GGUF processors that read one tensor alone (no other tensor, no state across tensors):
 # the float parameters of a model built without float weights go through them one at a time.
 _PER_TENSOR_PROCESSORS = ("TensorProcessor", "LlamaTensorProcessor", "Gemma2TensorProcessor", "NemotronTensorProcessor")
+# The GGUF architectures whose direct load is tested bit for bit against the float32-then-convert path (the embedded
+# SmolLM2 file, Gemma 3 270M Q4_K_M); other architectures load through the float32 model until a test covers them.
+DIRECT_ARCHITECTURES = ("llama", "gemma3")
 
 
 def direct_processor(architecture: str, config):
@@ -295,6 +284,8 @@ def loads_tensor_by_tensor(architecture: str) -> bool:
     from transformers.integrations.gguf.utils import is_gguf_arch_supported
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
 
+    if architecture not in DIRECT_ARCHITECTURES:
+        return False
     processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)
     return processor.__name__ in _PER_TENSOR_PROCESSORS and not is_gguf_arch_supported(architecture)
 

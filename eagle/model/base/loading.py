@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import time
@@ -9,31 +10,10 @@ import time
 import torch
 
 from eagle.kernels.gguf_check import check_gguf_file
+from eagle.utils.gguf_paths import gguf_file_of, split_gguf_path
 from eagle.model.backends.attention import SUPPORTED_ATTENTION
 
 logger = logging.getLogger(__name__)
-
-
-def split_gguf_path(path: str) -> tuple[str, str | None]:
-    """``(directory or repo id, gguf file name or None)`` for ``from_pretrained``.
-
-    A ``.gguf`` file, or a directory that holds exactly one ``.gguf`` and no ``config.json``, is read through
-    transformers' GGUF support (``from_pretrained(directory, gguf_file=name)``); anything else is passed on as a
-    model directory or Hub id."""
-    if path.endswith(".gguf") and not os.path.isfile(path):
-        raise FileNotFoundError(f"GGUF file {path} does not exist.")
-    if os.path.isfile(path):
-        if not path.endswith(".gguf"):
-            raise ValueError(f"{path} is a file but not a .gguf file; pass a model directory, a Hub id or a .gguf file.")
-        return os.path.dirname(os.path.abspath(path)), os.path.basename(path)
-    if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "config.json")):
-        ggufs = sorted(f for f in os.listdir(path) if f.endswith(".gguf"))
-        if len(ggufs) == 1:
-            return path, ggufs[0]
-        if len(ggufs) > 1:
-            raise ValueError(f"{path} holds several .gguf files ({', '.join(ggufs)}); pass the path of the one to use.")
-        raise FileNotFoundError(f"{path} has neither a config.json nor a .gguf file: it is not a model directory.")
-    return path, None
 
 
 def _check_attention_argument(kwargs: dict) -> None:
@@ -59,8 +39,8 @@ def load_base_model(base_model_path: str, **kwargs):
 
     _check_attention_argument(kwargs)
     location, gguf_file = split_gguf_path(base_model_path)
-    if gguf_file:  # a malformed file is named here, before transformers' or the kernels' readers see it
-        check_gguf_file(os.path.join(location, gguf_file))
+    if gguf_file:
+        checked_gguf_file(os.path.join(location, gguf_file))
     extra = {"gguf_file": gguf_file} if gguf_file else {}
     trust = kwargs.get("trust_remote_code", False)
     try:
@@ -83,6 +63,20 @@ def load_base_model(base_model_path: str, **kwargs):
     return model, tokenizer
 
 
+def checked_gguf_file(path: str) -> str:
+    """``path`` after :func:`~eagle.kernels.gguf_check.check_gguf_file` found it well formed: a malformed file is
+    named here, before transformers' or the kernels' readers see it. A file checked once (same size and time of
+    change) is not scanned again by the later steps of the same load."""
+    stat = os.stat(path)
+    _check_once(os.path.realpath(path), stat.st_size, stat.st_mtime_ns)
+    return path
+
+
+@functools.lru_cache(maxsize=8)
+def _check_once(path: str, size: int, mtime_ns: int) -> None:
+    check_gguf_file(path)
+
+
 # The keyword arguments a GGUF load straight into the kernels honours (anything else goes through transformers).
 DIRECT_LOAD_ARGUMENTS = ("attn_implementation", "dtype", "torch_dtype", "trust_remote_code")
 
@@ -90,12 +84,13 @@ DIRECT_LOAD_ARGUMENTS = ("attn_implementation", "dtype", "torch_dtype", "trust_r
 def direct_gguf_load_possible(base_model_path: str, kwargs: dict) -> bool:
     """Whether :func:`load_gguf_direct` can load ``base_model_path`` with ``kwargs``: a GGUF file on the CPU in
     float32 (no ``device_map``, no other dtype) whose architecture transformers loads tensor by tensor."""
-    from eagle.model.backends.gguf import gguf_architecture, gguf_file_of, loads_tensor_by_tensor
+    from eagle.model.backends.gguf import gguf_architecture, loads_tensor_by_tensor
 
     path = gguf_file_of(base_model_path)
     dtype = kwargs.get("dtype", kwargs.get("torch_dtype"))
     if path is None or any(key not in DIRECT_LOAD_ARGUMENTS for key in kwargs):
         return False
+    checked_gguf_file(path)
     if dtype not in (None, "auto", torch.float32, "float32"):
         return False
     return loads_tensor_by_tensor(gguf_architecture(path))
@@ -127,7 +122,7 @@ def load_gguf_direct(base_model_path: str, numerics: str = "float32", **kwargs):
     release_freed_memory()
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, **kwargs)
-    count = fill_from_gguf(model, os.path.join(location, gguf_file), numerics)
+    count = fill_from_gguf(model, checked_gguf_file(os.path.join(location, gguf_file)), numerics)
     model.eval()
     logger.info("Loaded %s straight into the kernels in %.1f s: %d modules on the kernels (%s activations)",
                 base_model_path, time.perf_counter() - started, count, numerics)
