@@ -157,29 +157,21 @@ def read_gguf_weights(path: str | os.PathLike, names: set[str] | None = None) ->
     return weights
 
 
-@dataclass(frozen=True)
-class _TensorEntry:
-    type_name: str
-    shape: tuple[int, ...]
-    offset: int
-    nbytes: int
-
-
 class GGUFTensorFile:
     """A GGUF file's tensors by name, each read from the file when asked for (``file[name]`` -> :class:`GGUFWeight`
-    whose blocks are a fresh copy of its bytes, not a view of a mapping). The header is read once through the
-    memory-mapped reader of :func:`read_gguf_weights`, with the same checks (every tensor inside the file, its byte
-    count matching its type and shape)."""
+    whose blocks are a fresh copy of its bytes, not a view of a mapping). The header and the tensor table are read
+    once, by the bounded parser that checks files (:func:`eagle.kernels.gguf_check.read_gguf_header`), which also
+    gives :attr:`metadata` (its vocabulary strings only counted); a tensor whose bytes the file does not hold is
+    an error when it is read."""
 
     def __init__(self, path: str | os.PathLike):
+        from eagle.kernels.gguf_check import read_gguf_header
+
         self.path = os.fspath(path)
-        reader = _TensorReader(self.path, "c")
-        self._entries = {}
-        for tensor in reader.tensors:
-            shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
-            nbytes = _expected_bytes(tensor.name, tensor.tensor_type.name, shape)
-            self._entries[tensor.name] = _TensorEntry(tensor.tensor_type.name, shape, int(tensor.data_offset), nbytes)
-        del reader
+        header = read_gguf_header(self.path)
+        self.metadata = header.metadata
+        self._data_start = header.data_start
+        self._entries = {info.name: info for info in header.tensors}
 
     def __contains__(self, name) -> bool:
         return name in self._entries
@@ -200,10 +192,11 @@ class GGUFTensorFile:
         entry = self._entries.get(name)
         if entry is None:
             raise KeyError(f"{self.path} has no tensor named {name!r}")
-        data = np.fromfile(self.path, dtype=np.uint8, count=entry.nbytes, offset=entry.offset)
+        data = np.fromfile(self.path, dtype=np.uint8, count=entry.nbytes, offset=self._data_start + entry.offset)
         if data.nbytes != entry.nbytes:
             raise ValueError(f"GGUF tensor {name!r} of {self.path}: read {data.nbytes} of its {entry.nbytes} bytes "
                              "(the file changed or is truncated)")
-        rows = int(np.prod(entry.shape[:-1], dtype=np.int64))
+        shape = tuple(reversed(entry.dims))  # (rows, ..., inputs), as GGUFWeight holds it
+        rows = int(np.prod(shape[:-1], dtype=np.int64))
         blocks = torch.from_numpy(data).reshape(rows, entry.nbytes // max(rows, 1))
-        return GGUFWeight(name, entry.type_name, entry.shape, blocks)
+        return GGUFWeight(name, entry.type_name, shape, blocks)

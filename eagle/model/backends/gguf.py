@@ -112,14 +112,17 @@ def resolve_gguf_kernels(value, base_model_path, model) -> str | None:
 
 
 # ------------------------------------------------------------------------------------------------ the names
-def gguf_architecture(gguf_path: str) -> str:
-    """The file's ``general.architecture`` (gguf-py's architecture name: ``llama``, ``qwen2``, ``gemma3``...)."""
-    from eagle.kernels.gguf_weights import _TensorReader
+def gguf_architecture(gguf_path: str, metadata: dict | None = None) -> str:
+    """The file's ``general.architecture`` (gguf-py's architecture name: ``llama``, ``qwen2``, ``gemma3``...), from
+    its ``metadata`` where the caller has parsed it already (:attr:`GGUFTensorFile.metadata`)."""
+    from eagle.kernels.gguf_check import read_gguf_header
 
-    field = _TensorReader(gguf_path, "c").get_field("general.architecture")
-    if field is None:
+    if metadata is None:
+        metadata = read_gguf_header(gguf_path).metadata
+    architecture = metadata.get("general.architecture")
+    if not isinstance(architecture, str):
         raise ValueError(f"{gguf_path} has no general.architecture: not a model GGUF file")
-    return bytes(field.parts[field.data[0]]).decode("utf-8", errors="replace")
+    return architecture
 
 
 def hf_to_gguf_names(model, architecture: str, hf_names=None) -> dict[str, str]:
@@ -352,7 +355,8 @@ def verify_kernel_weights(model: nn.Module, gguf_path: str, processor=None) -> i
     returns how many were checked. ValueError naming the first tensor that differs."""
     from eagle.kernels.gguf_weights import GGUFTensorFile
 
-    tensors, architecture = GGUFTensorFile(gguf_path), gguf_architecture(gguf_path)
+    tensors = GGUFTensorFile(gguf_path)
+    architecture = gguf_architecture(gguf_path, tensors.metadata)
     processor = processor or direct_processor(architecture, model.config)
     kernel_layers = {f"{name}.weight": m for name, m in model.named_modules()
                      if isinstance(m, (QuantLinear, QuantEmbedding))}
@@ -379,7 +383,7 @@ def fill_from_gguf(model: nn.Module, gguf_path: str, numerics: str = "float32", 
     from eagle.kernels.gguf_weights import GGUFTensorFile
 
     tensors = GGUFTensorFile(gguf_path)
-    architecture = gguf_architecture(gguf_path)
+    architecture = gguf_architecture(gguf_path, tensors.metadata)
     processor = processor or direct_processor(architecture, model.config)
     if processor is None:
         raise ValueError(f"{gguf_path}: transformers' loading of a {architecture!r} GGUF does not go tensor by "
