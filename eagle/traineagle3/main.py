@@ -370,6 +370,9 @@ def main(argv: list[str] | None = None) -> int:
     if wandb_run is not None:
         wandb_run.finish()
     dist.barrier()
+    # Tear the process group down before the interpreter exits: left to exit-time destructors, a communication
+    # thread still running can abort the rank (std::terminate) after the head was saved.
+    dist.destroy_process_group()
     return 0
 
 
