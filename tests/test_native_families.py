@@ -96,7 +96,7 @@ def test_each_family_takes_the_native_path(family_models):
     assert len(calls) == 3 and all(call is not None for call in calls)
 
 
-def test_gemma3_spec_reads_its_features(family_models):
+def test_the_spec_reads_each_familys_features(family_models):
     family, _, target = family_models
     spec = target.forward_plan.native.spec
     if family != "gemma3":
