@@ -150,6 +150,7 @@ def test_two_threads_give_what_each_gives_alone(family_models):
     ("smollm3", dict(no_rope_layers=[1, 0, 1], use_sliding_window=False), [0, -1, 0]),  # layer 1: no rotary
     ("gemma3_text", dict(head_dim=16, sliding_window=4,
                          layer_types=["sliding_attention", "full_attention", "sliding_attention"]), [0, 1, 0]),
+    ("gemma3_text", dict(head_dim=16, final_logit_softcapping=5.0), [0, 0, 0]),  # soft-capped logits
 ])
 def test_through_the_modules_the_bits_of_transformers_forward(model_type, overrides, rotary):
     """Without the native op the decoder's own module path gives transformers' bits (q/k norms, NoPE layers,
@@ -172,6 +173,7 @@ def test_through_the_modules_the_bits_of_transformers_forward(model_type, overri
     ("qwen3_moe", dict(head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32),
      "Qwen3MoeForCausalLM has a mixture-of-experts MLP"),
     ("gemma2", dict(head_dim=16), "Gemma2ForCausalLM has attention logit soft-capping"),
+    ("phi3", {}, "Phi3ForCausalLM has fused q/k/v and gate/up projections"),
     ("gemma3_text", dict(head_dim=16, attn_logit_softcapping=50.0), "attention logit soft-capping"),
     ("qwen3", dict(head_dim=16, hidden_act="gelu"), "its MLP activation GELUActivation is not SiLU or tanh-GELU"),
 ])

@@ -41,6 +41,7 @@ REFUSED_FAMILIES = {
     "Qwen3MoeForCausalLM": "a mixture-of-experts MLP",
     "GptOssForCausalLM": "a mixture-of-experts MLP",
     "Gemma2ForCausalLM": "attention logit soft-capping",
+    "Phi3ForCausalLM": "fused q/k/v and gate/up projections",
 }
 
 #: RMSNorm classes the native layers compute, with what their weight is added to (Gemma's norms multiply by 1 + w).
