@@ -52,7 +52,7 @@ def test_gemma3_greedy_through_the_kernels_equals_the_float32_model(gemma):
     config = model.config.get_text_config()
     assert "sliding_attention" in config.layer_types
     plan = ForwardPlan.build(model)
-    assert plan.kernel_attention and plan.native is None  # Gemma: transformers' forward, the kernel's attention
+    assert plan.kernel_attention and plan.native is not None  # Gemma 3: native layers, the kernel's attention
     model.set_attn_implementation(kernel_attention.register())  # the model's own generate, on the kernel
     assert len(LONG_PROMPT) > config.sliding_window
     for prompt, new_tokens in [(p, NEW_TOKENS) for p in PROMPTS] + [(LONG_PROMPT, 8)]:

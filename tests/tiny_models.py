@@ -269,3 +269,53 @@ def train_head_quickly(base_dir: Path, head_dir: Path, eagle3: bool = True, step
         state = {k: v for k, v in state.items() if k not in ("d2t", "t2d")}
     save_file({k: v.contiguous() for k, v in state.items()}, str(head_dir / "model.safetensors"))
     return prompts
+
+
+def write_gguf_target(model, path: Path, architecture: str, type_name: str = "Q8_0") -> Path:
+    """Write ``model`` (a tiny float32 causal LM) as a GGUF file of ``architecture`` (gguf-py's name: ``llama``,
+    ``qwen2``, ``qwen3``, ``gemma3``) that transformers loads back: its matrices in ``type_name`` blocks, norms and
+    the embedding in float32, stored as llama.cpp stores them (Llama's Q / K rows interleaved, Gemma's norms plus
+    one). No tokenizer: the model alone is loaded."""
+    import gguf
+    import numpy as np
+
+    from eagle.model.backends.gguf import hf_to_gguf_names, llama_permuted
+
+    config = model.config.get_text_config()
+    writer = gguf.GGUFWriter(str(path), architecture)
+    writer.add_name(architecture)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_key_length(model.model.layers[0].self_attn.head_dim)
+    writer.add_value_length(model.model.layers[0].self_attn.head_dim)
+    writer.add_rope_freq_base(float(config.rope_parameters.get("rope_theta", 10000.0)
+                                    if "full_attention" not in config.rope_parameters else
+                                    config.rope_parameters["full_attention"]["rope_theta"]))
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_vocab_size(config.vocab_size)
+    if getattr(config, "sliding_window", None) and architecture == "gemma3":
+        writer.add_sliding_window(config.sliding_window)
+    permuted = llama_permuted(architecture)
+    for hf_name, gguf_name in hf_to_gguf_names(model, architecture).items():
+        if hf_name == "lm_head.weight" and config.tie_word_embeddings:
+            continue
+        tensor = model.state_dict()[hf_name].detach().float().numpy()
+        if architecture == "gemma3" and hf_name.endswith("norm.weight"):
+            tensor = tensor + 1
+        if permuted and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = config.num_attention_heads if "q_proj" in hf_name else config.num_key_value_heads
+            tensor = tensor.reshape(heads, 2, tensor.shape[0] // heads // 2, -1).swapaxes(1, 2).reshape(tensor.shape)
+        if tensor.ndim == 2 and "embed" not in hf_name:
+            kind = getattr(gguf.GGMLQuantizationType, type_name)
+            writer.add_tensor(gguf_name, gguf.quants.quantize(tensor, kind), raw_dtype=kind)
+        else:
+            writer.add_tensor(gguf_name, np.ascontiguousarray(tensor, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path

@@ -1,16 +1,23 @@
-// eagle::decoder_layers: the decoder layers of a Llama-style model (Llama, Mistral, Qwen2: pre-norm RMSNorm, rotary
-// q/k, grouped-query attention, gated SiLU MLP, a residual after each block) over the GGUF kernels, in one call.
+// eagle::spec_layers: the decoder layers of a model that a LayerSpec describes (eagle/model/base/layer_spec.py:
+// Llama, Mistral, Qwen2, Qwen3, Gemma 3) over the GGUF kernels, in one call. eagle::decoder_layers is the same
+// layers with the Llama options (no q/k or sandwich norms, one rotary table, SiLU), and eagle::eagle3_layer the
+// EAGLE-3 head's layer; all three run one layer body (project_qkv, finish_layer).
 //
-// Per layer, for the M = B * T rows of the call:
+// Per layer, for the M = B * T rows of the call ([...]: where the layer has it):
 //   n = rms_norm(x, w_in)                     one fixed summation order per row (rms_norm_row)
 //   q, k, v = n W_q (+ b_q), n W_k (+ b_k), n W_v (+ b_v)          eagle::quant_linear, the three in one call
-//   q, k = rotary(q), rotary(k)               transformers' rotate_half form, each product and sum rounded alone
+//   [q, k = rms_norm(q, w_q), rms_norm(k, w_k)]                    per head (Qwen3, Gemma 3)
+//   [q, k = rotary(q), rotary(k)]             the layer's cos/sin table (none: NoPE); transformers' rotate_half
+//                                             form, each product and sum rounded alone
 //   cache[:, :, start : start + T] = k, v     the preallocated TreeKVCache tensors, written in place
 //   a = attention(q, cache[:, :, : start + T]) over the visible-key lists of the layer's mask (eagle::tree_attention)
-//   h = x + a W_o
-//   n = rms_norm(h, w_post)
-//   x' = h + (silu(n W_gate) * (n W_up)) W_down                     silu: ATen's, as transformers calls it; gate and
-//                                                                   up in one call
+//   h = x + [rms_norm](a W_o, w_attn_out)     the sandwich's post-attention norm (Gemma 3)
+//   n = rms_norm(h, w_ffw_in)
+//   x' = h + [rms_norm]((act(n W_gate) * (n W_up)) W_down, w_ffw_out)   act: ATen's silu or tanh-approximated gelu,
+//                                                                   as transformers calls them; gate and up in one
+//                                                                   call
+// A norm's weight is the factor it multiplies by: Gemma's (1 + w) is computed once by the caller, in float32, as
+// transformers computes it.
 // Every step computes a row from that row alone (and attention from its visible keys) by a sequence of operations
 // that does not depend on M, the row's place or the thread count, so the layers are row-invariant like each kernel.
 // Against transformers' forward on the same weights only the RMSNorm's summation order differs (torch's reduction
@@ -33,8 +40,11 @@ namespace {
 constexpr int kLanes = 16;
 constexpr int64_t kWeights = 7;  // per layer: q, k, v, o, gate, up, down
 constexpr int64_t kBiases = 3;   // per layer: q, k, v (each may be None)
-constexpr int64_t kNorms = 2;    // per layer: input, post-attention
+constexpr int64_t kNorms = 2;    // per layer in eagle::decoder_layers: input, post-attention
+constexpr int64_t kSpecNorms = 6;  // per layer in eagle::spec_layers: input, attention output, feedforward input,
+                                   // feedforward output, q, k (the second, fourth, fifth and sixth may be None)
 constexpr const char* kOp = "eagle::decoder_layers";
+constexpr const char* kSpecOp = "eagle::spec_layers";
 
 // w * (x * (1 / sqrt(sum(x^2) / n + eps))) for one row. Lane j sums x[16 i + j]^2 over i ascending, then the lanes
 // are added in order: one sequence of roundings per row, whatever else is in the call.
@@ -77,14 +87,19 @@ struct Layer {
   const std::string* types;   // their GGUF type names
   std::optional<at::Tensor> biases[kBiases];
   const at::Tensor *norm_in, *norm_post, *keys, *values, *offsets, *indices;
+  const float *cos, *sin;  // the layer's rotary table, (M, head_dim) each; nullptr: no rotary (NoPE)
+  // optional norms (nullptr: none): the sandwich's attention and feedforward outputs, the per-head q and k norms
+  const at::Tensor *norm_attn_out = nullptr, *norm_ffw_out = nullptr, *norm_q = nullptr, *norm_k = nullptr;
 };
+
+enum class Activation { kSilu, kGeluTanh };
 
 struct Call {
   Shape shape;
   float eps;
   double scale;
-  const float *cos, *sin;
   std::string numerics;
+  Activation activation = Activation::kSilu;
 };
 
 at::Tensor linear(const Layer& L, int w, const at::Tensor& x, int64_t n, int64_t k, const Call& C) {
@@ -92,7 +107,8 @@ at::Tensor linear(const Layer& L, int w, const at::Tensor& x, int64_t n, int64_t
                            C.numerics);
 }
 
-// Rotates q in place and writes the rotated k and v of every row into the cache slots start + t.
+// Rotates q in place (where the layer has a rotary table) and writes the rotated k and v of every row into the cache
+// slots start + t.
 void rotate_and_cache(const Layer& L, const Call& C, at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
   const Shape& S = C.shape;
   const int64_t D = S.head_dim;
@@ -101,18 +117,32 @@ void rotate_and_cache(const Layer& L, const Call& C, at::Tensor& q, const at::Te
   const float *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
   for (int64_t r = 0; r < S.rows(); ++r) {
     const int64_t b = r / S.queries, t = r % S.queries;
-    const float *c = C.cos + r * D, *s = C.sin + r * D;
-    for (int64_t h = 0; h < S.q_heads; ++h) {
+    const float *c = L.cos ? L.cos + r * D : nullptr, *s = L.sin ? L.sin + r * D : nullptr;
+    for (int64_t h = 0; c != nullptr && h < S.q_heads; ++h) {
       float* row = qp + (r * S.q_heads + h) * D;
       rotate_row(row, c, s, D, tmp.data());
       std::memcpy(row, tmp.data(), D * sizeof(float));
     }
     for (int64_t g = 0; g < S.kv_heads; ++g) {
       const int64_t slot = ((b * S.kv_heads + g) * S.capacity + S.start + t) * D;
-      rotate_row(kp + (r * S.kv_heads + g) * D, c, s, D, kc + slot);
+      const float* key = kp + (r * S.kv_heads + g) * D;
+      if (c != nullptr) {
+        rotate_row(key, c, s, D, kc + slot);
+      } else {
+        std::memcpy(kc + slot, key, D * sizeof(float));
+      }
       std::memcpy(vc + slot, vp + (r * S.kv_heads + g) * D, D * sizeof(float));
     }
   }
+}
+
+// The per-head RMSNorm of q or k (M, heads * head_dim), each head's D values a row of its own.
+at::Tensor head_norm(const at::Tensor& x, const at::Tensor& w, const Call& C) {
+  return rms_norm(x.view({-1, C.shape.head_dim}), w, C.eps).view(x.sizes());
+}
+
+at::Tensor maybe_norm(const at::Tensor& x, const at::Tensor* w, const Call& C) {
+  return w != nullptr ? rms_norm(x, *w, C.eps) : x;
 }
 
 std::vector<at::Tensor> project_qkv(const Layer& L, const Call& C, const at::Tensor& normed) {
@@ -128,21 +158,28 @@ at::Tensor finish_layer(const Layer& L, const Call& C, const at::Tensor& residua
   const Shape& S = C.shape;
   const int64_t H = S.hidden, D = S.head_dim, qn = S.q_heads * D;
   const std::optional<at::Tensor> none;
+  if (L.norm_q != nullptr) qkv[0] = head_norm(qkv[0], *L.norm_q, C);
+  if (L.norm_k != nullptr) qkv[1] = head_norm(qkv[1], *L.norm_k, C);
   rotate_and_cache(L, C, qkv[0], qkv[1], qkv[2]);
   const at::Tensor& q = qkv[0];
   const at::Tensor queries = q.view({S.batch, S.queries, S.q_heads, D}).permute({0, 2, 1, 3});
   const int64_t slots = S.start + S.queries;
   at::Tensor attended = tree_attention_call(queries, L.keys->narrow(2, 0, slots), L.values->narrow(2, 0, slots),
                                             *L.offsets, *L.indices, C.scale);
-  at::Tensor h = at::add(residual, linear(L, 3, attended.view({S.rows(), qn}), H, qn, C));
+  at::Tensor h = at::add(residual, maybe_norm(linear(L, 3, attended.view({S.rows(), qn}), H, qn, C),
+                                              L.norm_attn_out, C));
   at::Tensor normed = rms_norm(h, *L.norm_post, C.eps);
   std::vector<at::Tensor> gate_up = quant_linear_group_call(
       normed, {{&L.weights[4], &L.types[4], S.inter, &none}, {&L.weights[5], &L.types[5], S.inter, &none}},
       C.numerics);
   at::Tensor& gate = gate_up[0];
-  at::silu_(gate);
+  if (C.activation == Activation::kGeluTanh) {
+    at::gelu_(gate, "tanh");
+  } else {
+    at::silu_(gate);
+  }
   gate.mul_(gate_up[1]);
-  h.add_(linear(L, 6, gate, H, S.inter, C));
+  h.add_(maybe_norm(linear(L, 6, gate, H, S.inter, C), L.norm_ffw_out, C));
   return h;
 }
 
@@ -158,25 +195,138 @@ void check_float(const at::Tensor& t, const char* what, at::IntArrayRef shape, c
                     shape, ", got ", t.sizes(), t.is_contiguous() ? "" : " (not contiguous)");
 }
 
-Shape check_shape(const at::Tensor& hidden, at::IntArrayRef dims, at::TensorList keys, int64_t start) {
-  TORCH_CHECK_VALUE(dims.size() == 4, kOp, ": dims must be (q_heads, kv_heads, head_dim, intermediate), got ", dims);
-  TORCH_CHECK_TYPE(hidden.device().is_cpu() && hidden.scalar_type() == at::kFloat && hidden.dim() == 3, kOp,
+Shape check_shape(const at::Tensor& hidden, at::IntArrayRef dims, at::TensorList keys, int64_t start,
+                  const char* op) {
+  TORCH_CHECK_VALUE(dims.size() == 4, op, ": dims must be (q_heads, kv_heads, head_dim, intermediate), got ", dims);
+  TORCH_CHECK_TYPE(hidden.device().is_cpu() && hidden.scalar_type() == at::kFloat && hidden.dim() == 3, op,
                    ": hidden must be a float32 CPU tensor (B, T, hidden), got ", hidden.scalar_type(), " ",
                    hidden.sizes());
   Shape S{hidden.size(0), hidden.size(1), hidden.size(2), dims[0], dims[1], dims[2], dims[3], 0, start};
-  TORCH_CHECK_VALUE(S.batch >= 1 && S.queries >= 1 && S.hidden >= 1, kOp, ": hidden must hold at least one row, got ",
+  TORCH_CHECK_VALUE(S.batch >= 1 && S.queries >= 1 && S.hidden >= 1, op, ": hidden must hold at least one row, got ",
                     hidden.sizes());
   TORCH_CHECK_VALUE(S.q_heads >= 1 && S.kv_heads >= 1 && S.q_heads % S.kv_heads == 0 && S.head_dim >= 2 &&
                         S.head_dim % 2 == 0 && S.inter >= 1,
-                    kOp, ": dims must be positive with kv_heads dividing q_heads and an even head_dim, got ", dims);
-  TORCH_CHECK_VALUE(!keys.empty() && keys[0].dim() == 4, kOp, ": keys must be (B, kv_heads, capacity, head_dim) "
+                    op, ": dims must be positive with kv_heads dividing q_heads and an even head_dim, got ", dims);
+  TORCH_CHECK_VALUE(!keys.empty() && keys[0].dim() == 4, op, ": keys must be (B, kv_heads, capacity, head_dim) "
                     "tensors, one per layer");
   S.capacity = keys[0].size(2);
-  TORCH_CHECK_VALUE(start >= 0 && start + S.queries <= S.capacity, kOp, ": ", start, " cached + ", S.queries,
+  TORCH_CHECK_VALUE(start >= 0 && start + S.queries <= S.capacity, op, ": ", start, " cached + ", S.queries,
                     " new positions exceed the cache's capacity of ", S.capacity);
   return S;
 }
 
+// What a call gives of every layer: the lists of eagle::spec_layers, kWeights / kBiases / kSpecNorms entries per
+// layer, one key and value tensor per layer, and each layer's index into the rotary tables and mask lists.
+struct LayerLists {
+  at::TensorList weights;
+  const std::vector<std::string>& types;
+  const c10::List<std::optional<at::Tensor>>& biases;
+  const c10::List<std::optional<at::Tensor>>& norms;
+  at::TensorList cos, sin;
+  at::IntArrayRef layer_rotary;
+  at::TensorList keys, values, offsets, indices;
+  at::IntArrayRef layer_masks;
+};
+
+void check_lists(const LayerLists& A, int64_t layers, const char* op) {
+  TORCH_CHECK_VALUE(layers >= 1 && static_cast<int64_t>(A.weights.size()) == kWeights * layers &&
+                        static_cast<int64_t>(A.types.size()) == kWeights * layers &&
+                        static_cast<int64_t>(A.biases.size()) == kBiases * layers &&
+                        static_cast<int64_t>(A.norms.size()) == kSpecNorms * layers &&
+                        static_cast<int64_t>(A.layer_rotary.size()) == layers &&
+                        static_cast<int64_t>(A.keys.size()) == layers &&
+                        static_cast<int64_t>(A.values.size()) == layers,
+                    op, ": per layer 7 weights and types, 3 biases, 6 norms, 1 rotary index, 1 key and 1 value "
+                    "tensor; got ", layers, " layers and ", A.weights.size(), ", ", A.types.size(), ", ",
+                    A.biases.size(), ", ", A.norms.size(), ", ", A.layer_rotary.size(), ", ", A.keys.size(), ", ",
+                    A.values.size());
+  TORCH_CHECK_VALUE(!A.offsets.empty() && A.offsets.size() == A.indices.size(), op,
+                    ": offsets and indices must be lists of the same length >= 1");
+  TORCH_CHECK_VALUE(A.cos.size() == A.sin.size(), op, ": cos and sin must be lists of the same length");
+}
+
+// Layer i's norms (its kSpecNorms entries of A.norms, held in `held`), checked; the first and third are required.
+void bind_norms(Layer& L, const LayerLists& A, int64_t i, const Shape& S, std::optional<at::Tensor>* held,
+                const char* op) {
+  static const char* const kWhat[kSpecNorms] = {"an input norm weight", "an attention output norm weight",
+                                                "a post-attention norm weight", "a feedforward output norm weight",
+                                                "a q norm weight", "a k norm weight"};
+  const at::Tensor* bound[kSpecNorms] = {};
+  for (int64_t j = 0; j < kSpecNorms; ++j) {
+    held[j] = A.norms.get(kSpecNorms * i + j);
+    TORCH_CHECK_VALUE(held[j].has_value() || (j != 0 && j != 2), op, ": layer ", i, " lacks ", kWhat[j]);
+    if (!held[j].has_value()) continue;
+    check_float(*held[j], kWhat[j], {j < 4 ? S.hidden : S.head_dim}, op);
+    bound[j] = &*held[j];
+  }
+  L.norm_in = bound[0];
+  L.norm_attn_out = bound[1];
+  L.norm_post = bound[2];
+  L.norm_ffw_out = bound[3];
+  L.norm_q = bound[4];
+  L.norm_k = bound[5];
+}
+
+// Layer i's rotary table: the entry of A.cos / A.sin that A.layer_rotary names, or none for -1.
+void bind_rotary(Layer& L, const LayerLists& A, int64_t i, const Shape& S, const char* op) {
+  const int64_t r = A.layer_rotary[i];
+  TORCH_CHECK_VALUE(r >= -1 && r < static_cast<int64_t>(A.cos.size()), op, ": layer ", i, " names rotary table ", r,
+                    " of ", A.cos.size());
+  if (r < 0) return;
+  check_float(A.cos[r], "cos", {S.batch, S.queries, S.head_dim}, op);
+  check_float(A.sin[r], "sin", {S.batch, S.queries, S.head_dim}, op);
+  L.cos = A.cos[r].data_ptr<float>();
+  L.sin = A.sin[r].data_ptr<float>();
+}
+
+std::vector<at::Tensor> run_layers(const at::Tensor& hidden, const LayerLists& A, const Shape& S, const Call& C,
+                                   bool keep_states, const char* op) {
+  const int64_t layers = static_cast<int64_t>(A.layer_masks.size());
+  check_float(hidden, "hidden", hidden.sizes(), op);
+  std::vector<at::Tensor> out(1);
+  at::Tensor x = hidden.reshape({S.rows(), S.hidden});
+  std::optional<at::Tensor> held[kSpecNorms];
+  for (int64_t i = 0; i < layers; ++i) {
+    TORCH_CHECK_VALUE(A.layer_masks[i] >= 0 && A.layer_masks[i] < static_cast<int64_t>(A.offsets.size()), op,
+                      ": layer ", i, " names mask list ", A.layer_masks[i], " of ", A.offsets.size());
+    check_float(A.keys[i], "a layer's cached keys", {S.batch, S.kv_heads, S.capacity, S.head_dim}, op);
+    check_float(A.values[i], "a layer's cached values", {S.batch, S.kv_heads, S.capacity, S.head_dim}, op);
+    Layer L{&A.weights[kWeights * i], &A.types[kWeights * i], {}, nullptr, nullptr, &A.keys[i], &A.values[i],
+            &A.offsets[A.layer_masks[i]], &A.indices[A.layer_masks[i]], nullptr, nullptr};
+    bind_norms(L, A, i, S, held, op);
+    bind_rotary(L, A, i, S, op);
+    for (int64_t j = 0; j < kBiases; ++j) L.biases[j] = A.biases.get(kBiases * i + j);
+    if (keep_states) out.push_back(x.view(hidden.sizes()));
+    x = run_layer(L, C, x);
+  }
+  out[0] = x.view(hidden.sizes());
+  return out;
+}
+
+Activation activation_named(const std::string& name) {
+  TORCH_CHECK_VALUE(name == "silu" || name == "gelu_tanh", kSpecOp, ": activation must be 'silu' or 'gelu_tanh', got '",
+                    name, "'");
+  return name == "silu" ? Activation::kSilu : Activation::kGeluTanh;
+}
+
+std::vector<at::Tensor> spec_layers(const at::Tensor& hidden, at::TensorList weights,
+                                    const std::vector<std::string>& types,
+                                    const c10::List<std::optional<at::Tensor>>& biases,
+                                    const c10::List<std::optional<at::Tensor>>& norms, at::IntArrayRef dims,
+                                    double eps, double scale, const std::string& activation, at::TensorList cos,
+                                    at::TensorList sin, at::IntArrayRef layer_rotary, at::TensorList keys,
+                                    at::TensorList values, int64_t start, at::TensorList offsets,
+                                    at::TensorList indices, at::IntArrayRef layer_masks, const std::string& numerics,
+                                    bool keep_states) {
+  const LayerLists A{weights, types, biases, norms, cos, sin, layer_rotary, keys, values, offsets, indices,
+                     layer_masks};
+  check_lists(A, static_cast<int64_t>(layer_masks.size()), kSpecOp);
+  const Shape S = check_shape(hidden, dims, keys, start, kSpecOp);
+  const Call C{S, static_cast<float>(eps), scale, numerics, activation_named(activation)};
+  return run_layers(hidden, A, S, C, keep_states, kSpecOp);
+}
+
+// The Llama options of eagle::spec_layers: two norms per layer (input, post-attention), one rotary table, SiLU.
 std::vector<at::Tensor> decoder_layers(const at::Tensor& hidden, at::TensorList weights,
                                        const std::vector<std::string>& types,
                                        const c10::List<std::optional<at::Tensor>>& biases, at::TensorList norms,
@@ -193,30 +343,23 @@ std::vector<at::Tensor> decoder_layers(const at::Tensor& hidden, at::TensorList 
                     kOp, ": per layer 7 weights and types, 3 biases, 2 norms, 1 key and 1 value tensor; got ", layers,
                     " layers and ", weights.size(), ", ", types.size(), ", ", biases.size(), ", ", norms.size(), ", ",
                     keys.size(), ", ", values.size());
-  TORCH_CHECK_VALUE(!offsets.empty() && offsets.size() == indices.size(), kOp,
-                    ": offsets and indices must be lists of the same length >= 1");
-  const Shape S = check_shape(hidden, dims, keys, start);
-  check_float(hidden, "hidden", hidden.sizes());
+  c10::List<std::optional<at::Tensor>> spec_norms;
+  for (int64_t i = 0; i < layers; ++i) {
+    spec_norms.push_back(norms[kNorms * i]);
+    spec_norms.push_back(std::nullopt);
+    spec_norms.push_back(norms[kNorms * i + 1]);
+    for (int j = 0; j < 3; ++j) spec_norms.push_back(std::nullopt);
+  }
+  const std::vector<at::Tensor> tables_cos{cos}, tables_sin{sin};
+  const std::vector<int64_t> rotary(layers, 0);
+  const LayerLists A{weights, types, biases, spec_norms, tables_cos, tables_sin, rotary, keys, values, offsets,
+                     indices, layer_masks};
+  check_lists(A, layers, kOp);
+  const Shape S = check_shape(hidden, dims, keys, start, kOp);
   check_float(cos, "cos", {S.batch, S.queries, S.head_dim});
   check_float(sin, "sin", {S.batch, S.queries, S.head_dim});
-  const Call C{S, static_cast<float>(eps), scale, cos.data_ptr<float>(), sin.data_ptr<float>(), numerics};
-  std::vector<at::Tensor> out(1);
-  at::Tensor x = hidden.reshape({S.rows(), S.hidden});
-  for (int64_t i = 0; i < layers; ++i) {
-    TORCH_CHECK_VALUE(layer_masks[i] >= 0 && layer_masks[i] < static_cast<int64_t>(offsets.size()), kOp,
-                      ": layer ", i, " names mask list ", layer_masks[i], " of ", offsets.size());
-    check_float(norms[kNorms * i], "an input norm weight", {S.hidden});
-    check_float(norms[kNorms * i + 1], "a post-attention norm weight", {S.hidden});
-    check_float(keys[i], "a layer's cached keys", {S.batch, S.kv_heads, S.capacity, S.head_dim});
-    check_float(values[i], "a layer's cached values", {S.batch, S.kv_heads, S.capacity, S.head_dim});
-    Layer L{&weights[kWeights * i], &types[kWeights * i], {}, &norms[kNorms * i], &norms[kNorms * i + 1], &keys[i],
-            &values[i], &offsets[layer_masks[i]], &indices[layer_masks[i]]};
-    for (int64_t j = 0; j < kBiases; ++j) L.biases[j] = biases.get(kBiases * i + j);
-    if (keep_states) out.push_back(x.view(hidden.sizes()));
-    x = run_layer(L, C, x);
-  }
-  out[0] = x.view(hidden.sizes());
-  return out;
+  const Call C{S, static_cast<float>(eps), scale, numerics, Activation::kSilu};
+  return run_layers(hidden, A, S, C, keep_states, kOp);
 }
 
 constexpr const char* kHeadOp = "eagle::eagle3_layer";
@@ -264,8 +407,9 @@ std::vector<at::Tensor> eagle3_layer(const at::Tensor& embeds, const at::Tensor&
   keys.narrow(2, 0, P).copy_(past_keys);
   values.narrow(2, 0, P).copy_(past_values);
   const Shape S{B, T, H, dims[0], kv, D, dims[3], P + T, P};
-  const Call C{S, static_cast<float>(eps), scale, cos.data_ptr<float>(), sin.data_ptr<float>(), numerics};
-  Layer L{weights.data(), types.data(), {}, nullptr, &norms[2], &keys, &values, &offsets, &indices};
+  const Call C{S, static_cast<float>(eps), scale, numerics, Activation::kSilu};
+  Layer L{weights.data(), types.data(), {}, nullptr, &norms[2], &keys, &values, &offsets, &indices,
+          cos.data_ptr<float>(), sin.data_ptr<float>()};
   const at::Tensor x = hidden.view({B * T, H});
   const at::Tensor normed_hidden = rms_norm(x, norms[1], C.eps);
   const at::Tensor input = at::cat({rms_norm(embeds.view({B * T, H}), norms[0], C.eps), normed_hidden}, 1);
@@ -300,4 +444,8 @@ TORCH_LIBRARY_FRAGMENT(eagle, m) {
         "float eps, float scale, Tensor cos, Tensor sin, Tensor[] keys, Tensor[] values, int start, Tensor[] offsets, "
         "Tensor[] indices, int[] layer_masks, str numerics, bool keep_states) -> Tensor[]",
         &eagle::decoder_layers);
+  m.def("spec_layers(Tensor hidden, Tensor[] weights, str[] types, Tensor?[] biases, Tensor?[] norms, int[] dims, "
+        "float eps, float scale, str activation, Tensor[] cos, Tensor[] sin, int[] layer_rotary, Tensor[] keys, "
+        "Tensor[] values, int start, Tensor[] offsets, Tensor[] indices, int[] layer_masks, str numerics, "
+        "bool keep_states) -> Tensor[]", &eagle::spec_layers);
 }

@@ -7,13 +7,14 @@ with the kernels' rounding (their row norm, int8 activations, position-ordered a
 differ in the last bits from the module path's, the output never does, since the target verifies every token.
 
 :func:`head_layer_plan` decides once, at quantization, whether the head's layer can run natively (a head of one
-decoder layer whose projections are all kernel layers without biases); else the module path runs as before.
+decoder layer whose projections are all kernel layers without biases); else the module path runs as before. It
+reads the layer with the target's readers (:mod:`eagle.model.base.layer_spec`: activation, norm factors and
+epsilon, attention scale), and the op runs the target's layer body (``eagle/csrc/decoder.cpp``).
 """
 
 from __future__ import annotations
 
 import logging
-import math
 from dataclasses import dataclass
 
 import torch
@@ -63,14 +64,15 @@ def head_layer_plan(head) -> HeadLayerPlan | None:
     if problem is not None:
         logger.info("The draft head's decoder layer runs through its modules: %s.", problem)
         return None
+    from eagle.model.base.layer_spec import attention_scale, norm_eps, norm_factor
+
     layer = head.midlayer
     attention, mlp = layer.self_attn, layer.mlp
     linears, norms = _parts(layer)
     return HeadLayerPlan(
-        [m.weight.packed for m in linears], [m.type_name for m in linears], [n.weight.detach() for n in norms],
+        [m.weight.packed for m in linears], [m.type_name for m in linears], [norm_factor(n) for n in norms],
         [attention.num_heads, attention.num_kv_heads, attention.head_dim, mlp.gate_proj.out_features],
-        float(norms[0].variance_epsilon), 1.0 / math.sqrt(attention.head_dim), linears[0].numerics,
-        layer.norm_before_residual)
+        norm_eps(norms[0]), attention_scale(attention), linears[0].numerics, layer.norm_before_residual)
 
 
 def _parts(layer) -> tuple[tuple, tuple]:
@@ -84,6 +86,7 @@ def _parts(layer) -> tuple[tuple, tuple]:
 def _plan_problem(head) -> str | None:
     from eagle import kernels
     from eagle.kernels.linear import QuantLinear
+    from eagle.model.base.layer_spec import NORM_OFFSETS, activation_name, norm_eps
 
     if not kernels.available() or not hasattr(torch.ops.eagle, "eagle3_layer"):
         return "the compiled extension has no eagle::eagle3_layer"
@@ -100,9 +103,11 @@ def _plan_problem(head) -> str | None:
         return "a projection has a bias"
     if len({m.numerics for m in linears}) != 1:
         return "its projections mix numerics"
-    if type(mlp.act_fn).__name__ not in ("SiLU", "SiLUActivation"):
+    if activation_name(mlp.act_fn) != "silu":
         return f"its MLP activation is {type(mlp.act_fn).__name__}, not SiLU"
-    if len({n.variance_epsilon for n in norms}) != 1 or any(n.weight.dtype != torch.float32 for n in norms):
+    if any(type(n).__name__ not in NORM_OFFSETS for n in norms):
+        return "its norms are not an RMSNorm the native layer knows"
+    if len({norm_eps(n) for n in norms}) != 1 or any(n.weight.dtype != torch.float32 for n in norms):
         return "its norms differ in epsilon or are not float32"
     if (attention.num_heads * attention.head_dim, attention.num_kv_heads * attention.head_dim) != (
             attention.q_proj.out_features, attention.k_proj.out_features):
