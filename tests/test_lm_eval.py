@@ -43,6 +43,8 @@ doc_to_choice: choices
 doc_to_target: answer
 metric_list:
   - metric: acc
+    aggregation: mean
+    higher_is_better: true
 """
 GEN_TASK = """task: eagle_gen
 dataset_path: json
@@ -61,6 +63,8 @@ generation_kwargs:
   temperature: 0
 metric_list:
   - metric: exact_match
+    aggregation: mean
+    higher_is_better: true
     ignore_case: true
     ignore_punctuation: true
 """
@@ -92,7 +96,8 @@ def evaluate(model, tasks_dir, tokenizer_dir, **server_settings) -> dict:
             model_args={"model": NAME, "base_url": server.url + "/v1/completions", "tokenizer": str(tokenizer_dir),
                         "tokenizer_backend": "huggingface", "num_concurrent": 1, "max_retries": 1,
                         "max_length": 2048},
-            tasks=["eagle_mc", "eagle_gen"], task_manager=TaskManager(include_path=str(tasks_dir)),
+            tasks=["eagle_mc", "eagle_gen"],
+            task_manager=TaskManager(include_path=str(tasks_dir), include_defaults=False),  # ours alone: quick
             bootstrap_iters=0, log_samples=True, random_seed=0)
 
 
