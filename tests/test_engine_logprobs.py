@@ -75,7 +75,7 @@ def test_greedy_eagle_logprobs_equal_plain_decoding_bit_for_bit_on_the_kernels(k
         assert torch.equal(top_values[:, 0], chosen)
         assert bool((top_values[:, :-1] >= top_values[:, 1:]).all())
         # a prompt's logprobs over the final sequence: the same numbers again (one prefill on the kernels)
-        echo = kernels_model.prompt_logprobs(torch.cat([ids, torch.tensor(tokens)]), 5)
+        echo = kernels_model.engine.prompt_logprobs(torch.cat([ids, torch.tensor(tokens)]), 5)
         assert torch.equal(echo.chosen[len(ids) - 1:], chosen) and torch.equal(echo.top_ids[len(ids) - 1:], top_ids)
 
 
@@ -101,18 +101,18 @@ def test_sampled_tokens_logprobs_are_the_target_s_after_temperature(kernels_mode
     torch.testing.assert_close(chosen, expected, atol=2e-4, rtol=0)
     torch.testing.assert_close(top_values, reference.topk(3, dim=-1).values, atol=2e-4, rtol=0)
     # the same logprobs as the target's own prefill over the final sequence, at that temperature, bit for bit
-    echo = kernels_model.prompt_logprobs(torch.cat([ids, torch.tensor(tokens)]), 3, temperature)
+    echo = kernels_model.engine.prompt_logprobs(torch.cat([ids, torch.tensor(tokens)]), 3, temperature)
     assert torch.equal(echo.chosen[len(ids) - 1:], chosen)
 
 
 def test_prompt_logprobs_equal_a_plain_forward(float_model):
     ids = chat_ids(float_model, PROMPTS[1])
-    got = float_model.prompt_logprobs(ids, 4)
+    got = float_model.engine.prompt_logprobs(ids, 4)
     reference = forward_logprobs(float_model, ids.tolist())
     assert len(got) == len(ids) - 1 and got.token_ids.tolist() == ids[1:].tolist()
     torch.testing.assert_close(got.chosen, reference.gather(1, ids[1:, None])[:, 0], atol=1e-5, rtol=0)
     torch.testing.assert_close(got.top_logprobs, reference.topk(4, dim=-1).values, atol=1e-5, rtol=0)
-    assert len(float_model.prompt_logprobs(ids[:1], 2)) == 0  # a one-token prompt: nothing to score
+    assert len(float_model.engine.prompt_logprobs(ids[:1], 2)) == 0  # a one-token prompt: nothing to score
 
 
 def test_logprobs_cost_nothing_unless_a_row_asks(kernels_model, monkeypatch):
@@ -140,4 +140,4 @@ def test_bad_logprob_counts_are_refused(kernels_model):
         with pytest.raises(ValueError, match="logprobs"):
             kernels_model.continuous_batch().add(ids, logprobs=bad)
         with pytest.raises(ValueError, match="logprobs"):
-            kernels_model.prompt_logprobs(ids, bad)
+            kernels_model.engine.prompt_logprobs(ids, bad)

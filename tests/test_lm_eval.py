@@ -30,15 +30,16 @@ QUESTIONS = [
     ("Q: How many legs does a spider have?\nA:", "Eight"),
     ("Q: What colour is the sky on a clear day?\nA:", "Blue"),
 ]
-MC_TASK = """task: eagle_mc
+TASK = """task: {name}
 dataset_path: json
 dataset_kwargs:
   data_files:
     test: {data}
   cache_dir: {cache}
 test_split: test
-output_type: multiple_choice
 doc_to_text: "{{{{question}}}}"
+"""
+MC_TASK = """output_type: multiple_choice
 doc_to_choice: choices
 doc_to_target: answer
 metric_list:
@@ -46,16 +47,8 @@ metric_list:
     aggregation: mean
     higher_is_better: true
 """
-GEN_TASK = """task: eagle_gen
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: {data}
-  cache_dir: {cache}
-test_split: test
-output_type: generate_until
-doc_to_text: "{{{{question}}}}"
-doc_to_target: "{{{{answer}}}}"
+GEN_TASK = """output_type: generate_until
+doc_to_target: "{{answer}}"
 generation_kwargs:
   until: ["\\n"]
   max_gen_toks: 12
@@ -81,8 +74,8 @@ def write_tasks(directory) -> None:
     mc.write_text("".join(json.dumps({"question": q, "choices": c, "answer": a}) + "\n" for q, c, a in CHOICES))
     gen.write_text("".join(json.dumps({"question": q, "answer": a}) + "\n" for q, a in QUESTIONS))
     cache = directory / "datasets-cache"
-    (directory / "eagle_mc.yaml").write_text(MC_TASK.format(data=mc, cache=cache))
-    (directory / "eagle_gen.yaml").write_text(GEN_TASK.format(data=gen, cache=cache))
+    (directory / "eagle_mc.yaml").write_text(TASK.format(name="eagle_mc", data=mc, cache=cache) + MC_TASK)
+    (directory / "eagle_gen.yaml").write_text(TASK.format(name="eagle_gen", data=gen, cache=cache) + GEN_TASK)
 
 
 def evaluate(model, tasks_dir, tokenizer_dir, **server_settings) -> dict:

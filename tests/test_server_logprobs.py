@@ -114,7 +114,7 @@ def test_echo_with_no_new_tokens_scores_the_prompt(served, model):
     logprobs = choice.logprobs
     assert logprobs.tokens == [model.tokenizer.decode([i]) for i in ids]
     assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
-    expected = model.prompt_logprobs(ids, 2)
+    expected = model.engine.prompt_logprobs(ids, 2)
     assert logprobs.token_logprobs[1:] == expected.chosen.tolist()
     assert [list(top.values()) for top in logprobs.top_logprobs[1:]] == expected.top_logprobs.tolist()
     assert logprobs.text_offset == [sum(len(t) for t in logprobs.tokens[:i]) for i in range(len(ids))]

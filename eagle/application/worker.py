@@ -143,8 +143,9 @@ def batch_key(params: GenerationParams) -> tuple | None:
 
 
 class ModelWorker:
-    """Owns ``model`` (an ``EaModel``, or anything with ``continuous_batch``, ``stop_token_ids`` and ``device``) in
-    one worker thread; see the module docstring.
+    """Owns ``model`` (an ``EaModel``, or anything with ``continuous_batch``, ``stop_token_ids`` and ``device``, and
+    ``engine.prompt_logprobs`` for jobs that echo their prompt with logprobs) in one worker thread; see the module
+    docstring.
 
     ``max_queue``: jobs that may wait (besides the running batch); ``max_batch_size``: rows of a running batch;
     ``max_length``: prompt plus answer, in tokens (capped by the model's position limit); ``use_eagle``: EAGLE or plain decoding for jobs that do not say;
@@ -354,7 +355,7 @@ class ModelWorker:
         """The job's prompt update: its tokens' logprobs (one forward pass over the prompt) when it wants them."""
         logprobs = None
         if job.params.logprobs is not None:
-            logprobs = self.model.prompt_logprobs(job.prompt_ids, job.params.logprobs, job.params.temperature)
+            logprobs = self.model.engine.prompt_logprobs(job.prompt_ids, job.params.logprobs, job.params.temperature)
         job.deliver(Update(mode=job.mode, echo=True, prompt_logprobs=logprobs))
 
     def _boundary(self, running, rows: dict, key, use_eagle: bool) -> None:

@@ -166,11 +166,6 @@ class EaModel(nn.Module):
                                       max_length=max_length, is_llama3=is_llama3, generator=generator,
                                       stop_ids=stop_token_ids)
 
-    def prompt_logprobs(self, input_ids, top: int = 0, temperature: float = 0.0):
-        """The target's log-probabilities of a prompt's tokens after the tokens before them (see
-        :meth:`~eagle.model.engine.engine.Engine.prompt_logprobs`)."""
-        return self.engine.prompt_logprobs(input_ids, top, temperature)
-
     def _reference_request(self, use_eagle, input_ids, attention_mask, temperature, top_p, top_k, max_new_tokens,
                            max_length, is_llama3):
         return self._request(input_ids, attention_mask, temperature=temperature, top_p=top_p, top_k=top_k,
