@@ -116,7 +116,9 @@ def test_echo_with_no_new_tokens_scores_the_prompt(served, model):
     assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
     expected = model.engine.prompt_logprobs(ids, 2)
     assert logprobs.token_logprobs[1:] == expected.chosen.tolist()
-    assert [list(top.values()) for top in logprobs.top_logprobs[1:]] == expected.top_logprobs.tolist()
+    assert [list(top.values())[:2] for top in logprobs.top_logprobs[1:]] == expected.top_logprobs.tolist()
+    for token, chosen, top in zip(logprobs.tokens[1:], logprobs.token_logprobs[1:], logprobs.top_logprobs[1:]):
+        assert top[token] == chosen and len(top) in (2, 3)  # top 2, and the chosen token where it is not among them
     assert logprobs.text_offset == [sum(len(t) for t in logprobs.tokens[:i]) for i in range(len(ids))]
     # a plain forward pass over the prompt gives the same numbers (the base model's own call, float tolerance)
     with torch.no_grad():
@@ -149,6 +151,14 @@ def test_echo_then_generation_streamed_and_not(served, model):
 def test_echo_without_logprobs_repeats_the_prompt(served):
     answer = post(served, "completions", {"prompt": PROMPT, "max_tokens": 0, "echo": True}).json()
     assert answer["choices"][0]["text"] == PROMPT and answer["choices"][0]["logprobs"] is None
+
+
+def test_legacy_logprobs_zero_still_give_each_token_s_own(served):
+    answer = post(served, "completions", {"prompt": PROMPT, "max_tokens": 6, "logprobs": 0, "temperature": 0})
+    logprobs = answer.json()["choices"][0]["logprobs"]
+    assert len(logprobs["tokens"]) == 6 == len(logprobs["top_logprobs"])
+    assert [list(top) for top in logprobs["top_logprobs"]] == [[token] for token in logprobs["tokens"]]
+    assert [top[token] for top, token in zip(logprobs["top_logprobs"], logprobs["tokens"])] == logprobs["token_logprobs"]
 
 
 @pytest.mark.parametrize("path, body, param", [

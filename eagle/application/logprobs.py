@@ -4,8 +4,9 @@
 - chat (``/v1/chat/completions``, ``logprobs: true``, ``top_logprobs: k``): ``{"content": [{"token", "logprob",
   "bytes", "top_logprobs": [{"token", "logprob", "bytes"}, ...]}, ...]}``;
 - legacy (``/v1/completions``, ``logprobs: k``): ``{"tokens": [...], "token_logprobs": [...], "top_logprobs":
-  [{token: logprob, ...}, ...], "text_offset": [...]}``; with ``echo`` the prompt's tokens come first, the first
-  of them with ``null`` logprobs (nothing precedes it).
+  [{token: logprob, ...}, ...], "text_offset": [...]}``, each ``top_logprobs`` entry the k likeliest tokens and the
+  chosen one (k + 1 entries when it is not among them, as OpenAI writes it); with ``echo`` the prompt's tokens come
+  first, the first of them with ``null`` logprobs (nothing precedes it).
 
 A token's text is the tokenizer's decoding of that token alone (special tokens included); ``bytes`` its UTF-8
 bytes; ``text_offset`` where each token starts in the choice's text (echo: the prompt's text first), counted from
@@ -63,7 +64,9 @@ class LogprobWriter:
                 top_logprobs.append(None)
                 continue
             token_logprobs.append(chosen)
-            top_logprobs.append({self.token_text(i): v for i, v in zip(ids, values)})
+            top = {self.token_text(i): v for i, v in zip(ids, values)}
+            top.setdefault(text, chosen)  # the chosen token is always there, as OpenAI's legacy format has it
+            top_logprobs.append(top)
         return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
                 "text_offset": offsets}
 
