@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Install eagle and everything it needs on a fresh machine (Python 3.11). Idempotent.
 #   scripts/install.sh          runtime: torch, transformers, deepspeed, gradio, the embedded default model...
-#   scripts/install.sh --test   also what the tests need (pytest, the openai client, Chromium + chromedriver + selenium)
+#   scripts/install.sh --test   also what the tests need (pytest, the openai client, lm-evaluation-harness,
+#                               Chromium + chromedriver + selenium)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-python}"
@@ -24,5 +25,8 @@ pip_install --no-build-isolation --no-deps -e .
 
 if [ "${1:-}" = "--test" ]; then
     pip_install pytest==9.0.3 openai==3.57.0   # openai: the official client, for the HTTP server tests
+    # lm-evaluation-harness as a client of the server (tests/test_lm_eval.py); tenacity: what its local-completions
+    # model needs beyond lm_eval's own dependencies (datasets, evaluate, sacrebleu, scikit-learn...)
+    pip_install lm_eval==0.4.13 tenacity==9.2.1
     bash .ci/install_browser.sh
 fi

@@ -348,7 +348,7 @@ def test_api_key_is_required_when_set(tiny_model, monkeypatch):
     (json.dumps({"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}).encode(), "max_tokens"),
     (json.dumps({"messages": [{"role": "user", "content": "x"}], "n": 2}).encode(), "n"),
     (json.dumps({"messages": [{"role": "user", "content": "x"}], "stop": ["a"] * 5}).encode(), "stop"),
-    (json.dumps({"messages": [{"role": "user", "content": "x"}], "logprobs": True}).encode(), "logprobs"),
+    (json.dumps({"messages": [{"role": "user", "content": "x"}], "logit_bias": {"1": 5}}).encode(), "logit_bias"),
     (json.dumps({"messages": [{"role": "user", "content": "x " * 400}]}).encode(), "messages"),
 ])
 def test_malformed_or_unsupported_bodies_get_400(served, body, param):

@@ -2,8 +2,10 @@
 
 Requests are validated with pydantic; every refusal is an :class:`APIError` whose :meth:`APIError.body` is the
 OpenAI error object ``{"error": {"message", "type", "param", "code"}}``. Fields the OpenAI API defines but this
-server cannot honour (``n`` > 1, log-probabilities, tools, penalties...) are refused with a 400 naming the field
-rather than silently ignored; fields it does not know are ignored, as client libraries send extras.
+server cannot honour (``n`` > 1, tools, penalties...) are refused with a 400 naming the field rather than silently
+ignored; fields it does not know are ignored, as client libraries send extras. Log-probabilities: ``logprobs`` and
+``top_logprobs`` (0 to :data:`MAX_CHAT_TOP_LOGPROBS`) in chat, ``logprobs`` (0 to
+:data:`MAX_COMPLETION_LOGPROBS`) and ``echo`` in completions (see :mod:`eagle.application.logprobs`).
 
 EAGLE's figures travel in an extension field, ``"eagle"``, of every answer (and of the last streamed chunks):
 ``{"mode": "eagle" | "plain", "steps": target forward passes, "accepted_tokens": accepted draft tokens,
@@ -20,6 +22,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 MAX_STOP_STRINGS = 4
+#: Bounds of the alternatives per token: ``top_logprobs`` (chat) and ``logprobs`` (completions), as OpenAI's.
+MAX_CHAT_TOP_LOGPROBS, MAX_COMPLETION_LOGPROBS = 20, 5
 #: ``seed``'s range: OpenAI's (a 64-bit signed integer).
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
 
@@ -114,10 +118,28 @@ class SamplingRequest(_Strict):
             raise ValueError("only n=1 is supported (one answer per request)")
         return value
 
+    @property
+    def top_logprobs_wanted(self) -> int | None:
+        """Alternatives per generated token when the request wants logprobs, else None."""
+        return None
+
+    def check_fields(self) -> None:
+        """Checks across fields: :class:`APIError` 400 naming the field at fault."""
+
 
 class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_CHAT_TOP_LOGPROBS)
+
+    @property
+    def top_logprobs_wanted(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    def check_fields(self) -> None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise APIError(400, "'top_logprobs' needs 'logprobs': true.", param="top_logprobs", code="invalid_value")
 
 
 class CompletionRequest(SamplingRequest):
@@ -125,6 +147,18 @@ class CompletionRequest(SamplingRequest):
     request); after validation, the string or the list of ids."""
 
     prompt: str | list[int]
+    max_tokens: int | None = Field(default=None, ge=0)
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_COMPLETION_LOGPROBS)
+    echo: bool = False
+
+    @property
+    def top_logprobs_wanted(self) -> int | None:
+        return self.logprobs
+
+    def check_fields(self) -> None:
+        if self.max_tokens == 0 and not self.echo:
+            raise APIError(400, "'max_tokens' must be >= 1 (0 only with 'echo': true, to score the prompt).",
+                           param="max_tokens", code="invalid_value")
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -145,9 +179,9 @@ class CompletionRequest(SamplingRequest):
 
 # Fields of the OpenAI API this server cannot honour, with the values that mean "not used".
 UNSUPPORTED_UNLESS = {
-    "logprobs": (None, False, 0), "top_logprobs": (None, 0), "tools": (None, []), "functions": (None, []),
+    "tools": (None, []), "functions": (None, []),
     "tool_choice": (None, "none"), "response_format": (None, {"type": "text"}), "presence_penalty": (None, 0, 0.0),
-    "frequency_penalty": (None, 0, 0.0), "logit_bias": (None, {}), "best_of": (None, 1), "echo": (None, False),
+    "frequency_penalty": (None, 0, 0.0), "logit_bias": (None, {}), "best_of": (None, 1),
     "suffix": (None, ""), "audio": (None,), "modalities": (None, ["text"]),
 }
 
@@ -190,6 +224,7 @@ def parse_request(model_cls: type[SamplingRequest], raw: bytes) -> SamplingReque
     if request.stream_options is not None and not request.stream:
         raise APIError(400, "'stream_options' is only allowed with stream=true.", param="stream_options",
                        code="invalid_value")
+    request.check_fields()
     return request
 
 
@@ -209,30 +244,32 @@ def eagle_stats(mode: str, steps: int, accepted: int, completion_tokens: int) ->
 
 
 def chat_completion(request_id: str, model: str, text: str, finish_reason: str, usage_: dict, eagle: dict,
-                    created: int | None = None) -> dict:
+                    created: int | None = None, logprobs: dict | None = None) -> dict:
+    """``logprobs``: the choice's ``{"content": [...]}`` when asked for (see :mod:`eagle.application.logprobs`)."""
     return {"id": request_id, "object": "chat.completion", "created": created or int(time.time()), "model": model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
                          "finish_reason": finish_reason}],
             "usage": usage_, "eagle": eagle}
 
 
 def chat_chunk(request_id: str, model: str, created: int, delta: dict | None, finish_reason: str | None = None,
-               usage_: dict | None = None, eagle: dict | None = None) -> dict:
+               usage_: dict | None = None, eagle: dict | None = None, logprobs: dict | None = None) -> dict:
     """One streamed chunk; ``delta=None`` makes the usage-only chunk (no choices)."""
     chunk: dict[str, Any] = {"id": request_id, "object": "chat.completion.chunk", "created": created,
                              "model": model, "choices": []}
     if delta is not None:
-        chunk["choices"] = [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]
+        chunk["choices"] = [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]
     return _with_extras(chunk, usage_, eagle)
 
 
 def completion(request_id: str, model: str, text: str | None, finish_reason: str | None, created: int,
-               usage_: dict | None = None, eagle: dict | None = None) -> dict:
-    """A text completion, or one streamed chunk of it (``text=None``: the usage-only chunk)."""
+               usage_: dict | None = None, eagle: dict | None = None, logprobs: dict | None = None) -> dict:
+    """A text completion, or one streamed chunk of it (``text=None``: the usage-only chunk); ``logprobs`` the
+    legacy ``{"tokens", "token_logprobs", "top_logprobs", "text_offset"}`` when asked for."""
     answer: dict[str, Any] = {"id": request_id, "object": "text_completion", "created": created, "model": model,
                               "choices": []}
     if text is not None:
-        answer["choices"] = [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}]
+        answer["choices"] = [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}]
     return _with_extras(answer, usage_, eagle)
 
 

@@ -29,7 +29,7 @@ from .. import cli
 from .prompts import MODEL_TYPES
 from .request_guard import ANY_HOST, WILDCARD_HOSTS, allowed_hosts
 from .worker import ModelWorker
-from .server_app import DEFAULT_MAX_BODY_BYTES, ServerSettings, build_app
+from .server_app import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_ECHO_TOKENS, ServerSettings, build_app
 
 logger = logging.getLogger(__name__)
 
@@ -50,14 +50,15 @@ def create_app(model, served_model_name: str = "eagle", api_key: str | None = No
                max_queue: int = DEFAULT_MAX_QUEUE, max_batch_size: int = 8,
                eagle_max_batch_size: int = DEFAULT_EAGLE_MAX_BATCH_SIZE, bind_host: str = "127.0.0.1",
                extra_allowed_hosts: Sequence[str] = (), max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-               api_docs: bool = False):
+               api_docs: bool = False, max_echo_tokens: int = DEFAULT_MAX_ECHO_TOKENS):
     """The FastAPI app serving ``model`` (an ``EaModel``). ``max_length``: prompt plus answer in tokens (capped by
     the model's position limit); ``use_eagle=False`` serves plain decoding (for comparison);
     ``max_batch_size``: rows of the running batch that waiting requests join between steps;
     ``eagle_max_batch_size`` > 0: when more requests run or wait, batches run plain decoding; ``bind_host`` and
     ``extra_allowed_hosts``: the ``Host`` names answered (:func:`~eagle.application.request_guard.allowed_hosts`);
     ``max_body_bytes``: larger request bodies get 413; ``api_docs``: serve ``/openapi.json``, ``/docs`` and
-    ``/redoc`` (behind ``api_key``). The model worker starts when the app starts (uvicorn's lifespan) and stops with
+    ``/redoc`` (behind ``api_key``); ``max_echo_tokens``: the longest prompt ``echo`` with ``logprobs`` scores.
+    The model worker starts when the app starts (uvicorn's lifespan) and stops with
     it."""
     worker = ModelWorker(model, max_queue=max_queue, max_batch_size=max_batch_size, max_length=max_length,
                          use_eagle=use_eagle, eagle_max_batch_size=eagle_max_batch_size,
@@ -65,7 +66,7 @@ def create_app(model, served_model_name: str = "eagle", api_key: str | None = No
     settings = ServerSettings(served_model_name=served_model_name, api_key=api_key, model_type=model_type,
                               default_max_tokens=default_max_tokens,
                               allowed_hosts=allowed_hosts(bind_host, extra_allowed_hosts),
-                              max_body_bytes=max_body_bytes, api_docs=api_docs)
+                              max_body_bytes=max_body_bytes, api_docs=api_docs, max_echo_tokens=max_echo_tokens)
     return build_app(model, worker, settings)
 
 
@@ -194,7 +195,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--no-warmup", action="store_true", help="skip the short warm-up generation")
     add_safety_arguments(parser)
     args = parser.parse_args(argv)
-    for flag in ("max_batch_size", "max_queue", "max_new_tokens", "max_body_bytes"):
+    for flag in ("max_batch_size", "max_queue", "max_new_tokens", "max_body_bytes", "max_echo_tokens"):
         if getattr(args, flag) < 1:
             parser.error(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}")
     if args.max_length < 2:
@@ -214,6 +215,10 @@ def add_safety_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
                         help=f"largest request body accepted; larger ones get 413 (default {DEFAULT_MAX_BODY_BYTES}"
                         ", 4 MiB)")
+    parser.add_argument("--max-echo-tokens", type=int, default=DEFAULT_MAX_ECHO_TOKENS,
+                        help="longest prompt whose token logprobs a completion with echo and logprobs computes "
+                        f"(one forward pass keeping every position's logits); longer ones get 400 (default "
+                        f"{DEFAULT_MAX_ECHO_TOKENS})")
     parser.add_argument("--shutdown-timeout", type=float, default=DEFAULT_SHUTDOWN_TIMEOUT, metavar="SECONDS",
                         help="on SIGTERM / SIGINT, how long running requests may go on before they end with a 503 "
                         f"(streams: an error event) and the server exits (default {DEFAULT_SHUTDOWN_TIMEOUT:g})")
@@ -234,7 +239,7 @@ def main(argv: list[str] | None = None) -> None:
                      max_queue=args.max_queue, max_batch_size=args.max_batch_size,
                      eagle_max_batch_size=args.eagle_max_batch_size, bind_host=args.host,
                      extra_allowed_hosts=args.allowed_host, max_body_bytes=args.max_body_bytes,
-                     api_docs=args.api_docs)
+                     api_docs=args.api_docs, max_echo_tokens=args.max_echo_tokens)
     if not args.no_warmup:  # through the worker, on the thread that will serve (the app's lifespan keeps it)
         app.state.worker.start()
         app.state.worker.warm_up()

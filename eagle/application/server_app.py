@@ -29,6 +29,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from . import openai_schema as schema
+from .logprobs import LogprobWriter, with_first_token
 from .openai_schema import APIError, ChatCompletionRequest, CompletionRequest
 from .request_guard import RequestGuard, allowed_hosts
 from .request_prompts import PromptEncoder, chat_prompt_ids  # noqa: F401  (chat_prompt_ids: this module's name)
@@ -45,6 +46,9 @@ DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 PREPARE_THREADS = 4
 #: How long the app's shutdown waits for the model worker to finish the step it is in.
 WORKER_EXIT_WAIT_S = 2.0
+#: The longest prompt whose logprobs ``echo`` computes (``--max-echo-tokens``): one forward pass keeping every
+#: position's logits (prompt x vocabulary floats).
+DEFAULT_MAX_ECHO_TOKENS = 2048
 
 
 @dataclass
@@ -53,7 +57,8 @@ class ServerSettings:
     the API docs) needs ``Authorization: Bearer <key>`` (the scheme in any case); ``model_type``: prompt format for
     chat (None = the tokenizer's chat template); ``default_max_tokens``: the answer budget when a request sets
     none; ``allowed_hosts``: the ``Host`` names answered (:func:`~eagle.application.request_guard.allowed_hosts`);
-    ``max_body_bytes``: larger bodies get 413; ``api_docs``: serve ``/openapi.json``, ``/docs`` and ``/redoc``."""
+    ``max_body_bytes``: larger bodies get 413; ``api_docs``: serve ``/openapi.json``, ``/docs`` and ``/redoc``;
+    ``max_echo_tokens``: the longest prompt ``echo`` with ``logprobs`` scores (longer: 400)."""
 
     served_model_name: str
     api_key: str | None = None
@@ -62,6 +67,7 @@ class ServerSettings:
     allowed_hosts: frozenset[str] = field(default_factory=allowed_hosts)
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     api_docs: bool = False
+    max_echo_tokens: int = DEFAULT_MAX_ECHO_TOKENS
 
 
 class _Mailbox:
@@ -255,9 +261,15 @@ def _params(body: schema.SamplingRequest, budget: int | None, prompt_length: int
                        "tokens, prompt and answer together. Send a shorter prompt.",
                        param="messages" if isinstance(body, ChatCompletionRequest) else "prompt",
                        code="context_length_exceeded")
-    budget = budget or settings.default_max_tokens
+    echo = bool(getattr(body, "echo", False))
+    if echo and body.top_logprobs_wanted is not None and prompt_length > settings.max_echo_tokens:
+        raise APIError(400, f"'echo' with 'logprobs' scores prompts of at most {settings.max_echo_tokens} tokens "
+                       f"(--max-echo-tokens); this one has {prompt_length}.", param="echo",
+                       code="context_length_exceeded")
+    budget = settings.default_max_tokens if budget is None else budget
     return GenerationParams(max_new_tokens=min(budget, max_length - prompt_length), temperature=body.temperature,
-                            top_p=body.top_p, top_k=max(body.top_k, 0), stop=list(body.stop), seed=body.seed)
+                            top_p=body.top_p, top_k=max(body.top_k, 0), stop=list(body.stop), seed=body.seed,
+                            logprobs=body.top_logprobs_wanted, echo=echo)
 
 
 async def _answer(request: Request, body: schema.SamplingRequest, prompt_ids: list[int], budget: int | None,
@@ -269,6 +281,10 @@ async def _answer(request: Request, body: schema.SamplingRequest, prompt_ids: li
     worker.submit(job)  # 429 when the queue is full, before any answer starts
     answer = _Answer(("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex, settings.served_model_name,
                      int(time.time()), chat, len(prompt_ids))
+    if params.logprobs is not None:
+        answer.logprobs = LogprobWriter(model.tokenizer, chat)
+    if params.echo:
+        answer.echo, answer.first_token = _echo_text(model.tokenizer, body.prompt, prompt_ids), prompt_ids[0]
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return StreamingResponse(_stream(answer, job, channel, worker, include_usage),
@@ -278,13 +294,18 @@ async def _answer(request: Request, body: schema.SamplingRequest, prompt_ids: li
 
 @dataclass
 class _Answer:
-    """One answer's identity and how its objects are written."""
+    """One answer's identity and how its objects are written: ``logprobs`` writes its log-probabilities (None: not
+    asked for), ``echo`` is the prompt's text, sent first (completions with ``echo``)."""
 
     id: str
     model: str
     created: int
     chat: bool
     prompt_tokens: int
+    logprobs: LogprobWriter | None = None
+    echo: str | None = None
+    first_token: int = 0
+    _logprob_parts: list[dict] = field(default_factory=list)
 
     def usage(self, update: Update) -> dict:
         return schema.usage(self.prompt_tokens, update.completion_tokens)
@@ -292,21 +313,50 @@ class _Answer:
     def eagle(self, update: Update) -> dict:
         return schema.eagle_stats(update.mode, update.steps, update.accepted, update.completion_tokens)
 
+    def text_of(self, update: Update) -> str:
+        """The text ``update`` adds: the prompt's for the echo update."""
+        return (self.echo or "") if update.echo else update.text
+
+    def logprobs_of(self, update: Update) -> dict | None:
+        """The logprobs of ``update``'s tokens (the prompt's for the echo update), or None; kept for :meth:`whole`."""
+        if self.logprobs is None:
+            return None
+        if update.echo and update.prompt_logprobs is not None:
+            part = self.logprobs.part(with_first_token(self.first_token, update.prompt_logprobs), unscored_first=True)
+        elif update.logprobs is not None and not update.echo:
+            part = self.logprobs.part(update.logprobs)
+        else:
+            return None
+        self._logprob_parts.append(part)
+        return part
+
     def whole(self, text: str, update: Update) -> dict:
+        logprobs = None if self.logprobs is None else _merged(self._logprob_parts, self.chat)
         if self.chat:
             return schema.chat_completion(self.id, self.model, text, update.finish_reason, self.usage(update),
-                                          self.eagle(update), self.created)
+                                          self.eagle(update), self.created, logprobs)
         return schema.completion(self.id, self.model, text, update.finish_reason, self.created, self.usage(update),
-                                 self.eagle(update))
+                                 self.eagle(update), logprobs)
 
     def chunk(self, text: str | None, finish_reason: str | None = None, update: Update | None = None,
-              with_usage: bool = False, role: bool = False) -> dict:
+              with_usage: bool = False, role: bool = False, logprobs: dict | None = None) -> dict:
         usage_ = self.usage(update) if with_usage else None
         eagle = self.eagle(update) if update is not None else None
         if not self.chat:
-            return schema.completion(self.id, self.model, text, finish_reason, self.created, usage_, eagle)
+            return schema.completion(self.id, self.model, text, finish_reason, self.created, usage_, eagle, logprobs)
         delta = None if text is None else ({"role": "assistant", "content": text} if role else {"content": text})
-        return schema.chat_chunk(self.id, self.model, self.created, delta, finish_reason, usage_, eagle)
+        return schema.chat_chunk(self.id, self.model, self.created, delta, finish_reason, usage_, eagle, logprobs)
+
+
+def _merged(parts: list[dict], chat: bool) -> dict:
+    """Logprob parts (:meth:`_Answer.logprobs_of`) as one: their lists joined, field by field."""
+    fields = ("content",) if chat else ("tokens", "token_logprobs", "top_logprobs", "text_offset")
+    return {name: [entry for part in parts for entry in part[name]] for name in fields}
+
+
+def _echo_text(tokenizer, prompt: str | list[int], prompt_ids: list[int]) -> str:
+    """The text ``echo`` repeats: the prompt as sent, or the decoded ids of a prompt sent as token ids."""
+    return prompt if isinstance(prompt, str) else tokenizer.decode(prompt_ids, skip_special_tokens=False)
 
 
 async def _collect(request: Request, answer: _Answer, job: Job, channel: _Channel,
@@ -324,7 +374,8 @@ async def _collect(request: Request, answer: _Answer, job: Job, channel: _Channe
                 continue
             if update.error is not None:
                 raise update.error
-            parts.append(update.text)
+            parts.append(answer.text_of(update))
+            answer.logprobs_of(update)
             if update.final:
                 return answer.whole("".join(parts), update)
     finally:
@@ -343,10 +394,11 @@ async def _stream(answer: _Answer, job: Job, channel: _Channel, worker: ModelWor
             if update.error is not None:
                 yield schema.sse(update.error.body())
                 break
-            if update.text and not update.final:
-                yield schema.sse(answer.chunk(update.text))
+            text, logprobs = answer.text_of(update), answer.logprobs_of(update)
+            if (text or logprobs) and not update.final:
+                yield schema.sse(answer.chunk(text, logprobs=logprobs))
             if update.final:
-                yield schema.sse(answer.chunk(update.text, update.finish_reason, update))
+                yield schema.sse(answer.chunk(text, update.finish_reason, update, logprobs=logprobs))
                 if include_usage:
                     yield schema.sse(answer.chunk(None, update=update, with_usage=True))
                 break

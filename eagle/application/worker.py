@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..model.engine.logprobs import TokenLogprobs
 from ..utils.openmp import release_openmp_threads
 from .metrics import Metrics
 from .openai_schema import APIError
@@ -42,7 +43,9 @@ EAGLE, PLAIN = "eagle", "plain"
 @dataclass
 class GenerationParams:
     """What one job asks for. ``top_p`` / ``top_k`` of 0 mean off; ``temperature`` 0 is greedy; ``mode``: EAGLE or
-    PLAIN decoding, None for the worker's policy."""
+    PLAIN decoding, None for the worker's policy; ``logprobs``: the generated tokens' log-probabilities with that
+    many alternatives each (None: not computed); ``echo``: the job's first update is the prompt's (with its
+    logprobs when ``logprobs`` is set); ``max_new_tokens`` 0 (with ``echo``) generates nothing."""
 
     max_new_tokens: int
     temperature: float = 0.0
@@ -51,6 +54,8 @@ class GenerationParams:
     stop: Sequence[str] = ()
     seed: int | None = None
     mode: str | None = None
+    logprobs: int | None = None
+    echo: bool = False
 
     def __post_init__(self):
         if self.mode not in (None, EAGLE, PLAIN):
@@ -61,7 +66,10 @@ class GenerationParams:
 class Update:
     """Sent to a job after each step it took part in: the step's ``new_tokens`` (ids), how many of them were
     accepted drafts (``step_accepted``), the model's ``step_seconds``, and the new ``text`` (when the job decodes
-    text); at the end ``finish_reason`` ("stop" or "length") or ``error``, with the job's final counts."""
+    text); at the end ``finish_reason`` ("stop" or "length") or ``error``, with the job's final counts.
+    ``logprobs``: the new tokens' log-probabilities when the job asked for them; ``echo``: this update is the
+    prompt's (first, before any step), with ``prompt_logprobs`` (its tokens 1..S-1) when the job asked for
+    logprobs."""
 
     text: str = ""
     new_tokens: list[int] = field(default_factory=list)
@@ -73,6 +81,9 @@ class Update:
     steps: int = 0
     accepted: int = 0
     mode: str = EAGLE
+    logprobs: TokenLogprobs | None = None
+    echo: bool = False
+    prompt_logprobs: TokenLogprobs | None = None
 
     @property
     def final(self) -> bool:
@@ -132,8 +143,9 @@ def batch_key(params: GenerationParams) -> tuple | None:
 
 
 class ModelWorker:
-    """Owns ``model`` (an ``EaModel``, or anything with ``continuous_batch``, ``stop_token_ids`` and ``device``) in
-    one worker thread; see the module docstring.
+    """Owns ``model`` (an ``EaModel``, or anything with ``continuous_batch``, ``stop_token_ids`` and ``device``, and
+    ``engine.prompt_logprobs`` for jobs that echo their prompt with logprobs) in one worker thread; see the module
+    docstring.
 
     ``max_queue``: jobs that may wait (besides the running batch); ``max_batch_size``: rows of a running batch;
     ``max_length``: prompt plus answer, in tokens (capped by the model's position limit); ``use_eagle``: EAGLE or plain decoding for jobs that do not say;
@@ -322,15 +334,29 @@ class ModelWorker:
                 self.metrics.count("cancelled")
                 job.done = True
             return
+        job.mode = EAGLE if use_eagle else PLAIN
         try:
-            (row,) = running.add(torch.tensor(job.prompt_ids, dtype=torch.long), max_new_tokens=job.params.max_new_tokens)
+            if job.params.echo:
+                self._echo(job)
+            if job.params.max_new_tokens == 0:
+                self._finish(job, "length", Update(mode=job.mode))
+                return
+            extra = {} if job.params.logprobs is None else {"logprobs": job.params.logprobs}
+            (row,) = running.add(torch.tensor(job.prompt_ids, dtype=torch.long), max_new_tokens=job.params.max_new_tokens,
+                                 **extra)
         except Exception as err:  # noqa: BLE001 - this job fails (a cache that does not fit), the batch goes on
             logger.exception("a request could not join the batch")
             if job.finish(error=APIError(500, f"Internal error: {err}", type="server_error")):
                 self.metrics.count("error")
             return
-        job.mode = EAGLE if use_eagle else PLAIN
         rows[row] = job
+
+    def _echo(self, job: Job) -> None:
+        """The job's prompt update: its tokens' logprobs (one forward pass over the prompt) when it wants them."""
+        logprobs = None
+        if job.params.logprobs is not None:
+            logprobs = self.model.engine.prompt_logprobs(job.prompt_ids, job.params.logprobs, job.params.temperature)
+        job.deliver(Update(mode=job.mode, echo=True, prompt_logprobs=logprobs))
 
     def _boundary(self, running, rows: dict, key, use_eagle: bool) -> None:
         """Between two steps: rows whose job ended (stop string) or was cancelled leave; waiting jobs join."""
@@ -381,7 +407,7 @@ class ModelWorker:
         self.metrics.record_step(len(tokens), int(part.accepted), first)
         text = "" if job.text is None else job.text.add(tokens)
         update = Update(text=text, new_tokens=tokens, step_accepted=int(part.accepted), step_seconds=seconds,
-                        mode=job.mode)
+                        mode=job.mode, logprobs=getattr(part, "logprobs", None))
         if job.text is not None and job.text.stopped:
             self._finish(job, "stop", update)
         else:

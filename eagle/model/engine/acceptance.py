@@ -43,6 +43,7 @@ class Sampler:
 
     def __init__(self, temperature: float, top_p: float = 0.0, top_k: int = 0, generator: torch.Generator | None = None):
         self.processors = prepare_logits_processor(temperature, top_p=top_p, top_k=top_k)
+        self.temperature = float(temperature)
         self.generator = generator
 
     def probs(self, logits: torch.Tensor) -> torch.Tensor:

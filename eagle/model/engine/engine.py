@@ -15,6 +15,7 @@ import torch
 from eagle.model.drafting.protocol import DraftContext, Drafter
 from eagle.model.drafting.registry import build_drafter, head_spec
 from eagle.model.drafting.settings import TreePlan
+from eagle.model.engine.logprobs import TokenLogprobs, check_top, prompt_logprobs
 from eagle.model.engine.loop import RunningBatch
 from eagle.model.engine.request import GenerationRequest, build_request
 from eagle.model.engine.steps import BatchStep, RowStep
@@ -106,6 +107,16 @@ class Engine:
                         generator=generator)
         return ContinuousBatch(self, settings, stop_ids)
 
+    def prompt_logprobs(self, prompt, top: int = 0, temperature: float = 0.0) -> TokenLogprobs:
+        """The log-probabilities of ``prompt`` (S,)'s tokens 1..S-1, each after the tokens before it, with ``top``
+        alternatives each (see :mod:`~eagle.model.engine.logprobs`): one forward pass over the prompt in a cache of
+        its own, so a running batch is left as it was."""
+        ids = torch.as_tensor(prompt, dtype=torch.long).flatten()
+        if ids.numel() == 0:
+            raise ValueError("The prompt is empty: prompt_logprobs needs at least one token.")
+        check_cache_fits(self.target.slot_bytes(), 1, ids.numel(), self.device)
+        return prompt_logprobs(self.target, ids, check_top(top), temperature)
+
     # ------------------------------------------------------------------------------------------------ the cache
     def reserve_cache(self, batch_size: int, capacity: int, fresh: bool) -> TreeKVCache:
         """The shared cache, with room for ``batch_size`` rows of ``capacity`` slots (checked against the free
@@ -139,8 +150,9 @@ class ContinuousBatch:
     """A running batch of an :class:`Engine` (``EaModel.continuous_batch``): the engine's
     :class:`~eagle.model.engine.loop.RunningBatch`, each prompt checked as every generation method checks it.
 
-    - ``add(input_ids, attention_mask=None, max_new_tokens=512) -> list[int]``: one prompt (S,) or (1, S), a
-      left-padded batch or a list of prompts, each with its own budget; returns their row numbers. Checked at
+    - ``add(input_ids, attention_mask=None, max_new_tokens=512, logprobs=None) -> list[int]``: one prompt (S,) or
+      (1, S), a left-padded batch or a list of prompts, each with its own budget; returns their row numbers. With
+      ``logprobs`` (0 to 20 alternatives per token) their steps carry the tokens' log-probabilities. Checked at
       once (``ValueError``; the cache grows if it must, refused when it would not fit in memory); the rows join at
       the next step boundary (prefilled together, then verified with the others).
     - ``cancel(row)``: the row leaves at the next step boundary (a client that went away); that step reports it
@@ -155,7 +167,9 @@ class ContinuousBatch:
         self._running: RunningBatch | None = None
         self._capacity = 0
 
-    def add(self, input_ids, attention_mask=None, max_new_tokens: int = 512) -> list[int]:
+    def add(self, input_ids, attention_mask=None, max_new_tokens: int = 512, logprobs: int | None = None) -> list[int]:
+        if logprobs is not None:
+            check_top(logprobs)
         request = self.engine.request(input_ids, attention_mask, max_new_tokens=max_new_tokens,
                                       stop_ids=self.stop_ids, **self.settings)
         rows = request.batch_size + (self._running.size if self._running is not None else 0)
@@ -165,7 +179,7 @@ class ContinuousBatch:
         if self._running is None:
             self._running = RunningBatch(self.engine.target, drafter, cache, request.sampler(), set(self.stop_ids),
                                          self.engine.thread_policy)
-        return self._running.add(list(request.prompts), list(request.budgets))
+        return self._running.add(list(request.prompts), list(request.budgets), [logprobs] * request.batch_size)
 
     def cancel(self, row: int) -> None:
         if self._running is not None:

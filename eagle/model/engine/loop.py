@@ -26,8 +26,9 @@ from eagle.model.drafting.tree import stack_trees
 from eagle.model.engine.acceptance import Sampler, evaluate_batch, step_result
 from eagle.model.engine.commit import Rows, commit_batch, drop_finished
 from eagle.model.engine.handoffs import DraftInput
+from eagle.model.engine.logprobs import token_logprobs
 from eagle.model.engine.steps import CANCELLED, LENGTH, STOP, RowStep
-from eagle.model.engine.verify import prefill, verify_trees
+from eagle.model.engine.verify import prefill_step, verify_trees
 from eagle.model.base.target import Target
 from eagle.utils.threads import NO_THREAD_POLICY
 
@@ -35,8 +36,9 @@ from eagle.utils.threads import NO_THREAD_POLICY
 class RunningBatch:
     """The generation loop over a batch that rows join and leave between steps (continuous batching).
 
-    ``add(prompts, budgets)`` queues rows (prompts (n_b,), at most ``budgets[b]`` new tokens each) and returns their
-    row numbers (0, 1, ... in the order added); ``cancel(row)`` makes a row leave. Both take effect at the next
+    ``add(prompts, budgets, logprobs)`` queues rows (prompts (n_b,), at most ``budgets[b]`` new tokens each; with
+    ``logprobs[b]`` not None, row b's steps carry its tokens' log-probabilities with that many alternatives each,
+    see :mod:`~eagle.model.engine.logprobs`) and returns their row numbers (0, 1, ... in the order added); ``cancel(row)`` makes a row leave. Both take effect at the next
     step boundary: iterating yields, after each target forward pass, a dict {row: :class:`RowStep`} of the rows
     that pass computed for (the rows that joined, after the prefill of joining rows; every row generating, after a
     verification), plus a ``"cancelled"`` step for each row cancelled since. A row ends after its first stop token
@@ -63,18 +65,21 @@ class RunningBatch:
         self.draft_input: DraftInput | None = None  # what the drafter observes next (None: no rows)
         self._pending: list[tuple[int, torch.Tensor]] = []  # (row, prompt tokens (n,))
         self._budget: dict[int, int] = {}
+        self._logprobs: dict[int, int] = {}  # rows that want logprobs: alternatives per token
         self._emitted: dict[int, int] = {}
         self._ended: set[int] = set()  # finished or cancelled, still in the cache until the next boundary
         self._cancelled: list[int] = []  # cancelled since the last step: reported with the next one
         self._next_row = 0
         self._steps: Iterator | None = None
 
-    def add(self, prompts: list[torch.Tensor], budgets: list[int]) -> list[int]:
+    def add(self, prompts: list[torch.Tensor], budgets: list[int], logprobs: list[int | None] | None = None) -> list[int]:
         rows = list(range(self._next_row, self._next_row + len(prompts)))
         self._next_row += len(rows)
-        for row, prompt, budget in zip(rows, prompts, budgets):
+        for row, prompt, budget, top in zip(rows, prompts, budgets, logprobs or [None] * len(rows)):
             self._pending.append((row, prompt))
             self._budget[row], self._emitted[row] = budget, 0
+            if top is not None:
+                self._logprobs[row] = top
         if self._steps is None:
             self._steps = self._loop()
         return rows
@@ -136,6 +141,7 @@ class RunningBatch:
             if row in self._ended:
                 self._ended.discard(row)
                 del self._budget[row], self._emitted[row]
+                self._logprobs.pop(row, None)
         if keep:
             self.rows = drop_finished(keep, self.rows, self.cache, self.drafter)
             self.draft_input = self.draft_input.select(keep)
@@ -154,7 +160,7 @@ class RunningBatch:
             cache = self.cache
         else:
             cache = self.target.new_cache(self.cache.capacity)
-        first = prefill(self.target, ids, cache, self.sampler, self.drafter.needs_features, pads)
+        first, logits = prefill_step(self.target, ids, cache, self.sampler, self.drafter.needs_features, pads)
         rows = Rows(joining, list(pads), [ids.shape[1]] * len(joining))
         if alone:
             self.rows, self.draft_input = rows, first
@@ -166,7 +172,7 @@ class RunningBatch:
             self.rows = Rows(self.rows.index + rows.index, self.rows.start + rows.start,
                              self.rows.length + rows.length)
         roots = first.next_tokens[:, -1]
-        return self._emit(joining, [root.reshape(1) for root in roots], [0] * len(joining))
+        return self._emit(joining, [root.reshape(1) for root in roots], [0] * len(joining), lambda i: logits[i:i + 1])
 
     def _verify_step(self) -> dict[int, RowStep]:
         """Draft, verify, evaluate and commit every row; emit their new tokens."""
@@ -181,17 +187,27 @@ class RunningBatch:
         step = step_result(trees, accepted, verified.features)
         self.draft_input = step.draft_input
         self.threads.step_finished(trees.tokens.numel())
-        return self._emit(self.rows.index, step.tokens, step.accepted)
 
-    def _emit(self, rows: list[int], new: list[torch.Tensor], accepted: list[int]) -> dict[int, RowStep]:
-        """Cut each row's new tokens at its stop token and budget; rows that end leave at the next boundary."""
+        def path_logits(i: int) -> torch.Tensor:  # the rows acceptance read: no projection happens here
+            return torch.stack([verified.logits.row(i)[node] for node in accepted[i].path.tolist()])
+
+        return self._emit(self.rows.index, step.tokens, step.accepted, path_logits)
+
+    def _emit(self, rows: list[int], new: list[torch.Tensor], accepted: list[int], logits_of) -> dict[int, RowStep]:
+        """Cut each row's new tokens at its stop token and budget; rows that end leave at the next boundary.
+        ``logits_of(i)``: the target's logits (n, V) that produced ``new[i]``, read for the rows that want
+        logprobs only."""
         step = {}
-        for row, tokens, count in zip(rows, new, accepted):
+        for i, (row, tokens, count) in enumerate(zip(rows, new, accepted)):
             tokens, reason = truncate(tokens, self._budget[row] - self._emitted[row], self.stop_token_ids)
             self._emitted[row] += tokens.shape[0]
             if reason is not None:
                 self._ended.add(row)
-            step[row] = RowStep(tokens, min(count, tokens.shape[0]), reason)
+            logprobs = None
+            if row in self._logprobs:
+                temperature = self.sampler.temperature if self.sampler is not None else 0.0
+                logprobs = token_logprobs(logits_of(i)[: tokens.shape[0]], tokens, self._logprobs[row], temperature)
+            step[row] = RowStep(tokens, min(count, tokens.shape[0]), reason, logprobs)
         return step
 
 

@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
+from eagle.model.engine.logprobs import TokenLogprobs
+
 STOP, LENGTH, CANCELLED = "stop", "length", "cancelled"
 FINISH_REASONS = (STOP, LENGTH, CANCELLED)
 
@@ -20,11 +22,13 @@ class RowStep:
     truncated at a stop token or the row's budget), ``accepted`` how many came from accepted drafts (0 for the
     prefill's first token), and ``finish_reason`` on the row's last step: ``"stop"`` (it emitted a stop token,
     the last of ``tokens``), ``"length"`` (its token budget is spent) or ``"cancelled"`` (it was cancelled; no
-    tokens); None while it goes on."""
+    tokens); None while it goes on. ``logprobs``: the tokens' log-probabilities when the row asked for them
+    (:mod:`eagle.model.engine.logprobs`), else None."""
 
     tokens: torch.Tensor
     accepted: int
     finish_reason: str | None = None
+    logprobs: TokenLogprobs | None = None
 
     @property
     def finished(self) -> bool:

@@ -28,6 +28,12 @@ def prefill(target: Target, input_ids: torch.Tensor, cache, sampler: Sampler | N
     first new token. Returns what the drafter observes first: the prompt's features (B, S, F) (None unless
     ``with_features``), the token after each slot (the prompt's next, then the new token: the row's root) and
     which slots are real (None without padding)."""
+    return prefill_step(target, input_ids, cache, sampler, with_features, pads)[0]
+
+
+def prefill_step(target: Target, input_ids: torch.Tensor, cache, sampler: Sampler | None, with_features: bool,
+                 pads: list[int] | None = None) -> tuple[DraftInput, torch.Tensor]:
+    """:func:`prefill`, and the logits (B, V) each row's first new token was chosen from."""
     valid = None
     if pads and any(pads):
         slots = torch.arange(input_ids.shape[1], device=target.device)
@@ -35,7 +41,7 @@ def prefill(target: Target, input_ids: torch.Tensor, cache, sampler: Sampler | N
     out = target.prefill(input_ids, cache, valid=valid, features=with_features)
     roots = choose_tokens(out.logits[:, -1], sampler)
     next_tokens = torch.cat([input_ids[:, 1:].to(roots.device), roots[:, None]], dim=1)
-    return DraftInput(out.features, next_tokens, None if valid is None else valid.to(roots.device))
+    return DraftInput(out.features, next_tokens, None if valid is None else valid.to(roots.device)), out.logits[:, -1]
 
 
 def tree_projection(trees: list[DraftTree]) -> LazyProjection:
