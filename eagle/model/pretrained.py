@@ -181,8 +181,7 @@ def load_pretrained(cls, *, use_eagle3: bool, base_model_path, ea_model_path, tr
     ``"auto"`` (int8 activations, what llama.cpp computes, where the kernels are available, else the float32 model
     with one warning), ``"int8"``, ``"float32"`` (float32 activations: equal to transformers' float32 model, about
     1.5-2x slower) or ``False`` (the float32 model transformers dequantizes); each picks the tree the head carries
-    for its numerics. oneDNN
-    packing then applies to the head (and any layer the kernels leave float), never to a converted layer. A GGUF
+    for its numerics. oneDNN packing then applies to the head (and any layer the kernels leave float). A GGUF
     file loaded in float32 on the CPU (no ``device_map``) goes straight into the kernels, without a float32 model
     (:func:`eagle.model.base.loading.load_gguf_direct`: about the file's size in memory); other loads convert
     transformers' float32 model.
