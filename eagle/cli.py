@@ -21,7 +21,8 @@ Without argparse (a server, a notebook)::
 - ``--total-token`` (-1: timed on this device), ``--depth``, ``--top-k``, ``--lookup-tokens`` (0 = off);
 - ``--device`` (auto = the best accelerator), ``--dtype`` and ``--draft-dtype`` (auto, q8_0 or a name of
   :data:`eagle.model.heads.loading.DTYPES_BY_NAME`), ``--pack-cpu-weights`` (auto, on, off), ``--gguf-kernels``
-  (auto, float32, int8, off: a GGUF base model on the CPU computed over its quantized blocks);
+  (auto = int8, float32, off: a GGUF base model on the CPU computed over its quantized blocks, see
+  :mod:`eagle.model.backends.gguf`);
 - ``--load-in-8bit`` / ``--load-in-4bit`` (bitsandbytes, CUDA only).
 
 The rules live here and nowhere else: a model path not given is the embedded pair's

@@ -52,8 +52,10 @@ def load(loaded_base):
     models = {}
 
     def make(gguf_kernels):
+        """``"default"``: from_pretrained without the option, as a user calls it."""
         if gguf_kernels not in models:
-            models[gguf_kernels] = EaModel.from_pretrained(gguf_kernels=gguf_kernels)
+            option = {} if gguf_kernels == "default" else {"gguf_kernels": gguf_kernels}
+            models[gguf_kernels] = EaModel.from_pretrained(**option)
         return models[gguf_kernels]
 
     yield make
@@ -143,6 +145,34 @@ def test_int8_numerics_reach_every_layer(load):
     linears = [m for m in model.base_model.modules() if isinstance(m, QuantLinear)]
     assert linears and all(m.numerics == "int8" and m.uses_kernels for m in linears)
     assert gguf.kernel_numerics(model.base_model) == "int8" and gguf.kernel_numerics(load(False).base_model) is None
+
+
+def test_the_default_is_int8_activations_with_the_heads_int8_tree(load):
+    """Every default on a GGUF on the CPU: int8 activations (what llama.cpp computes), in the target and the draft
+    head, drafting with the tree the head carries for int8 activations."""
+    from eagle.model.tuning.head_tree import embedded_tree_settings
+
+    model = load("default")
+    assert gguf.AUTO_NUMERICS == "int8" and gguf.kernel_numerics(model.base_model) == "int8"
+    linears = [m for m in model.base_model.modules() if isinstance(m, QuantLinear)]
+    assert len(linears) == 30 * 7 + 1 and all(m.numerics == "int8" and m.uses_kernels for m in linears)
+    head_linears = [m for m in model.ea_layer.modules() if isinstance(m, QuantLinear)]
+    assert head_linears and all(m.numerics == "int8" for m in head_linears)
+    settings = model.tree_settings
+    tree = embedded_tree_settings("cpu-gguf-int8")
+    assert {key: getattr(settings, key) for key in tree} == tree
+
+
+def test_float32_logits_are_the_float32_models_and_the_defaults_are_int8s(load, loaded_base):
+    """``gguf_kernels="float32"``: transformers' float32 model to float rounding; the default: the int8 numerics'
+    logits bit for bit, which are not the float32 ones."""
+    ids = _ids(load("float32"), PROMPTS[2])
+    with torch.no_grad():
+        reference = loaded_base[0](ids).logits
+        logits = {name: load(name).base_model(ids).logits for name in ("float32", "int8", "default")}
+    torch.testing.assert_close(logits["float32"], reference, rtol=1e-4, atol=1e-3)
+    assert torch.equal(logits["default"], logits["int8"])
+    assert not torch.equal(logits["default"], logits["float32"])
 
 
 def test_off_gives_the_float32_model(load):
@@ -282,7 +312,7 @@ def test_the_native_decoder_gives_the_bits_of_transformers_forward_on_the_embedd
 
 
 # ------------------------------------------------------------------------------------------------ exactness
-@pytest.mark.parametrize("numerics", ["float32", "int8"])
+@pytest.mark.parametrize("numerics", ["float32", "int8", "default"])
 def test_eagle_logits_equal_plain_decoding_bit_for_bit(load, monkeypatch, numerics):
     model = load(numerics)
     prompts = [_ids(model, p) for p in PROMPTS]

@@ -24,7 +24,7 @@ def test_readme_first_python_example_runs(capsys):
     exec(compile(example, "README.md (first Python example)", "exec"), namespace)
     model, output_ids, input_ids = namespace["model"], namespace["output_ids"], namespace["input_ids"]
     # the embedded head's own tree for the backend it runs on (the GGUF kernels where built), no argument given
-    kind = "cpu-gguf" if kernels.available() else "cpu"
+    kind = "cpu-gguf-int8" if kernels.available() else "cpu"
     assert model.tree_settings.total_token == embedded_tree_settings(kind)["total_token"]
     assert 0 < output_ids.shape[1] - input_ids.shape[1] <= 32
     assert output_ids.tolist() == model.naivegenerate(input_ids, max_new_tokens=32).tolist()

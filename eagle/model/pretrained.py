@@ -13,7 +13,7 @@ import logging
 from eagle.model.drafting.batch_tree import head_batch_trees
 from eagle.model.heads.loading import load_ea_layer
 from eagle.model.heads.quantized import apply_draft_quantization, draft_load_dtype
-from eagle.model.backends.gguf import GGUF_KERNEL_VALUES, gguf_file_of, resolve_gguf_kernels
+from eagle.model.backends.gguf import GGUF_KERNEL_VALUES, gguf_file_of, requested_numerics, resolve_gguf_kernels
 from eagle.model.backends.registry import linear_backend, switch_backend
 from eagle.model.backends.onednn import should_auto_pack
 from eagle.model.base.loading import direct_gguf_load_possible, load_base_model, load_gguf_direct
@@ -84,7 +84,7 @@ def load_base(base_model_path, gguf_kernels, kwargs: dict):
     if gguf_kernels is not False and direct_gguf_load_possible(base_model_path, kwargs):
         usable = kernels.available() if gguf_kernels == "auto" else kernels.unavailable_reason() is None
         if usable:
-            numerics = "float32" if gguf_kernels == "auto" else gguf_kernels
+            numerics = requested_numerics(gguf_kernels)
             model, tokenizer = load_gguf_direct(base_model_path, numerics, **kwargs)
             return model, tokenizer, numerics, kernel_modules(model)
     model, tokenizer = load_base_model(base_model_path, **kwargs)
@@ -178,9 +178,10 @@ def load_pretrained(cls, *, use_eagle3: bool, base_model_path, ea_model_path, tr
 
     ``gguf_kernels``: for a GGUF base model on the CPU, the linear layers, embedding and LM head compute over the
     file's quantized blocks and attention runs the position-ordered kernel (:mod:`eagle.model.backends.gguf`):
-    ``"auto"`` (float32 activations where the kernels are available, else the float32 model with one warning),
-    ``"float32"``, ``"int8"`` (int8 activations) or ``False`` (the float32 model transformers dequantizes). oneDNN
-    packing then applies to the head (and any layer the kernels leave float), never to a converted layer. A GGUF
+    ``"auto"`` (int8 activations, what llama.cpp computes, where the kernels are available, else the float32 model
+    with one warning), ``"int8"``, ``"float32"`` (float32 activations: equal to transformers' float32 model, about
+    1.5-2x slower) or ``False`` (the float32 model transformers dequantizes); each picks the tree the head carries
+    for its numerics. oneDNN packing then applies to the head (and any layer the kernels leave float). A GGUF
     file loaded in float32 on the CPU (no ``device_map``) goes straight into the kernels, without a float32 model
     (:func:`eagle.model.base.loading.load_gguf_direct`: about the file's size in memory); other loads convert
     transformers' float32 model.
