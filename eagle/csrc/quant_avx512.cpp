@@ -425,7 +425,8 @@ void k_run(const LinearArgs& args, int64_t n_begin, int64_t n_end, float* scratc
         k_tile_quant<TYPE, decltype(rows)::value, 1>(at_column(tile, c), dec + c);
       }
     };
-    if (args.m >= 8) {  // many rows: tiles of 8 rows by 2 columns decode each weight once for 8 rows
+    if (args.m > kTileRows<TYPE>) {  // more rows than one 4-column tile takes: tiles of up to 8 rows by 2 columns
+      // decode each weight once for 8 rows (5 to 8 rows: once for all of them, not for a full tile and the rest)
       Rows::each<8>(args, base, [&](const Tile& tile, auto rows) {
         run_columns(tile, rows, std::integral_constant<int, 2>());
       });
@@ -568,28 +569,36 @@ __attribute__((noinline)) void n_tile(const LinearArgs& args, const uint8_t* con
   }
 }
 
+// one tile of the R (1..8) rows from row0 for one 16-column group
+template <int TYPE, int R = 8>
+void n_rows(const LinearArgs& args, const uint8_t* const* groups, int64_t row0, int64_t rows, int64_t n0) {
+  if constexpr (R > 1) {
+    if (rows < R) return n_rows<TYPE, R - 1>(args, groups, row0, rows, n0);
+  }
+  n_tile<TYPE, R, 1>(args, groups, row0, n0);
+}
+
 template <int TYPE, int CG>
 void n_columns(const LinearArgs& args, int64_t n0) {
   const int64_t group_bytes = kColumnsPerGroup * packed_row_bytes(*args.type, args.k);
   const uint8_t* groups[CG];
   for (int c = 0; c < CG; ++c) groups[c] = args.payload + (n0 / kColumnsPerGroup + c) * group_bytes;
-  int64_t r = 0;
-  if constexpr (CG == 1) {
-    for (; r + 8 <= args.m; r += 8) n_tile<TYPE, 8, 1>(args, groups, r, n0);
-    if (r + 4 <= args.m) { n_tile<TYPE, 4, 1>(args, groups, r, n0); r += 4; }
-    if (r + 3 <= args.m) { n_tile<TYPE, 3, 1>(args, groups, r, n0); r += 3; }
+  if constexpr (CG == 1) {  // tiles of 8 rows, then one tile of the rest: each weight decoded once per 8 rows
+    for (int64_t r = 0; r < args.m; r += 8) n_rows<TYPE>(args, groups, r, std::min<int64_t>(8, args.m - r), n0);
+  } else {
+    int64_t r = 0;
+    if constexpr (CG == 2) {
+      if (r + 4 <= args.m) { n_tile<TYPE, 4, 2>(args, groups, r, n0); r += 4; }
+      if (r + 3 <= args.m) { n_tile<TYPE, 3, 2>(args, groups, r, n0); r += 3; }
+    }
+    if (r + 2 <= args.m) { n_tile<TYPE, 2, CG>(args, groups, r, n0); r += 2; }
+    if (r < args.m) n_tile<TYPE, 1, CG>(args, groups, r, n0);
   }
-  if constexpr (CG == 2) {
-    if (r + 4 <= args.m) { n_tile<TYPE, 4, 2>(args, groups, r, n0); r += 4; }
-    if (r + 3 <= args.m) { n_tile<TYPE, 3, 2>(args, groups, r, n0); r += 3; }
-  }
-  if (r + 2 <= args.m) { n_tile<TYPE, 2, CG>(args, groups, r, n0); r += 2; }
-  if (r < args.m) n_tile<TYPE, 1, CG>(args, groups, r, n0);
 }
 
 // Columns [n_begin, n_end) for every row, in tiles as wide as the rows allow: 4 groups of 16 columns for 1 or 2 rows
-// (the weights stream; more independent work in flight), 2 groups for 3 or 4 rows, else 1 group with tiles of 8, 4
-// and 3 rows (a tile's rows share each decoded code vector); a chunk's columns beyond its last wide tile run in
+// (the weights stream; more independent work in flight), 2 groups for 3 or 4 rows, else 1 group with tiles of 8
+// rows and one of the rest (a tile's rows share each decoded code vector); a chunk's columns beyond its last wide tile run in
 // 1-group tiles (the same bits: the tile shape never changes what an output computes).
 template <int TYPE>
 void n_run(const LinearArgs& args, int64_t n_begin, int64_t n_end) {
