@@ -5,6 +5,7 @@ real GGUF files, and the float32 fallback."""
 
 from __future__ import annotations
 
+import math
 import os
 import platform
 import shutil
@@ -196,6 +197,27 @@ def test_float32_numerics_match_the_float64_reference(type_name):
 
 
 @needs_kernels
+@pytest.mark.parametrize("in_features", [256, 768])
+@pytest.mark.parametrize("type_name", list(K_QUANTS))
+def test_k_quant_float32_numerics_hold_for_any_count_of_super_blocks(type_name, in_features):
+    """K = 1 or 3 super-blocks: the scales of a K-quant column are decoded 16 groups at a time (Q4_K / Q5_K: two
+    super-blocks each), so an odd count leaves one super-block in the last pass; every output stays within the
+    float32 bound of the float64 reference, on every ISA, and a row gets the same bits alone or among others."""
+    shape = (40, in_features)
+    blocks = gguf_bytes(type_name, *shape, seed=3)
+    w = gguf_dequantize(type_name, blocks, shape)
+    x = torch.randn(9, in_features)
+    expected, tolerance = reference.linear_float32_reference(x, w), float_tolerance(x, w)
+    weight = packed(type_name, blocks, shape)
+    for isa in isas():
+        with kernels.use_isa(isa):
+            y = linear(x, weight, type_name, shape)
+            alone = torch.cat([linear(x[i:i + 1], weight, type_name, shape) for i in range(9)])
+        assert ((y.double() - expected).abs() <= tolerance).all(), isa
+        assert torch.equal(y, alone), isa
+
+
+@needs_kernels
 @pytest.mark.parametrize("type_name", QUANT_TYPES)
 def test_int8_numerics_match_their_reference_and_are_identical_on_every_isa(type_name):
     shape = SHAPES[type_name]
@@ -303,6 +325,18 @@ def test_wide_weights_give_a_row_the_same_bits_alone_or_among_others_on_any_thre
                 assert torch.equal(y, alone[start:start + size]), (threads, start, size)
     finally:
         torch.set_num_threads(previous)
+
+
+@needs_kernels
+def test_read_bandwidth_measures_a_rate_and_leaves_the_thread_count_alone():
+    previous = torch.get_num_threads()
+    rate = kernels.read_bandwidth(nbytes=16 * 2**20, threads=2, passes=2)
+    assert torch.get_num_threads() == previous
+    assert math.isfinite(rate) and 0.1 < rate < 10_000  # GB/s: any machine's memory, not a wrong unit
+    with pytest.raises(ValueError, match="nbytes must be an int of at least"):
+        kernels.read_bandwidth(nbytes=1000)
+    with pytest.raises(ValueError, match="threads and passes must be positive"):
+        kernels.read_bandwidth(nbytes=2**20, threads=0)
 
 
 # ------------------------------------------------------------------------------------------------ malformed input

@@ -7,6 +7,7 @@
 //   quantize_rows(x)                                   the int8 activation quantizer: (q, d, s) of x (M, K)
 //   packed_nbytes(type, n, k, numerics)
 //   quant_types()                                      the types of quant.h's table: names, ids, block sizes
+//   read_bandwidth(nbytes, threads)                    GB/s of a read of an nbytes buffer on the kernels' threads
 // (the instruction-set ops are in isa.cpp)
 // Every op checks its arguments (dtype, device, contiguity, shape, K a multiple of the type's block, the packed
 // weight's header and byte count) before touching memory.
@@ -16,7 +17,9 @@
 
 #include <c10/util/StringUtil.h>
 
+#include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cstring>
 #include <string>
 #include <tuple>
@@ -389,6 +392,52 @@ std::tuple<std::vector<std::string>, std::vector<int64_t>, std::vector<int64_t>,
   return {type_names(), ids, elements, bytes};
 }
 
+// ------------------------------------------------------------------------------------------------ read bandwidth
+// The machine's read bandwidth as the kernels see it: an nbytes buffer (allocated and written here, meant to be
+// larger than the last-level cache) is read whole and summed, split in chunks of kReadChunkBytes that `threads` of
+// torch's intra-op threads claim through dynamic_for (the kernels' pool and work splitting); GB/s (1e9 bytes per
+// second) of the fastest of `passes` reads. torch's thread count is set to `threads` for the measurement and then
+// restored.
+constexpr int64_t kReadChunkBytes = int64_t{1} << 18;
+volatile uint64_t read_sink = 0;
+
+uint64_t sum_words(const uint64_t* p, int64_t words) {
+  uint64_t s0 = 0, s1 = 0, s2 = 0, s3 = 0, s4 = 0, s5 = 0, s6 = 0, s7 = 0;
+  int64_t i = 0;
+  for (; i + 8 <= words; i += 8) {
+    s0 += p[i]; s1 += p[i + 1]; s2 += p[i + 2]; s3 += p[i + 3];
+    s4 += p[i + 4]; s5 += p[i + 5]; s6 += p[i + 6]; s7 += p[i + 7];
+  }
+  for (; i < words; ++i) s0 += p[i];
+  return s0 + s1 + s2 + s3 + s4 + s5 + s6 + s7;
+}
+
+double read_bandwidth(int64_t nbytes, int64_t threads, int64_t passes) {
+  const char* op = "eagle::read_bandwidth";
+  TORCH_CHECK_VALUE(nbytes >= kReadChunkBytes, op, ": nbytes must be at least ", kReadChunkBytes, ", got ", nbytes);
+  TORCH_CHECK_VALUE(threads >= 1, op, ": threads must be positive, got ", threads);
+  TORCH_CHECK_VALUE(passes >= 1, op, ": passes must be positive, got ", passes);
+  const int64_t chunks = nbytes / kReadChunkBytes, words = kReadChunkBytes / 8;
+  at::Tensor buffer = at::empty({chunks * words}, at::kLong);
+  uint64_t* data = reinterpret_cast<uint64_t*>(buffer.data_ptr<int64_t>());
+  const int previous = at::get_num_threads();
+  at::set_num_threads(static_cast<int>(threads));
+  dynamic_for(chunks, [&](int64_t c) {  // written by the threads that read it (first touch)
+    for (int64_t i = 0; i < words; ++i) data[c * words + i] = static_cast<uint64_t>(c * words + i);
+  });
+  double best = 0;
+  std::atomic<uint64_t> total{0};
+  for (int64_t pass = 0; pass < passes; ++pass) {
+    const auto start = std::chrono::steady_clock::now();
+    dynamic_for(chunks, [&](int64_t c) { total.fetch_add(sum_words(data + c * words, words), std::memory_order_relaxed); });
+    const std::chrono::duration<double> seconds = std::chrono::steady_clock::now() - start;
+    best = std::max(best, static_cast<double>(chunks * kReadChunkBytes) / seconds.count() / 1e9);
+  }
+  at::set_num_threads(previous);
+  read_sink = total.load();  // keeps the sums, and so the reads, alive
+  return best;
+}
+
 }  // namespace
 
 at::Tensor quant_linear_call(const at::Tensor& x, const at::Tensor& weight, const std::string& type, int64_t n,
@@ -421,6 +470,7 @@ TORCH_LIBRARY(eagle, m) {
   m.def("quant_embedding(Tensor ids, Tensor weight, str type, int n, int k) -> Tensor", &quant_embedding);
   m.def("quantize_rows(Tensor x) -> Tensor[]", &quantize_rows_op);
   m.def("quant_types() -> (str[], int[], int[], int[])", &quant_types);
+  m.def("read_bandwidth(int nbytes, int threads, int passes=5) -> float", &read_bandwidth);
 }
 
 }  // namespace eagle

@@ -72,21 +72,21 @@ __attribute__((always_inline)) inline void k_params(const TypeInfo& t, const uin
       av = load_halves(col + o.d + 2 * g, mask);
       if constexpr (T::kAsym) bv = load_halves(col + o.m + 2 * g, mask);
     } else {
-      // the unit (super-block) of each group: its fp16 d (and dmin) gathered per lane
+      // the unit (super-block) of each group: the fp16 d (and dmin) of the one or two units these 16 groups lie
+      // in (groups start at a unit's first group: K is a multiple of the unit), each spread over its groups' lanes
+      // by a permutation (a gather per lane took more time than the tiles that use the parameters)
       constexpr int kPerUnit = T::kUnit / T::kGroup;
       static_assert(kPerUnit == 8 || kPerUnit == 16, "8 or 16 groups per unit");
-      const __m512i unit = _mm512_srli_epi32(_mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(g)),
-                                                              _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10,
-                                                                                11, 12, 13, 14, 15)),
-                                             kPerUnit == 16 ? 4 : 3);
-      const __m512 d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(
-          _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), mask, unit, col + o.d, 2)));
+      const int64_t unit = g / kPerUnit;
+      const __mmask16 units = first_lanes((std::min<int64_t>(16, groups - g) + kPerUnit - 1) / kPerUnit);
+      const __m512i lane_unit = kPerUnit == 16 ? _mm512_setzero_si512()
+                                               : _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+      const __m512 d = _mm512_permutexvar_ps(lane_unit, load_halves(col + o.d + 2 * unit, units));
       const __m128i sc = _mm_maskz_loadu_epi8(mask, col + o.sc + g);
       if constexpr (!T::kAsym) {  // Q6_K: int8 scales
         av = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sc)));
       } else {
-        const __m512 dmin = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(
-            _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), mask, unit, col + o.m, 2)));
+        const __m512 dmin = _mm512_permutexvar_ps(lane_unit, load_halves(col + o.m + 2 * unit, units));
         av = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(sc)));
         const __m128i mn = _mm_maskz_loadu_epi8(mask, col + o.mn + g);
         bv = _mm512_sub_ps(_mm512_setzero_ps(), _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(mn))));
@@ -395,37 +395,46 @@ void k_run(const LinearArgs& args, int64_t n_begin, int64_t n_end, float* scratc
     const Offsets o = offsets(t, LAYOUT_K, args.k);
     const int64_t groups = args.k / t.group;
     KDecoder<TYPE> dec[kMaxChunkColumns];
-    for (int64_t c = 0; c < columns; ++c) {
-      float* a = scratch + 2 * c * groups;
-      k_params<TYPE>(t, cols[c], o, args.k, a, a + groups);
-      dec[c] = KDecoder<TYPE>{cols[c], &o, a, a + groups};
-    }
+    // a column's parameters are decoded just before its first tile (the first row tile's), when the prefetch of the
+    // earlier tiles has brought its bytes in; decoding the whole chunk's first waited on memory for the columns
+    // beyond the prefetch distance
+    int64_t ready = 0;
+    const auto decode_params = [&](int64_t end) {
+      for (; ready < end; ++ready) {
+        float* a = scratch + 2 * ready * groups;
+        k_params<TYPE>(t, cols[ready], o, args.k, a, a + groups);
+        dec[ready] = KDecoder<TYPE>{cols[ready], &o, a, a + groups};
+      }
+    };
     // each tile prefetches its columns' bytes about kPrefetchAheadBytes ahead (past the chunk's end: the next
     // chunk's); with more rows than one tile takes, the later row tiles find the chunk's columns in cache
     const int64_t ahead = std::max<int64_t>(4, (kPrefetchAheadBytes + row_bytes - 1) / row_bytes);  // columns
-    if (args.m >= 8) {  // many rows: tiles of 8 rows by 2 columns decode each weight once for 8 rows
-      Rows::each<8>(args, base, [&](const Tile& tile, auto rows) {
-        int64_t c = 0;
-        for (; c + 2 <= columns; c += 2) {
-          Tile at = at_column(tile, c);
-          at.prefetch = cols[c] + ahead * row_bytes;
-          at.prefetch_bytes = 2 * row_bytes;
-          k_tile_quant<TYPE, rows.value, 2>(at, dec + c);
-        }
-        for (; c < columns; ++c) k_tile_quant<TYPE, rows.value, 1>(at_column(tile, c), dec + c);
-      });
-      return;
-    }
-    Rows::each<kTileRows<TYPE>>(args, base, [&](const Tile& tile, auto rows) {
+    // tiles of C columns over the chunk for one row tile, then single columns
+    const auto run_columns = [&](const Tile& tile, auto rows, auto width) {
+      constexpr int C = decltype(width)::value;
       int64_t c = 0;
-      for (; c + 4 <= columns; c += 4) {
+      for (; c + C <= columns; c += C) {
+        decode_params(c + C);
         Tile at = at_column(tile, c);
         at.prefetch = cols[c] + ahead * row_bytes;
-        at.prefetch_bytes = 4 * row_bytes;
-        k_tile_quant<TYPE, rows.value, 4>(at, dec + c);
+        at.prefetch_bytes = C * row_bytes;
+        k_tile_quant<TYPE, decltype(rows)::value, C>(at, dec + c);
       }
-      for (; c < columns; ++c) k_tile_quant<TYPE, rows.value, 1>(at_column(tile, c), dec + c);
-    });
+      for (; c < columns; ++c) {
+        decode_params(c + 1);
+        k_tile_quant<TYPE, decltype(rows)::value, 1>(at_column(tile, c), dec + c);
+      }
+    };
+    if (args.m > kTileRows<TYPE>) {  // more rows than one 4-column tile takes: tiles of up to 8 rows by 2 columns
+      // decode each weight once for 8 rows (5 to 8 rows: once for all of them, not for a full tile and the rest)
+      Rows::each<8>(args, base, [&](const Tile& tile, auto rows) {
+        run_columns(tile, rows, std::integral_constant<int, 2>());
+      });
+    } else {
+      Rows::each<kTileRows<TYPE>>(args, base, [&](const Tile& tile, auto rows) {
+        run_columns(tile, rows, std::integral_constant<int, 4>());
+      });
+    }
   }
 }
 
@@ -560,28 +569,36 @@ __attribute__((noinline)) void n_tile(const LinearArgs& args, const uint8_t* con
   }
 }
 
+// one tile of the R (1..8) rows from row0 for one 16-column group
+template <int TYPE, int R = 8>
+void n_rows(const LinearArgs& args, const uint8_t* const* groups, int64_t row0, int64_t rows, int64_t n0) {
+  if constexpr (R > 1) {
+    if (rows < R) return n_rows<TYPE, R - 1>(args, groups, row0, rows, n0);
+  }
+  n_tile<TYPE, R, 1>(args, groups, row0, n0);
+}
+
 template <int TYPE, int CG>
 void n_columns(const LinearArgs& args, int64_t n0) {
   const int64_t group_bytes = kColumnsPerGroup * packed_row_bytes(*args.type, args.k);
   const uint8_t* groups[CG];
   for (int c = 0; c < CG; ++c) groups[c] = args.payload + (n0 / kColumnsPerGroup + c) * group_bytes;
-  int64_t r = 0;
-  if constexpr (CG == 1) {
-    for (; r + 8 <= args.m; r += 8) n_tile<TYPE, 8, 1>(args, groups, r, n0);
-    if (r + 4 <= args.m) { n_tile<TYPE, 4, 1>(args, groups, r, n0); r += 4; }
-    if (r + 3 <= args.m) { n_tile<TYPE, 3, 1>(args, groups, r, n0); r += 3; }
+  if constexpr (CG == 1) {  // tiles of 8 rows, then one tile of the rest: each weight decoded once per 8 rows
+    for (int64_t r = 0; r < args.m; r += 8) n_rows<TYPE>(args, groups, r, std::min<int64_t>(8, args.m - r), n0);
+  } else {
+    int64_t r = 0;
+    if constexpr (CG == 2) {
+      if (r + 4 <= args.m) { n_tile<TYPE, 4, 2>(args, groups, r, n0); r += 4; }
+      if (r + 3 <= args.m) { n_tile<TYPE, 3, 2>(args, groups, r, n0); r += 3; }
+    }
+    if (r + 2 <= args.m) { n_tile<TYPE, 2, CG>(args, groups, r, n0); r += 2; }
+    if (r < args.m) n_tile<TYPE, 1, CG>(args, groups, r, n0);
   }
-  if constexpr (CG == 2) {
-    if (r + 4 <= args.m) { n_tile<TYPE, 4, 2>(args, groups, r, n0); r += 4; }
-    if (r + 3 <= args.m) { n_tile<TYPE, 3, 2>(args, groups, r, n0); r += 3; }
-  }
-  if (r + 2 <= args.m) { n_tile<TYPE, 2, CG>(args, groups, r, n0); r += 2; }
-  if (r < args.m) n_tile<TYPE, 1, CG>(args, groups, r, n0);
 }
 
 // Columns [n_begin, n_end) for every row, in tiles as wide as the rows allow: 4 groups of 16 columns for 1 or 2 rows
-// (the weights stream; more independent work in flight), 2 groups for 3 or 4 rows, else 1 group with tiles of 8, 4
-// and 3 rows (a tile's rows share each decoded code vector); a chunk's columns beyond its last wide tile run in
+// (the weights stream; more independent work in flight), 2 groups for 3 or 4 rows, else 1 group with tiles of 8
+// rows and one of the rest (a tile's rows share each decoded code vector); a chunk's columns beyond its last wide tile run in
 // 1-group tiles (the same bits: the tile shape never changes what an output computes).
 template <int TYPE>
 void n_run(const LinearArgs& args, int64_t n_begin, int64_t n_end) {

@@ -14,6 +14,7 @@ unknown one, leaves the kernels unavailable, :func:`unavailable_reason` naming t
 :func:`isa_reason` report the one in use and why, :func:`isas` those this CPU runs.
 
 :func:`quant_types` lists the GGUF types the kernels handle, as the extension's one table of types has them.
+:func:`read_bandwidth` measures the memory read bandwidth the linear kernels can at best stream weights at.
 """
 
 from __future__ import annotations
@@ -158,3 +159,27 @@ def quant_types() -> tuple[str, ...]:
     """The GGUF type names the kernels handle, e.g. ``('F32', 'F16', 'BF16', 'Q4_0', ...)``, as the extension's
     table of types lists them; empty when the kernels are unavailable."""
     return _quant_types() if unavailable_reason() is None else ()
+
+
+READ_BANDWIDTH_BYTES = 512 * 2**20  # 16x the 32 MiB L3 of the CPUs the kernels were tuned on
+
+
+def read_bandwidth(nbytes: int = READ_BANDWIDTH_BYTES, threads: int | None = None, passes: int = 5) -> float:
+    """The machine's memory read bandwidth as the linear kernels see it, in GB/s (1e9 bytes per second).
+
+    What it measures: a STREAM-style read of one buffer of ``nbytes`` (rounded down to 256 KiB; meant to be much
+    larger than the last-level cache, so the bytes come from DRAM), allocated and written first by the same threads,
+    then read whole ``passes`` times, every 64-bit word added into a sum; each pass splits the buffer in 256 KiB
+    chunks that ``threads`` of torch's intra-op threads claim one at a time (the thread pool and work splitting the
+    kernels use); the result is the fastest pass's bytes per second. A one-row ``quant_linear`` over a weight bigger
+    than the cache cannot stream its weights faster than this. ``threads`` (default: ``torch.get_num_threads()``)
+    sets torch's thread count for the measurement, restored afterwards. Raises RuntimeError when the kernels are
+    unavailable."""
+    import torch
+
+    threads = torch.get_num_threads() if threads is None else threads
+    if not (isinstance(nbytes, int) and nbytes >= 2**18):
+        raise ValueError(f"nbytes must be an int of at least {2**18} (256 KiB), got {nbytes!r}")
+    if not (isinstance(threads, int) and threads >= 1) or not (isinstance(passes, int) and passes >= 1):
+        raise ValueError(f"threads and passes must be positive ints, got threads={threads!r}, passes={passes!r}")
+    return float(ops().read_bandwidth(nbytes, threads, passes))
