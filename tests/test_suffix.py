@@ -195,3 +195,22 @@ def test_a_repeated_request_drafts_from_the_earlier_output_in_the_store(default_
     assert len(store) > 0  # the finished request's output went to the model's store
     second, second_steps = _run(default_model, ids, "suffix", max_new_tokens=60)
     assert second == first and len(second_steps) < len(first_steps) / 2
+
+
+def test_the_rewrite_questions_are_found_by_name_and_ship_with_the_package():
+    import fnmatch
+    import re
+    from pathlib import Path
+
+    from eagle.evaluation.questions import load_questions, question_file_for
+
+    questions = load_questions("rewrite")
+    assert len(questions) >= 20 and len({q["question_id"] for q in questions}) == len(questions)
+    assert all(len(q["turns"]) == 1 and q["category"] for q in questions)
+    path = Path(question_file_for("rewrite")).resolve()
+    package = Path(__file__).resolve().parents[1] / "eagle"
+    patterns = re.findall(r'"([^"]+)"', (package.parent / "setup.py").read_text().split("package_data=", 1)[1]
+                          .split("}", 1)[0])
+    assert any(fnmatch.fnmatch(str(path.relative_to(package)), pattern) for pattern in patterns)
+    with pytest.raises(FileNotFoundError, match="'mt_bench', 'rewrite'"):
+        question_file_for("rewrites")
