@@ -305,7 +305,7 @@ class SuffixDrafter(StepDrafter):
         """The registry's ``+suffix`` (and ``"suffix"``, around plain decoding): up to :data:`SUFFIX_NODES`
         nodes per row at batch 1, fewer in larger batches, matched against the context's store as well."""
         return cls(inner, lambda batch_size: max(MIN_BATCH_NODES, SUFFIX_NODES // batch_size),
-                   getattr(context, "suffix_store", None))
+                   context.suffix_store)
 
     def reset(self, batch_size: int = 1) -> None:
         self.inner.reset(batch_size)
