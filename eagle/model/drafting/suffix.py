@@ -56,7 +56,7 @@ MAX_CONTINUATIONS = 8
 #: ``max(MIN_BATCH_NODES, SUFFIX_NODES // B)`` per row (verifying trees costs more per row as the batch grows).
 SUFFIX_NODES = 24
 MIN_BATCH_NODES = 4
-#: Tokens of earlier outputs a :class:`SuffixStore` keeps by default.
+#: Tokens of earlier outputs a :class:`SuffixStore` keeps by default (about 45 MiB where no 3-gram repeats).
 STORE_TOKENS = 1 << 17
 # Separates documents in a store: never a token id, so no match or continuation crosses it.
 SEPARATOR = -1
