@@ -36,7 +36,6 @@ from collections import deque
 
 import torch
 
-from eagle.model.drafting.lookup import GRAFT_LOG_PROB
 from eagle.model.drafting.protocol import StepDrafter
 from eagle.model.drafting.tree import DraftTree, children_by_token, tree_from_parents
 
@@ -58,6 +57,9 @@ SUFFIX_NODES = 24
 MIN_BATCH_NODES = 4
 #: Tokens of earlier outputs a :class:`SuffixStore` keeps by default (about 45 MiB where no 3-gram repeats).
 STORE_TOKENS = 1 << 17
+# Added to a merged node's score (log 1e-3): scores only order siblings in sampling verification, so a suffix node
+# is tried after the inner drafter's own proposals for the same parent (as a prompt-lookup node is).
+GRAFT_LOG_PROB = -6.9
 # Separates documents in a store: never a token id, so no match or continuation crosses it.
 SEPARATOR = -1
 GRAM = 3
@@ -243,8 +245,8 @@ def continuation_trie(continuations: list[list[int]], nodes: int) -> tuple[list[
 def graft_trie(tree: DraftTree, tokens: list[int], parents: list[int], log_freqs: list[float]) -> DraftTree:
     """``tree`` with a trie (see :func:`continuation_trie`) merged below its root: a trie node whose token is
     already a child of where its parent went follows that child, the others become new nodes (scored their
-    parent's score plus their log frequency plus :data:`~eagle.model.drafting.lookup.GRAFT_LOG_PROB`, so they
-    rank after the inner drafter's own nodes). Returns ``tree`` itself when nothing is added."""
+    parent's score plus their log frequency plus :data:`GRAFT_LOG_PROB`, so they rank after the inner drafter's own
+    nodes). Returns ``tree`` itself when nothing is added."""
     children = children_by_token(tree) if tree.size > 1 else {}
     all_tokens, all_parents, all_scores = tree.tokens.tolist(), tree.parents.tolist(), tree.scores.tolist()
     where = []  # merged node of each trie node
