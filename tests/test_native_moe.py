@@ -116,3 +116,17 @@ def test_an_experts_slice_is_its_matrix_of_the_stacked_tensor(tmp_path):
         assert torch.equal(expert_slice(down, expert).dequantize(), stacked[expert])
     with pytest.raises(ValueError, match="expert index below its first size"):
         expert_slice(down, EXPERTS)
+
+
+def test_float_experts_and_unknown_routing_are_refused_by_name():
+    """Experts left float32 (a model not loaded from GGUF) keep transformers' forward; a router the spec does not
+    know is named."""
+    from transformers import AutoModelForCausalLM
+
+    config = target_config("qwen3_moe", layers=2, num_experts=EXPERTS, num_experts_per_tok=TOP_K, head_dim=16)
+    model = AutoModelForCausalLM.from_config(config)
+    assert native_decoder.layer_spec(model).native
+    assert "not every linear layer computes on the GGUF kernels" in native_decoder.native_problem(model, True)
+    for layer in model.model.layers:
+        layer.mlp.gate = torch.nn.Linear(64, EXPERTS)
+    assert "its router Linear is not a softmax top-k router it knows" in native_decoder.layer_spec(model).problems

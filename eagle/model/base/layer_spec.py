@@ -40,7 +40,7 @@ FAMILIES = {
 
 #: Classes known not to fit, with the feature that keeps them out.
 REFUSED_FAMILIES = {
-    "MixtralForCausalLM": "a mixture-of-experts MLP that transformers does not load from GGUF",
+    "MixtralForCausalLM": "a mixture-of-experts MLP",  # transformers loads no Mixtral GGUF
     "GptOssForCausalLM": "a mixture-of-experts MLP",
     "Gemma2ForCausalLM": "attention logit soft-capping",
     "Phi3ForCausalLM": "fused q/k/v and gate/up projections",
@@ -176,11 +176,11 @@ def moe_spec(layers) -> tuple[MoeSpec | None, list[str]]:
     if not all(routed):
         return None, ["its layers mix mixture-of-experts and dense MLPs"]
     router = layers[0].mlp.gate
-    problems = [] if type(router).__name__ in SOFTMAX_ROUTERS else [
-        f"its router {type(router).__name__} is not a softmax top-k router it knows"]
+    if type(router).__name__ not in SOFTMAX_ROUTERS:
+        return None, [f"its router {type(router).__name__} is not a softmax top-k router it knows"]
     shared = hasattr(layers[0].mlp, "shared_expert")
-    if shared and not hasattr(layers[0].mlp, "shared_expert_gate"):
-        problems.append("its shared expert has no sigmoid gate")
+    problems = ["its shared expert has no sigmoid gate"] if shared and not hasattr(
+        layers[0].mlp, "shared_expert_gate") else []
     spec = MoeSpec(experts=int(router.num_experts), top_k=int(router.top_k), routing="softmax",
                    norm_topk_prob=bool(router.norm_topk_prob), shared_expert=shared)
     return spec, problems

@@ -12,8 +12,10 @@ and hidden states are bit-identical to the model's own forward on the same input
 
 What a layer computes is read once, when the target's :class:`~eagle.model.base.plan.ForwardPlan` is built, into a
 :class:`~eagle.model.base.layer_spec.LayerSpec` (``eagle/model/base/layer_spec.py``: Llama, Mistral, Qwen2, Qwen3,
-SmolLM3, Gemma 3); :func:`native_decoder` builds a decoder where the spec has no problems and every linear layer
-and the attention run on the kernels; the plan then calls it instead of ``model(...)``. Anything else (another
+SmolLM3, Gemma 3; Qwen2-MoE and Qwen3-MoE with their router and experts on the kernels,
+``eagle/model/backends/gguf_experts.py``); :func:`native_decoder` builds a decoder where the spec has no problems
+and every linear layer (:func:`mlp_linears`) and the attention run on the kernels; the plan then calls it instead
+of ``model(...)``. Anything else (another
 family, a feature the spec names as a problem, a float layer left, a query temperature, attention not on the kernel)
 keeps transformers' forward.
 
@@ -23,7 +25,8 @@ rows still computed independently of each other (row-invariant). Every step roun
 except the RMSNorm, whose sum of squares runs in a fixed order of its own (16 lanes, then the lanes in order;
 :func:`eagle.kernels.reference.lane_rms_norm` is the PyTorch form ``tests/test_native_decoder.py`` checks the op's
 bits against), so logits agree with transformers' forward to float32 rounding, not bit for bit. Without that
-cache, with a mask it cannot read, or where the op is missing, the layers run through the modules as above.
+cache, with a mask it cannot read, where the op is missing, or for a mixture-of-experts MLP (the op has no expert
+routing), the layers run through the modules as above.
 """
 
 from __future__ import annotations
