@@ -170,8 +170,6 @@ def test_through_the_modules_the_bits_of_transformers_forward(model_type, overri
 
 @pytest.mark.parametrize("model_type, overrides, problem", [
     ("mixtral", {}, "MixtralForCausalLM has a mixture-of-experts MLP"),
-    ("qwen3_moe", dict(head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32),
-     "Qwen3MoeForCausalLM has a mixture-of-experts MLP"),
     ("gemma2", dict(head_dim=16), "Gemma2ForCausalLM has attention logit soft-capping"),
     ("phi3", {}, "Phi3ForCausalLM has fused q/k/v and gate/up projections"),
     ("gemma3_text", dict(head_dim=16, attn_logit_softcapping=50.0), "attention logit soft-capping"),

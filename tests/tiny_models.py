@@ -299,11 +299,16 @@ def write_gguf_target(model, path: Path, architecture: str, type_name: str = "Q8
     writer.add_vocab_size(config.vocab_size)
     if getattr(config, "sliding_window", None) and architecture == "gemma3":
         writer.add_sliding_window(config.sliding_window)
+    if getattr(config, "num_experts", None):
+        writer.add_expert_count(config.num_experts)
+        writer.add_expert_used_count(config.num_experts_per_tok)
     permuted = llama_permuted(architecture)
     for hf_name, gguf_name in hf_to_gguf_names(model, architecture).items():
         if hf_name == "lm_head.weight" and config.tie_word_embeddings:
             continue
         tensor = model.state_dict()[hf_name].detach().float().numpy()
+        if hf_name.endswith("shared_expert_gate.weight"):  # llama.cpp stores it as a vector
+            tensor = tensor[0]
         if architecture == "gemma3" and hf_name.endswith("norm.weight"):
             tensor = tensor + 1
         if permuted and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
@@ -314,8 +319,26 @@ def write_gguf_target(model, path: Path, architecture: str, type_name: str = "Q8
             writer.add_tensor(gguf_name, gguf.quants.quantize(tensor, kind), raw_dtype=kind)
         else:
             writer.add_tensor(gguf_name, np.ascontiguousarray(tensor, dtype=np.float32))
+    _write_experts(writer, model, type_name)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def _write_experts(writer, model, type_name: str) -> None:
+    """A mixture-of-experts model's stacked expert matrices as llama.cpp stores them: per layer
+    ``ffn_{gate,up,down}_exps`` of shape (experts, out, in), from transformers' fused ``gate_up_proj`` (gate rows
+    first) and ``down_proj``."""
+    import gguf
+
+    kind = getattr(gguf.GGMLQuantizationType, type_name)
+    for index, layer in enumerate(model.model.layers):
+        experts = getattr(layer.mlp, "experts", None)
+        if experts is None:
+            continue
+        gate, up = experts.gate_up_proj.detach().float().chunk(2, dim=1)
+        for name, tensor in (("gate", gate), ("up", up), ("down", experts.down_proj.detach().float())):
+            writer.add_tensor(f"blk.{index}.ffn_{name}_exps.weight",
+                              gguf.quants.quantize(tensor.contiguous().numpy(), kind), raw_dtype=kind)

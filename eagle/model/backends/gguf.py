@@ -4,10 +4,11 @@ transformers dequantizes a GGUF file to float32 when it loads it (every forward 
 bytes). :func:`convert_gguf_model` replaces, in place, every ``nn.Linear`` whose weight comes from a GGUF tensor the
 native kernels handle with a :class:`GGUFQuantLinear` over that tensor's blocks (:mod:`eagle.kernels.linear`), the
 token embedding with a :class:`~eagle.kernels.linear.QuantEmbedding`, and a tied LM head with a
-``GGUFQuantLinear`` over the same ``token_embd`` blocks (shared with the embedding, not copied); the float32 copies
-are freed. Every replaced weight is checked at load: its blocks must dequantize to exactly the float32 tensor
-transformers built (``torch.equal``), else a ValueError names the tensor. A tensor type the kernels do not handle
-stays a float layer (logged once per type).
+``GGUFQuantLinear`` over the same ``token_embd`` blocks (shared with the embedding, not copied), and a
+mixture-of-experts layer's stacked experts and router with kernel modules over each expert's slice
+(:mod:`eagle.model.backends.gguf_experts`); the float32 copies are freed. Every replaced weight is checked at
+load: its blocks must dequantize to exactly the float32 tensor transformers built (``torch.equal``), else a
+ValueError names the tensor. A tensor type the kernels do not handle stays a float layer (logged once per type).
 
 :func:`fill_from_gguf` builds the same modules without a float32 model: over a model built on the meta device
 (:func:`eagle.model.base.loading.load_gguf_direct`), it reads the file one tensor at a time, installs the kernel
@@ -44,6 +45,7 @@ from torch import nn
 
 from eagle.kernels.gguf_weights import GGUFWeight, llama_qk_row_order, read_gguf_weights
 from eagle.kernels.linear import QuantEmbedding, QuantLinear, kernel_handles
+from eagle.model.backends.gguf_experts import convert_gguf_experts
 from eagle.model.backends.linear import PlainLinear, current_real_rows
 from eagle.utils.gguf_paths import gguf_file_of
 
@@ -232,7 +234,7 @@ def _convert_linears(model, weights, names, numerics, permuted, skip: set[str]) 
         if gguf_name is None or gguf_name not in weights:
             _note_unhandled(f"{name} (no GGUF tensor maps to it)")
             continue
-        weight = weights[gguf_name]
+        weight = _as_matrix(weights[gguf_name], layer)
         if not kernel_handles(weight.type_name) or len(weight.shape) != 2:
             _note_unhandled(f"GGUF type {weight.type_name} ({gguf_name} and any like it)")
             continue
@@ -241,6 +243,13 @@ def _convert_linears(model, weights, names, numerics, permuted, skip: set[str]) 
         set_module(model, name, quant)
         count += 1
     return count
+
+
+def _as_matrix(weight: GGUFWeight, layer: nn.Linear) -> GGUFWeight:
+    """A GGUF vector stored for a one-output linear layer (a shared expert's gate) as its (1, K) matrix."""
+    if len(weight.shape) == 1 and tuple(layer.weight.shape) == (1, weight.shape[0]):
+        return GGUFWeight(weight.name, weight.type_name, (1, weight.shape[0]), weight.blocks.reshape(1, -1))
+    return weight
 
 
 def _convert_embeddings(model, weights, names, numerics) -> tuple[int, set[str]]:
@@ -276,6 +285,7 @@ def convert_gguf_model(model: nn.Module, gguf_path: str, numerics: str = "float3
     with torch.no_grad():
         count, skip = _convert_embeddings(model, weights, names, numerics)
         count += _convert_linears(model, weights, names, numerics, permuted, skip)
+        count += convert_gguf_experts(model, weights, names, numerics, _check_equal)
     del weights
     release_freed_memory()
     logger.info("GGUF kernels (%s numerics): %d modules compute over the blocks of %s", numerics, count, gguf_path)

@@ -7,7 +7,8 @@ norms sit (before each block, or Gemma's sandwich: before and after attention an
 q/k/v biases (Qwen2), which rotary table each layer reads (the model's own rotary module computes it: default,
 llama3 or YaRN scaling alike; Gemma 3's local and global bases per layer type; none for SmolLM3's NoPE layers), the
 layer types that choose each layer's mask (sliding windows), the attention scale (Gemma's
-``query_pre_attn_scalar``), the final logit soft-capping, the embedding scale and whether the LM head is tied.
+``query_pre_attn_scalar``), the final logit soft-capping, the embedding scale, whether the LM head is tied, and a
+mixture-of-experts MLP's routing (:class:`MoeSpec`: Qwen2-MoE, Qwen3-MoE).
 Whatever it cannot express lands in :attr:`LayerSpec.problems`, one sentence per feature, and the model keeps
 transformers' per-layer forward.
 
@@ -32,13 +33,14 @@ FAMILIES = {
     "SmolLM3ForCausalLM": "Llama's layer, layers without rotary (NoPE)",
     "Gemma3ForCausalLM": "sandwich norms of (1 + w), q/k norms, tanh-GELU, local and global rotary bases, "
                          "sliding-window layers, query_pre_attn_scalar, a scaled embedding",
+    "Qwen2MoeForCausalLM": "Qwen2's attention, a softmax top-k mixture-of-experts MLP with a sigmoid-gated shared "
+                           "expert",
+    "Qwen3MoeForCausalLM": "Qwen3's attention, a softmax top-k mixture-of-experts MLP",
 }
 
 #: Classes known not to fit, with the feature that keeps them out.
 REFUSED_FAMILIES = {
-    "MixtralForCausalLM": "a mixture-of-experts MLP",
-    "Qwen2MoeForCausalLM": "a mixture-of-experts MLP",
-    "Qwen3MoeForCausalLM": "a mixture-of-experts MLP",
+    "MixtralForCausalLM": "a mixture-of-experts MLP",  # transformers loads no Mixtral GGUF
     "GptOssForCausalLM": "a mixture-of-experts MLP",
     "Gemma2ForCausalLM": "attention logit soft-capping",
     "Phi3ForCausalLM": "fused q/k/v and gate/up projections",
@@ -46,10 +48,28 @@ REFUSED_FAMILIES = {
 
 #: RMSNorm classes the native layers compute, with what their weight is added to (Gemma's norms multiply by 1 + w).
 NORM_OFFSETS = {"LlamaRMSNorm": 0.0, "MistralRMSNorm": 0.0, "Qwen2RMSNorm": 0.0, "Qwen3RMSNorm": 0.0,
-                "SmolLM3RMSNorm": 0.0, "Gemma3RMSNorm": 1.0, "RMSNorm": 0.0, "KernelRMSNorm": 0.0}
+                "SmolLM3RMSNorm": 0.0, "Gemma3RMSNorm": 1.0, "Qwen2MoeRMSNorm": 0.0, "Qwen3MoeRMSNorm": 0.0,
+                "RMSNorm": 0.0, "KernelRMSNorm": 0.0}
+
+#: Routers whose routing a :class:`MoeSpec` describes: softmax over the experts in float32, top-k, optionally
+#: renormalised (transformers' Qwen2-MoE / Qwen3-MoE routers, and the kernel router that replaces them).
+SOFTMAX_ROUTERS = ("Qwen2MoeTopKRouter", "Qwen3MoeTopKRouter", "KernelRouter")
 
 #: A layer's rotary table when the model has one (the key its rotary module is called without a layer type).
 SHARED_TABLE = ""
+
+
+@dataclass(frozen=True)
+class MoeSpec:
+    """A mixture-of-experts MLP: ``experts`` gated MLPs, each row routed to ``top_k`` of them by a softmax over
+    the router's logits (renormalised to sum 1 where ``norm_topk_prob``), their outputs weighted and summed in
+    ascending expert order; with ``shared_expert``, plus sigmoid(x w_gate) times a shared gated MLP (Qwen2-MoE)."""
+
+    experts: int
+    top_k: int
+    routing: str  # "softmax"
+    norm_topk_prob: bool
+    shared_expert: bool
 
 
 @dataclass(frozen=True)
@@ -69,6 +89,7 @@ class LayerSpec:
     embedding_scale: float | None  # applied by the model's embedding module
     tied_head: bool
     problems: tuple = ()
+    moe: MoeSpec | None = None  # the layers' MLP is a mixture of experts
 
     @property
     def native(self) -> bool:
@@ -140,10 +161,35 @@ def _config_problems(config) -> list[str]:
     return problems
 
 
+def mlp_activation(layer):
+    """The activation module of ``layer``'s MLP (a mixture of experts': its experts')."""
+    mlp = layer.mlp
+    return mlp.act_fn if hasattr(mlp, "act_fn") else mlp.experts.act_fn
+
+
+def moe_spec(layers) -> tuple[MoeSpec | None, list[str]]:
+    """The :class:`MoeSpec` of ``layers``' MLPs (None where they are plain gated MLPs), and what it cannot
+    express."""
+    routed = [hasattr(layer.mlp, "experts") for layer in layers]
+    if not any(routed):
+        return None, []
+    if not all(routed):
+        return None, ["its layers mix mixture-of-experts and dense MLPs"]
+    router = layers[0].mlp.gate
+    if type(router).__name__ not in SOFTMAX_ROUTERS:
+        return None, [f"its router {type(router).__name__} is not a softmax top-k router it knows"]
+    shared = hasattr(layers[0].mlp, "shared_expert")
+    problems = ["its shared expert has no sigmoid gate"] if shared and not hasattr(
+        layers[0].mlp, "shared_expert_gate") else []
+    spec = MoeSpec(experts=int(router.num_experts), top_k=int(router.top_k), routing="softmax",
+                   norm_topk_prob=bool(router.norm_topk_prob), shared_expert=shared)
+    return spec, problems
+
+
 def _module_problems(layers, sandwich: bool, activation: str | None) -> list[str]:
     problems = []
     if activation is None:
-        problems.append(f"its MLP activation {type(layers[0].mlp.act_fn).__name__} is not SiLU or tanh-GELU")
+        problems.append(f"its MLP activation {type(mlp_activation(layers[0])).__name__} is not SiLU or tanh-GELU")
     kinds = {type(norm).__name__ for layer in layers for norm in _norms(layer, sandwich)}
     if not kinds <= set(NORM_OFFSETS):
         problems.append(f"its norms are {', '.join(sorted(kinds - set(NORM_OFFSETS)))}, not an RMSNorm it knows")
@@ -151,7 +197,7 @@ def _module_problems(layers, sandwich: bool, activation: str | None) -> list[str
         problems.append("its norms differ in epsilon")
     if len({attention_scale(layer.self_attn) for layer in layers}) != 1:
         problems.append("its layers differ in attention scale")
-    if len({type(layer.mlp.act_fn) for layer in layers}) != 1:
+    if len({type(mlp_activation(layer)) for layer in layers}) != 1:
         problems.append("its layers differ in activation")
     return problems
 
@@ -168,7 +214,8 @@ def layer_spec(model) -> LayerSpec:
         return _unknown(name, config, problem)
     layers = list(model.model.layers)
     sandwich = hasattr(layers[0], "pre_feedforward_layernorm")
-    activation = activation_name(layers[0].mlp.act_fn)
+    activation = activation_name(mlp_activation(layers[0]))
+    moe, moe_problems = moe_spec(layers)
     embed = model.get_input_embeddings()
     scale = getattr(embed, "scalar_embed_scale", getattr(embed, "embed_scale", None))
     softcap = getattr(config, "final_logit_softcapping", None)
@@ -180,7 +227,8 @@ def layer_spec(model) -> LayerSpec:
         attention_scale=attention_scale(layers[0].self_attn), final_softcap=softcap,
         embedding_scale=float(scale) if scale is not None else None,
         tied_head=bool(getattr(config, "tie_word_embeddings", False)),
-        problems=tuple(_config_problems(config) + _module_problems(layers, sandwich, activation)))
+        problems=tuple(_config_problems(config) + _module_problems(layers, sandwich, activation) + moe_problems),
+        moe=moe)
 
 
 def _unknown(name: str, config, problem: str) -> LayerSpec:

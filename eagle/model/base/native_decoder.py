@@ -12,8 +12,10 @@ and hidden states are bit-identical to the model's own forward on the same input
 
 What a layer computes is read once, when the target's :class:`~eagle.model.base.plan.ForwardPlan` is built, into a
 :class:`~eagle.model.base.layer_spec.LayerSpec` (``eagle/model/base/layer_spec.py``: Llama, Mistral, Qwen2, Qwen3,
-SmolLM3, Gemma 3); :func:`native_decoder` builds a decoder where the spec has no problems and every linear layer
-and the attention run on the kernels; the plan then calls it instead of ``model(...)``. Anything else (another
+SmolLM3, Gemma 3; Qwen2-MoE and Qwen3-MoE with their router and experts on the kernels,
+``eagle/model/backends/gguf_experts.py``); :func:`native_decoder` builds a decoder where the spec has no problems
+and every linear layer (:func:`mlp_linears`) and the attention run on the kernels; the plan then calls it instead
+of ``model(...)``. Anything else (another
 family, a feature the spec names as a problem, a float layer left, a query temperature, attention not on the kernel)
 keeps transformers' forward.
 
@@ -23,7 +25,8 @@ rows still computed independently of each other (row-invariant). Every step roun
 except the RMSNorm, whose sum of squares runs in a fixed order of its own (16 lanes, then the lanes in order;
 :func:`eagle.kernels.reference.lane_rms_norm` is the PyTorch form ``tests/test_native_decoder.py`` checks the op's
 bits against), so logits agree with transformers' forward to float32 rounding, not bit for bit. Without that
-cache, with a mask it cannot read, or where the op is missing, the layers run through the modules as above.
+cache, with a mask it cannot read, where the op is missing, or for a mixture-of-experts MLP (the op has no expert
+routing), the layers run through the modules as above.
 """
 
 from __future__ import annotations
@@ -64,10 +67,22 @@ def native_problem(model, kernel_attention: bool, spec: LayerSpec | None = None)
     inner = model.model
     linears = [model.lm_head] + [module for layer in inner.layers for module in (
         layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj, layer.self_attn.o_proj,
-        layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj)]
+        *mlp_linears(layer.mlp))]
     if not all(isinstance(m, QuantLinear) and m.uses_kernels for m in linears):
         problems.append("not every linear layer computes on the GGUF kernels")
     return "; ".join(problems) or None
+
+
+def mlp_linears(mlp) -> list:
+    """The linear layers of an MLP: gate, up, down; a mixture of experts' router, experts and shared expert (a
+    module of transformers' stands for the kernel modules it lacks: its float router or stacked experts)."""
+    if not hasattr(mlp, "experts"):
+        return [mlp.gate_proj, mlp.up_proj, mlp.down_proj]
+    router = getattr(mlp.gate, "linear", mlp.gate)
+    experts = list(mlp.experts.gate_up) + list(mlp.experts.down) if hasattr(mlp.experts, "gate_up") else [
+        mlp.experts]
+    shared = mlp_linears(mlp.shared_expert) + [mlp.shared_expert_gate] if hasattr(mlp, "shared_expert") else []
+    return [router] + experts + shared
 
 
 @dataclass
@@ -155,6 +170,8 @@ def layer_arguments(layers, spec: LayerSpec) -> tuple[LayerArguments | None, str
     """What the native layers take of ``layers`` (described by ``spec``), or (None, why not)."""
     if not kernels.available() or not hasattr(torch.ops.eagle, "spec_layers"):
         return None, "the compiled extension has no eagle::spec_layers"
+    if spec.moe is not None:
+        return None, "eagle::spec_layers computes no mixture-of-experts MLP"
     try:
         return _gather_layers(layers, spec), None
     except _NoArguments as reason:
@@ -215,7 +232,10 @@ class NativeDecoder:
         output = attention.o_proj(output.reshape(batch, length, -1).contiguous())
         hidden = hidden + (layer.post_attention_layernorm(output) if spec.sandwich else output)
         normed = (layer.pre_feedforward_layernorm if spec.sandwich else layer.post_attention_layernorm)(hidden)
-        output = mlp.down_proj(mlp.act_fn(mlp.gate_proj(normed)) * mlp.up_proj(normed))
+        if spec.moe is not None:  # the router, experts and shared expert on the kernels
+            output = mlp(normed)
+        else:
+            output = mlp.down_proj(mlp.act_fn(mlp.gate_proj(normed)) * mlp.up_proj(normed))
         return hidden + (layer.post_feedforward_layernorm(output) if spec.sandwich else output)
 
     def _mask_lists(self, masks, queries: int, slots: int):
