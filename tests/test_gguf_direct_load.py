@@ -75,6 +75,36 @@ def test_the_embedded_gguf_loads_as_todays_path_builds_it(smollm2_direct):
     _assert_same_logits(direct, today, tokenizer)
 
 
+def test_a_direct_load_parses_the_metadata_once_into_the_same_config_and_tokenizer(monkeypatch):
+    """transformers' config and tokenizer loaders each parse the whole metadata; a direct load parses it once, and
+    what it builds from that equals what transformers builds alone."""
+    import gguf as gguf_py
+    from transformers import AutoConfig, AutoTokenizer
+
+    path = defaults.default_base_model_path()
+    location, name = os.path.split(path)
+    config, tokenizer = AutoConfig.from_pretrained(location, gguf_file=name), \
+        AutoTokenizer.from_pretrained(location, gguf_file=name)
+    parses = []
+
+    class CountingReader(gguf_py.GGUFReader):
+        def __init__(self, *args, **kwargs):
+            parses.append(args[0] if args else kwargs.get("path"))
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(gguf_py, "GGUFReader", CountingReader)
+    model, direct_tokenizer = load_gguf_direct(path)
+    assert len(parses) == 1
+    assert model.config.to_dict() | {"name_or_path": "", "dtype": None} == \
+        config.to_dict() | {"name_or_path": "", "dtype": None}
+    assert direct_tokenizer.get_vocab() == tokenizer.get_vocab()
+    text = "Hello, world! 1234 éà ünïcode   spaces\n\ttabs"
+    assert direct_tokenizer(text).input_ids == tokenizer(text).input_ids
+    # outside a load, transformers parses every time, as before
+    AutoConfig.from_pretrained(location, gguf_file=name)
+    assert len(parses) == 2
+
+
 def test_every_kernel_layer_dequantizes_to_transformers_weight(smollm2_direct):
     """The check today's path makes at load (each layer against transformers' float32 weight), one tensor at a
     time against gguf-py's dequantization of the file (with transformers' Q / K row order)."""

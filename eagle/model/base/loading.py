@@ -10,6 +10,7 @@ import time
 import torch
 
 from eagle.kernels.gguf_check import check_gguf_file
+from eagle.model.base.gguf_metadata import metadata_parsed_once
 from eagle.utils.gguf_paths import gguf_file_of, split_gguf_path
 from eagle.model.backends.attention import SUPPORTED_ATTENTION
 
@@ -115,10 +116,11 @@ def load_gguf_direct(base_model_path: str, numerics: str = "float32", **kwargs):
         raise ValueError(f"{base_model_path} is not a .gguf file (nor a directory holding one): only a GGUF file "
                          "loads straight into the kernels; load it with load_base_model.")
     trust = kwargs.get("trust_remote_code", False)
-    config = AutoConfig.from_pretrained(location, gguf_file=gguf_file, trust_remote_code=trust)
-    config.name_or_path = location
-    # The tokenizer first: the metadata it parses is freed before the blocks are packed, so peaks do not add up.
-    tokenizer = AutoTokenizer.from_pretrained(location, trust_remote_code=trust, gguf_file=gguf_file)
+    with metadata_parsed_once():
+        config = AutoConfig.from_pretrained(location, gguf_file=gguf_file, trust_remote_code=trust)
+        config.name_or_path = location
+        # The tokenizer first: the metadata it parses is freed before the blocks are packed, so peaks do not add up.
+        tokenizer = AutoTokenizer.from_pretrained(location, trust_remote_code=trust, gguf_file=gguf_file)
     release_freed_memory()
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, **kwargs)
