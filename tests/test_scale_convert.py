@@ -50,21 +50,27 @@ def load(base, head):
                                    gguf_kernels="float32")
 
 
-@pytest.mark.e2e  # the embedded SmolLM2 pair widened to `tiny` (~210M parameters) and llama.cpp's tools
-def test_convert_command_makes_gguf_files_that_compute_the_embedded_pair(tmp_path):
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    """The embedded pair widened to `tiny` (~210M parameters) and converted, the f16 intermediate kept."""
     problem = conversion_problem()
     if problem:
         pytest.skip(problem)
-    from eagle.defaults import default_base_model_path, default_ea_model_path
-
-    out = tmp_path / "tiny"
+    out = tmp_path_factory.mktemp("scale") / "tiny"
     command = [sys.executable, "-m", "eagle.evaluation.scale", "build", "--shape", "tiny", "--out", str(out),
                "--convert", "--keep-intermediate", "--skip-tune"]
     subprocess.run(command, cwd=ROOT, check=True, capture_output=True, timeout=1500)
-    assert {p.name for p in out.glob("*.gguf")} == {"model-f16.gguf", "model-Q4_K_M.gguf", "head-eagle3.gguf"}
-    assert json.loads((out / "conversion.json").read_text())["quant"] == "Q4_K_M"
+    return out
+
+
+@pytest.mark.e2e  # the embedded SmolLM2 pair and llama.cpp's tools
+def test_convert_command_makes_gguf_files_that_compute_the_embedded_pair(converted):
+    from eagle.defaults import default_base_model_path, default_ea_model_path
     from eagle.export import TargetGGUF
 
+    out = converted
+    assert {p.name for p in out.glob("*.gguf")} == {"model-f16.gguf", "model-Q4_K_M.gguf", "head-eagle3.gguf"}
+    assert json.loads((out / "conversion.json").read_text())["quant"] == "Q4_K_M"
     assert TargetGGUF(str(out / "head-eagle3.gguf")).arch == "eagle3"  # llama.cpp's EAGLE-3 draft
     assert TargetGGUF(str(out / "model-Q4_K_M.gguf")).value("general.file_type") == 15  # LLAMA_FTYPE_MOSTLY_Q4_K_M
     source = load(default_base_model_path(), default_ea_model_path())
@@ -77,3 +83,24 @@ def test_convert_command_makes_gguf_files_that_compute_the_embedded_pair(tmp_pat
     del wide
     quantized = load(out / "model-Q4_K_M.gguf", out / "head")  # requantized: its own function, EAGLE exact on it
     assert greedy(quantized, ids, eagle=True) == greedy(quantized, ids, eagle=False)
+
+
+@pytest.mark.e2e
+def test_bench_command_sets_ours_against_llama_cpp(converted, tmp_path):
+    """`scale bench` on the converted tiny pair: every method, both cost curves (k = 1 is 1x), load times, the read
+    bandwidth, in the JSON it writes and the table it prints."""
+    from eagle.evaluation.scale.bench import KS, METHODS
+
+    command = [sys.executable, "-m", "eagle.evaluation.scale", "bench", "--shape", "tiny", "--out", str(converted),
+               "--num-questions", "1", "--max-new-tokens", "8", "--output-dir", str(tmp_path)]
+    printed = subprocess.run(command, cwd=ROOT, check=True, capture_output=True, text=True, timeout=1500).stdout
+    result = json.loads((tmp_path / "scale-bench.json").read_text())
+    assert set(result["methods"]) == set(METHODS)
+    assert all(row["tokens_per_s"] > 0 and row["resident_bytes"] > 0 for row in result["methods"].values())
+    assert result["methods"]["eagle"]["tau"] >= 1 and result["methods"]["llamacpp"]["vs_llamacpp_plain"] == 1
+    for side in ("ours", "llamacpp"):
+        assert result[side]["load_s"] > 0 and result[side]["plain_token_gb_per_s"] > 0
+        assert list(result[side]["cost"]["multiple_of_k1"]) == [str(k) for k in KS]
+        assert result[side]["cost"]["multiple_of_k1"]["1"] == 1
+    assert result["read_bandwidth"]["gb_per_s"] > 0
+    assert "forward over k tokens after 256" in printed and "llama.cpp + our EAGLE-3 head" in printed

@@ -31,6 +31,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from tqdm import tqdm
 
 logger = logging.getLogger(__name__)
 
@@ -80,7 +81,8 @@ def ours(model_gguf: Path, head_dir: Path, numerics: str, ks=KS) -> dict:
               "weight_bytes": weight_bytes(model.base_model, model.ea_layer)}
     logger.info("Ours: loaded in %.2f s; timing a forward over k = %s tokens after %d", load_s, ks, CONTEXT)
     runs = {k: verification_run(model, k, prefix=CONTEXT) for k in ks}
-    record["cost"] = cost_curve(best_seconds(runs, REPEATS, model.device))
+    with tqdm(total=REPEATS + 1, desc="our cost of k tokens", unit="round") as progress:
+        record["cost"] = cost_curve(best_seconds(runs, REPEATS, model.device, progress))
     del model, runs
     return record
 
@@ -103,7 +105,8 @@ def llama_load(model_gguf: Path, threads: int) -> dict:
 
 def llama_cost(model_gguf: Path, threads: int, ks=KS, steps: int = 4) -> dict | None:
     """llama.cpp's cost of one decode over k tokens after a 256-token context (``llama-batched-bench``: k
-    sequences sharing the prompt, ``steps`` decodes each, seconds per decode), or None when the binary is missing."""
+    sequences sharing the prompt in one unified KV cache, ``steps`` decodes each, seconds per decode), or None when
+    the binary is missing or fails."""
     from eagle.evaluation.scale.convert import find_llama_tool
 
     binary = find_llama_tool("llama-batched-bench")
@@ -111,8 +114,8 @@ def llama_cost(model_gguf: Path, threads: int, ks=KS, steps: int = 4) -> dict | 
         logger.warning("llama-batched-bench is not built (scripts/build_llama_cpp.sh builds it): llama.cpp's cost "
                        "curve is left out.")
         return None
-    command = [str(binary), "-m", str(model_gguf), "-c", str(CONTEXT + max(ks) * steps + 16), "-npp", str(CONTEXT),
-               "-ntg", str(steps), "-npl", ",".join(map(str, ks)), "-pps", "-t", str(threads),
+    command = [str(binary), "-m", str(model_gguf), "-c", str(CONTEXT + max(ks) * steps + 64), "-npp", str(CONTEXT),
+               "-ntg", str(steps), "-npl", ",".join(map(str, ks)), "-pps", "-kvu", "-t", str(threads),
                "--output-format", "jsonl"]
     done = subprocess.run(command, capture_output=True, text=True, check=False)
     rows = [json.loads(line) for line in (done.stdout + "\n" + done.stderr).splitlines()
@@ -195,13 +198,15 @@ def table(result: dict) -> list[str]:
     lines = [f"scale bench: shape {result['shape']} ({result['model_file']}, {result['model_file_bytes'] / 1e9:.2f} "
              f"GB), {result['threads']} threads; synthetic shape computing SmolLM2-135M's function",
              f"read bandwidth {result['read_bandwidth']['gb_per_s']:.1f} GB/s ({result['read_bandwidth']['source']})",
-             "", f"{'method':<34} {'tok/s':>8} {'x llama.cpp':>11} {'tau':>6} {'accepted':>9} {'RSS GB':>7}"]
+             "", f"{'method':<34} {'tok/s':>8} {'x llama.cpp':>11} {'tau':>6} {'accepted':>9} {'mem GB':>7}"]
     for row in result["methods"].values():
         lines.append(f"{row['label'][:34]:<34} {_fmt(row['tokens_per_s']):>8} {_fmt(row['vs_llamacpp_plain']):>11} "
                      f"{_fmt(row['tau']):>6} {_fmt(row['accepted_fraction'], '.3f'):>9} "
                      f"{_fmt(row['resident_bytes'], '.2f', 1e9):>7}")
     ours, llama = result["ours"], result["llamacpp"]
-    lines += ["", f"load: ours {ours['load_s']:.2f} s (peak RSS {ours['peak_rss_bytes_during_load'] / 1e9:.2f} GB), "
+    lines += ["mem: the weights ours computes with (target and head); llama.cpp's: its server's resident set",
+              "", f"load: ours {ours['load_s']:.2f} s (peak RSS {ours['peak_rss_bytes_during_load'] / 1e9:.2f} GB, RSS after "
+                  f"{_fmt(ours['rss_bytes_after_load'], '.2f', 1e9)} GB), "
                   f"llama-server ready {llama['load_s']:.2f} s (RSS {_fmt(llama['rss_bytes'], '.2f', 1e9)} GB)",
               f"plain token streams: ours {_fmt(ours['plain_token_gb_per_s'], '.1f')} GB/s, llama.cpp "
               f"{_fmt(llama['plain_token_gb_per_s'], '.1f')} GB/s",
