@@ -4,9 +4,9 @@
 - The generation methods run through :mod:`eagle.evaluation.benchmark` (interleaved question by question, the same
   prompts): ``eagle`` and ``plain`` on the GGUF kernels, ``llamacpp`` (llama-server plain) and ``llamacpp_eagle3``
   (llama-server with the widened head as its EAGLE-3 draft): tokens/s, tau, resident memory.
-- Load: ours is the wall time of ``EaModel.from_pretrained`` (and the process's peak resident memory, loaded first
-  in this process); llama.cpp's the time until llama-server answers ``/health`` (and its resident memory after one
-  short completion).
+- Load: ours is the wall time of ``EaModel.from_pretrained`` (and the process's peak resident memory, loaded before
+  anything else in this process); llama.cpp's the time until llama-server answers ``/health`` (and its resident
+  memory after one short completion).
 - The cost of one target forward over k tokens after a 256-token context, as a multiple of k = 1: ours times a
   k-node tree's verification as a step of the loop does (:func:`eagle.model.tuning.autotune.verification_run`:
   ``Target.verify``, the logits read, the cache compaction); llama.cpp's comes from ``llama-batched-bench`` (one
@@ -165,14 +165,16 @@ def bench(args) -> dict:
     ``args.output_dir/scale-bench.json`` and returns what it wrote."""
     from eagle.evaluation.scale.convert import converted_files
 
+    if args.threads < 1:
+        raise ValueError(f"--threads must be at least 1, got {args.threads}.")
     files = converted_files(args.out, args.quant)
     torch.set_num_threads(args.threads)
     args.output_dir.mkdir(parents=True, exist_ok=True)
-    logger.info("Measuring the read bandwidth")
     result = {"shape": args.shape, "quant": args.quant, "numerics": args.numerics, "threads": args.threads,
-              "model_file": files["model"].name, "model_file_bytes": files["model"].stat().st_size,
-              "read_bandwidth": read_bandwidth(args.threads)}
-    result["ours"] = ours(files["model"], files["head_dir"], args.numerics)
+              "model_file": files["model"].name, "model_file_bytes": files["model"].stat().st_size}
+    result["ours"] = ours(files["model"], files["head_dir"], args.numerics)  # first: the process's peak is the load's
+    logger.info("Measuring the read bandwidth")
+    result["read_bandwidth"] = read_bandwidth(args.threads)
     logger.info("llama.cpp: server load and its cost curve")
     result["llamacpp"] = {**llama_load(files["model"], args.threads),
                           "cost": None if args.skip_llamacpp_curve else llama_cost(files["model"], args.threads)}
