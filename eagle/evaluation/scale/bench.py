@@ -207,8 +207,8 @@ def table(result: dict) -> list[str]:
                      f"{_fmt(row['resident_bytes'], '.2f', 1e9):>7}")
     ours, llama = result["ours"], result["llamacpp"]
     lines += ["mem: the weights ours computes with (target and head); llama.cpp's: its server's resident set",
-              "", f"load: ours {ours['load_s']:.2f} s (peak RSS {ours['peak_rss_bytes_during_load'] / 1e9:.2f} GB, RSS after "
-                  f"{_fmt(ours['rss_bytes_after_load'], '.2f', 1e9)} GB), "
+              "", f"load: ours {ours['load_s']:.2f} s (peak RSS {ours['peak_rss_bytes_during_load'] / 1e9:.2f} GB, "
+                  f"RSS after {_fmt(ours['rss_bytes_after_load'], '.2f', 1e9)} GB), "
                   f"llama-server ready {llama['load_s']:.2f} s (RSS {_fmt(llama['rss_bytes'], '.2f', 1e9)} GB)",
               f"plain token streams: ours {_fmt(ours['plain_token_gb_per_s'], '.1f')} GB/s, llama.cpp "
               f"{_fmt(llama['plain_token_gb_per_s'], '.1f')} GB/s",

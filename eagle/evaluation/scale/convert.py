@@ -127,7 +127,7 @@ def convert_pair(out: str | os.PathLike, outtype: str = "f16", quant: str = "Q4_
         return paths
     done.unlink(missing_ok=True)
     peaks = {}
-    if force or not paths["intermediate"].is_file():
+    if force or previous.get("pair") != record["pair"] or not paths["intermediate"].is_file():  # none of this pair
         peaks["convert"] = run_step([sys.executable, str(find_converter()), str(out / "model"), "--outtype", outtype,
                                      "--outfile", str(paths["intermediate"])], "convert_hf_to_gguf.py")
     peaks["quantize"] = run_step([str(find_llama_tool("llama-quantize")), str(paths["intermediate"]),
