@@ -17,8 +17,13 @@ import sys
 
 from setuptools import find_packages, setup
 
-with open("requirements.txt") as f:
-    requirements = [line.strip() for line in f if line.strip() and not line.startswith("#")]
+
+def _requirements(path: str) -> list[str]:
+    with open(path) as f:
+        return [line.strip() for line in f if line.strip() and not line.startswith("#")]
+
+
+requirements = _requirements("requirements.txt")
 
 KERNEL_SOURCES = sorted(glob.glob(os.path.join("eagle", "csrc", "*.cpp")))
 
@@ -75,6 +80,7 @@ setup(
     include_package_data=True,
     python_requires=">=3.10",
     install_requires=requirements,
+    extras_require={"scale": _requirements("requirements-scale.txt")},  # the scale benchmark's conversion step
     ext_modules=ext_modules,
     cmdclass=cmdclass,
     entry_points={"console_scripts": ["eagle=eagle.__main__:main"]},

