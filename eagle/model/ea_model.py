@@ -2,7 +2,10 @@
 as a thin facade over :class:`~eagle.model.engine.engine.Engine`.
 
 Every generation method checks its input into a request once and consumes the one loop's steps; the arguments of
-the reference (``use_eagle``, ``is_llama3``, ``log``...) are translated here and go no further.
+the reference (``use_eagle``, ``is_llama3``, ``log``...) are translated here and go no further. What drafts is a
+drafter spec of :mod:`eagle.model.drafting.registry` (``drafter="eagle3"``, ``"none"``, ``"eagle3+lookup"``...):
+the model's default (:attr:`EaModel.drafter`), or one per call; ``use_eagle`` is its alias
+(:func:`~eagle.model.drafting.registry.reference_drafter`).
 """
 
 from __future__ import annotations
@@ -12,8 +15,9 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
+from eagle.model.drafting.registry import HEAD, NONE, check_drafter, head_spec, reference_drafter, runnable_drafters
 from eagle.model.drafting.settings import TreePlan, TreeSettings
-from eagle.model.engine.engine import HEAD, PLAIN, ContinuousBatch, Engine
+from eagle.model.engine.engine import ContinuousBatch, Engine
 from eagle.model.engine.hf_args import check_generate_extras
 from eagle.model.engine.outputs import collect, stream
 from eagle.model.engine.steps import BatchStep, Step
@@ -22,19 +26,18 @@ from eagle.model.backends.registry import switch_backend
 from eagle.model.base.target import feature_layers
 
 
-def _drafter(use_eagle: bool) -> str:
-    return HEAD if use_eagle else PLAIN
-
-
 class EaModel(nn.Module):
-    """A base model (``base_model``), its draft head (``ea_layer``; None: plain decoding only) and tokenizer; ``engine``
-    runs them. Build it with :meth:`from_pretrained`. Generation takes one sequence or a left-padded batch."""
+    """A base model (``base_model``), its draft head (``ea_layer``; None: the drafters that need no head only) and
+    tokenizer; ``engine`` runs them. Build it with :meth:`from_pretrained`. Generation takes one sequence or a
+    left-padded batch. ``drafter``: what drafts when a call does not say (None: the head's own, see
+    :attr:`drafter`); checked against the head here."""
 
     def __init__(self, base_model, ea_layer, tokenizer=None, total_token: int = 60, depth: int = 7, top_k: int = 10,
                  *, base_model_name_or_path: str | None = None, use_eagle3: bool | None = None, lookup_tokens: int = 0,
                  ea_model_path: str | None = None, thread_policy: bool = True,
-                 allow_unknown_attention: bool = False):
+                 allow_unknown_attention: bool = False, drafter: str | None = None):
         super().__init__()
+        self._drafter = None if drafter is None else check_drafter(drafter, ea_layer)
         self.base_model, self.ea_layer, self.tokenizer, self.config = base_model, ea_layer, tokenizer, base_model.config
         self.base_model_name_or_path, self.ea_model_path = base_model_name_or_path, ea_model_path
         self.use_eagle3 = ea_layer is not None and (ea_layer.eagle_version == 3 if use_eagle3 is None else use_eagle3)
@@ -45,20 +48,59 @@ class EaModel(nn.Module):
                              allow_unknown_attention=allow_unknown_attention)
 
     @classmethod
-    def from_pretrained(cls, use_eagle3: bool = True, base_model_path: str | None = None, ea_model_path: str | None = None,
-                        total_token: int | None = None, depth: int | None = None, top_k: int | None = None,
-                        threshold: float = 1.0, pack_cpu_weights: bool | str = "auto", lookup_tokens: int | None = None,
-                        draft_dtype="auto", thread_policy: bool = True, **kwargs) -> "EaModel":
+    def from_pretrained(cls, use_eagle3: bool | None = None, base_model_path: str | None = None,
+                        ea_model_path: str | None = None, total_token: int | None = None, depth: int | None = None,
+                        top_k: int | None = None, threshold: float = 1.0, pack_cpu_weights: bool | str = "auto",
+                        lookup_tokens: int | None = None, draft_dtype="auto", thread_policy: bool = True,
+                        drafter: str | None = None, **kwargs) -> "EaModel":
         """Load a base model (a directory, a Hub id or a ``.gguf`` file) and its head (a directory or Hub id); with
-        neither path, the embedded default pair. See :func:`eagle.model.pretrained.load_pretrained` for every
-        argument (tree settings not given come from the head's own tree for this device)."""
+        neither path, the embedded default pair. ``drafter``: the default drafter spec (None: the loaded head's own,
+        ``"eagle3"`` / ``"eagle1"`` with ``+lookup`` where its tree grafts lookup chains; ``"none"`` without a
+        head); ``use_eagle3`` (the reference's; None: True unless ``drafter`` needs an EAGLE-1 head) says which head
+        version loads. See :func:`eagle.model.pretrained.load_pretrained` for every argument (tree settings not
+        given come from the head's own tree for this device)."""
         from eagle.model.pretrained import load_pretrained
 
-        return load_pretrained(cls, use_eagle3=use_eagle3, base_model_path=base_model_path,
+        return load_pretrained(cls, use_eagle3=use_eagle3, drafter=drafter, base_model_path=base_model_path,
                                ea_model_path=ea_model_path, tree={"total_token": total_token, "depth": depth,
                                                                   "top_k": top_k, "lookup_tokens": lookup_tokens},
                                threshold=threshold, pack_cpu_weights=pack_cpu_weights, draft_dtype=draft_dtype,
                                thread_policy=thread_policy, **kwargs)
+
+    # ------------------------------------------------------------------ drafters
+    @property
+    def drafter(self) -> str:
+        """The spec of the default drafter: the one given (``from_pretrained(drafter=...)``, or assigned: checked
+        against the head), else the head's own (``"eagle3"`` / ``"eagle1"``, with ``+lookup`` when some tree
+        grafts lookup chains), else ``"none"`` (a model without a head). Assigning None restores the head's own."""
+        if self._drafter is not None:
+            return self._drafter
+        return NONE if self.ea_layer is None else head_spec(self.ea_layer, self.engine.plan)
+
+    @drafter.setter
+    def drafter(self, spec: str | None) -> None:
+        self._drafter = None if spec is None else check_drafter(spec, self.ea_layer)
+
+    def runnable_drafters(self) -> list[str]:
+        """Every drafter spec this model can run (its head's first; see
+        :func:`~eagle.model.drafting.registry.runnable_drafters`)."""
+        return runnable_drafters(self.ea_layer)
+
+    def check_drafter(self, drafter: str | None = None, use_eagle: bool | None = None) -> str:
+        """The spec a call runs: ``drafter`` (or the reference's ``use_eagle``, its alias; ``use_eagle=True`` is
+        :attr:`drafter` where one was chosen, else the head's own), else :attr:`drafter`;
+        ``ValueError`` saying why when this model cannot run it (an unknown name, with the known ones; an EAGLE
+        drafter without a head or with the other version's head)."""
+        spec = reference_drafter(drafter, use_eagle=use_eagle)
+        if spec is None or (spec == HEAD and self._drafter is not None):
+            return self.drafter  # EAGLE (use_eagle=True, eagenerate): the default chosen at load, else the head's
+        if spec == HEAD and self.ea_layer is None:
+            raise ValueError("This model has no draft head (loaded without an EAGLE head), so EAGLE generation "
+                             f"cannot run; it can run: {', '.join(self.runnable_drafters())} (use_eagle=False or "
+                             "drafter='none' is plain decoding).")
+        if spec == HEAD:
+            return head_spec(self.ea_layer, self.engine.plan)
+        return check_drafter(spec, self.ea_layer)
 
     # ------------------------------------------------------------------ trees
     def set_tree(self, total_token: int, depth: int, top_k: int, lookup_tokens: int | None = None) -> None:
@@ -131,14 +173,18 @@ class EaModel(nn.Module):
         return outputs, outputs.hidden_states[-1]
 
     # ------------------------------------------------------------------ generation
-    def _request(self, input_ids, attention_mask=None, *, use_eagle=True, **settings):
-        return self.engine.request(input_ids, attention_mask, drafter=_drafter(use_eagle), **settings)
+    def _request(self, input_ids, attention_mask=None, *, use_eagle=None, drafter=None, **settings):
+        return self.engine.request(input_ids, attention_mask, drafter=self.check_drafter(drafter, use_eagle),
+                                   **settings)
 
     def generate_steps(self, input_ids, temperature=0.0, top_p=0.0, top_k=0.0, max_new_tokens=512, max_length=2048,
-                       is_llama3=False, use_eagle=True, generator: torch.Generator | None = None) -> Iterator[Step]:
+                       is_llama3=False, use_eagle=None, generator: torch.Generator | None = None,
+                       drafter: str | None = None) -> Iterator[Step]:
         """One sequence: an iterator of :class:`~eagle.model.engine.steps.RowStep`, one per target forward pass
-        (checked before anything runs). For a batch, :meth:`generate_batch_steps`."""
+        (checked before anything runs). For a batch, :meth:`generate_batch_steps`. ``drafter`` (or its alias
+        ``use_eagle``): the drafter spec (None: :attr:`drafter`)."""
         request = self._request(input_ids, temperature=temperature, top_p=top_p, top_k=top_k, use_eagle=use_eagle,
+                                drafter=drafter,
                                 max_new_tokens=max_new_tokens, max_length=max_length, is_llama3=is_llama3,
                                 generator=generator)
         if request.batch_size != 1:
@@ -147,39 +193,45 @@ class EaModel(nn.Module):
         return (step.rows[0] for step in self.engine.run(request))
 
     def generate_batch_steps(self, input_ids, attention_mask=None, temperature=0.0, top_p=0.0, top_k=0,
-                             max_new_tokens=512, max_length=2048, is_llama3=False, use_eagle=True,
-                             generator: torch.Generator | None = None, stop_token_ids=None) -> Iterator[BatchStep]:
+                             max_new_tokens=512, max_length=2048, is_llama3=False, use_eagle=None,
+                             generator: torch.Generator | None = None, stop_token_ids=None,
+                             drafter: str | None = None) -> Iterator[BatchStep]:
         """A batch (what a server's scheduler drives): ``input_ids`` (B, S) left-padded with ``attention_mask``, or
         a list of 1-D prompts. One :class:`~eagle.model.engine.steps.BatchStep` per target forward pass;
-        ``stop_token_ids`` replaces the model's stop tokens. Checked before anything runs."""
+        ``stop_token_ids`` replaces the model's stop tokens; ``drafter`` as in :meth:`generate_steps`. Checked
+        before anything runs."""
         return self.engine.run(self._request(
             input_ids, attention_mask, temperature=temperature, top_p=top_p, top_k=top_k, use_eagle=use_eagle,
+            drafter=drafter,
             max_new_tokens=max_new_tokens, max_length=max_length, is_llama3=is_llama3, generator=generator,
             stop_ids=stop_token_ids))
 
     def continuous_batch(self, temperature=0.0, top_p=0.0, top_k=0, max_length=2048, is_llama3=False,
-                         use_eagle=True, generator: torch.Generator | None = None,
-                         stop_token_ids=None) -> ContinuousBatch:
+                         use_eagle=None, generator: torch.Generator | None = None,
+                         stop_token_ids=None, drafter: str | None = None) -> ContinuousBatch:
         """A batch that prompts join and leave between steps (see :class:`~eagle.model.engine.engine.ContinuousBatch`),
-        with one set of sampling settings. The model runs one generation at a time."""
-        return self.engine.open_batch(drafter=_drafter(use_eagle), temperature=temperature, top_p=top_p, top_k=top_k,
+        with one set of sampling settings and one drafter (as in :meth:`generate_steps`). The model runs one
+        generation at a time."""
+        return self.engine.open_batch(drafter=self.check_drafter(drafter, use_eagle), temperature=temperature,
+                                      top_p=top_p, top_k=top_k,
                                       max_length=max_length, is_llama3=is_llama3, generator=generator,
                                       stop_ids=stop_token_ids)
 
-    def _reference_request(self, use_eagle, input_ids, attention_mask, temperature, top_p, top_k, max_new_tokens,
+    def _reference_request(self, drafter, input_ids, attention_mask, temperature, top_p, top_k, max_new_tokens,
                            max_length, is_llama3):
         return self._request(input_ids, attention_mask, temperature=temperature, top_p=top_p, top_k=top_k,
                              max_new_tokens=max_new_tokens, max_length=max_length, is_llama3=is_llama3,
-                             use_eagle=use_eagle)
+                             drafter=drafter)
 
     @torch.no_grad()
     def eagenerate(self, input_ids, temperature=0.0, top_p=0.0, top_k=0.0, max_new_tokens=512, max_length=2048,
-                   log=False, is_llama3=False, attention_mask=None):
+                   log=False, is_llama3=False, attention_mask=None, drafter: str | None = None):
         """Speculative generation: ``input_ids`` (1, S) or (S,), a batch (B, S) left-padded with ``attention_mask``,
         or a list of 1-D prompts. Returns the ids (B, S + T), rows that end early filled with the pad token; with
         ``log=True``, ``(ids, new_tokens, idx)``, ``idx`` the reference's 0-based index of the last draft/verify
-        cycle (plain ints for one sequence, lists of B ints for a batch)."""
-        request = self._reference_request(True, input_ids, attention_mask, temperature, top_p, top_k,
+        cycle (plain ints for one sequence, lists of B ints for a batch). ``drafter``: a drafter spec (None: the
+        model's default, which must draft with its head when it was not chosen)."""
+        request = self._reference_request(drafter or HEAD, input_ids, attention_mask, temperature, top_p, top_k,
                                           max_new_tokens, max_length, is_llama3)
         return collect(self.engine.run(request), request, log)
 
@@ -187,33 +239,34 @@ class EaModel(nn.Module):
     def naivegenerate(self, input_ids, temperature=0.0, top_p=0.0, top_k=0.0, max_new_tokens=512, max_length=2048,
                       log=False, is_llama3=False, attention_mask=None):
         """Plain decoding with the same loop, for comparison. Same input and returns as :meth:`eagenerate`."""
-        request = self._reference_request(False, input_ids, attention_mask, temperature, top_p, top_k,
+        request = self._reference_request(NONE, input_ids, attention_mask, temperature, top_p, top_k,
                                           max_new_tokens, max_length, is_llama3)
         return collect(self.engine.run(request), request, log)
 
     def ea_generate(self, input_ids, temperature=0.0, top_p=0.0, top_k=0.0, max_new_tokens=512, max_length=2048,
-                    log=False, is_llama3=False, attention_mask=None):
+                    log=False, is_llama3=False, attention_mask=None, drafter: str | None = None):
         """Streaming :meth:`eagenerate`: yields the whole ids (B, S + T so far) after each step."""
-        request = self._reference_request(True, input_ids, attention_mask, temperature, top_p, top_k,
+        request = self._reference_request(drafter or HEAD, input_ids, attention_mask, temperature, top_p, top_k,
                                           max_new_tokens, max_length, is_llama3)
         yield from stream(self.engine.run(request), request)
 
     def naive_generate(self, input_ids, temperature=0.0, top_p=0.0, top_k=0.0, max_new_tokens=512, max_length=2048,
                        log=False, is_llama3=False, attention_mask=None):
         """Streaming :meth:`naivegenerate`: yields the whole ids after each token."""
-        request = self._reference_request(False, input_ids, attention_mask, temperature, top_p, top_k,
+        request = self._reference_request(NONE, input_ids, attention_mask, temperature, top_p, top_k,
                                           max_new_tokens, max_length, is_llama3)
         yield from stream(self.engine.run(request), request)
 
     @torch.no_grad()
     def generate(self, input_ids=None, attention_mask=None, max_new_tokens: int = 20, do_sample: bool = False,
                  temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, max_length: int | None = None,
-                 use_eagle: bool = True, eos_token_id: int | list[int] | None = None, pad_token_id: int | None = None,
-                 **extras):
+                 use_eagle: bool | None = None, eos_token_id: int | list[int] | None = None,
+                 pad_token_id: int | None = None, drafter: str | None = None, **extras):
         """Hugging Face style: ``model.generate(**tokenizer(texts, padding=True, return_tensors="pt"),
         max_new_tokens=...)`` (left padding). Greedy unless ``do_sample``; ``eos_token_id`` replaces the stop
-        tokens and ``pad_token_id`` the filler, as in Hugging Face; arguments it cannot honour raise a
-        ``ValueError``. Returns ids (B, S + T)."""
+        tokens and ``pad_token_id`` the filler, as in Hugging Face; ``drafter`` (or its alias ``use_eagle``): the
+        drafter spec (None: :attr:`drafter`); arguments it cannot honour raise a ``ValueError``. Returns ids
+        (B, S + T)."""
         if input_ids is None:
             raise ValueError("generate() needs input_ids.")
         check_generate_extras(extras)
@@ -222,6 +275,6 @@ class EaModel(nn.Module):
         request = self._request(input_ids, attention_mask, temperature=temperature if do_sample else 0.0,
                                 top_p=top_p if do_sample else 0.0, top_k=top_k if do_sample else 0,
                                 max_new_tokens=max_new_tokens, max_length=max_length, use_eagle=use_eagle,
-                                stop_ids=None if eos_token_id is None else token_id_set(eos_token_id),
+                                drafter=drafter, stop_ids=None if eos_token_id is None else token_id_set(eos_token_id),
                                 pad_token_id=pad_token_id)
         return collect(self.engine.run(request), request, False)

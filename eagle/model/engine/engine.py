@@ -13,7 +13,7 @@ from collections.abc import Iterator
 import torch
 
 from eagle.model.drafting.protocol import DraftContext, Drafter
-from eagle.model.drafting.registry import build_drafter, head_spec
+from eagle.model.drafting.registry import HEAD, NONE, build_drafter, head_spec
 from eagle.model.drafting.settings import TreePlan
 from eagle.model.engine.loop import RunningBatch
 from eagle.model.engine.request import GenerationRequest, build_request
@@ -25,10 +25,9 @@ from eagle.utils.threads import ThreadPolicy
 
 logger = logging.getLogger(__name__)
 
-#: ``drafter="head"``: the model's own head (EAGLE-3 or EAGLE-1), with prompt lookup where the trees graft it.
-HEAD = "head"
-#: ``drafter="none"``: plain decoding.
-PLAIN = "none"
+#: ``drafter="head"`` (:data:`~eagle.model.drafting.registry.HEAD`): the model's own head (EAGLE-3 or EAGLE-1),
+#: with prompt lookup where the trees graft it; ``drafter="none"``: plain decoding.
+PLAIN = NONE
 
 
 class Engine:
