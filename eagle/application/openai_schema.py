@@ -5,8 +5,10 @@ OpenAI error object ``{"error": {"message", "type", "param", "code"}}``. Fields 
 server cannot honour (``n`` > 1, log-probabilities, tools, penalties...) are refused with a 400 naming the field
 rather than silently ignored; fields it does not know are ignored, as client libraries send extras.
 
-EAGLE's figures travel in an extension field, ``"eagle"``, of every answer (and of the last streamed chunks):
-``{"mode": "eagle" | "plain", "steps": target forward passes, "accepted_tokens": accepted draft tokens,
+The drafter is chosen per request by an extension field, ``"drafter"`` (a drafter spec the loaded model can run:
+``"eagle3"``, ``"eagle3+lookup"``, ``"lookup"``, ``"none"`` for plain decoding...; absent: the server's
+``--drafter``). EAGLE's figures travel in an extension field, ``"eagle"``, of every answer (and of the last
+streamed chunks): ``{"drafter": the drafter spec that generated it, "steps": target forward passes, "accepted_tokens": accepted draft tokens,
 "accepted_tokens_per_step": accepted draft tokens per verification step, "tokens_per_step": generated tokens per
 target forward pass}``.
 """
@@ -81,7 +83,8 @@ class ChatMessage(_Strict):
 
 
 class SamplingRequest(_Strict):
-    """The fields both endpoints share. ``top_k`` is an extension (0 or -1 = off)."""
+    """The fields both endpoints share. ``top_k`` and ``drafter`` (a drafter spec, checked against the loaded model
+    by the app) are extensions (``top_k`` 0 or -1 = off)."""
 
     model_config = ConfigDict(extra="allow", strict=True)
 
@@ -95,6 +98,7 @@ class SamplingRequest(_Strict):
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
+    drafter: str | None = None
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -199,11 +203,11 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def eagle_stats(mode: str, steps: int, accepted: int, completion_tokens: int) -> dict:
+def eagle_stats(drafter: str, steps: int, accepted: int, completion_tokens: int) -> dict:
     """The ``"eagle"`` extension field (see the module docstring). ``steps``: target forward passes, the prefill
     included."""
     verify_steps = max(steps - 1, 0)
-    return {"mode": mode, "steps": steps, "accepted_tokens": accepted,
+    return {"drafter": drafter, "steps": steps, "accepted_tokens": accepted,
             "accepted_tokens_per_step": round(accepted / verify_steps, 4) if verify_steps else 0.0,
             "tokens_per_step": round(completion_tokens / steps, 4) if steps else 0.0}
 
