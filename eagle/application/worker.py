@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..model.drafting.registry import NONE, check_drafter, runnable_drafters
+from ..model.drafting.registry import HEAD, NONE
 from ..utils.openmp import release_openmp_threads
 from .metrics import Metrics
 from .openai_schema import APIError
@@ -128,7 +128,7 @@ def batch_key(params: GenerationParams) -> tuple | None:
 
 class ModelWorker:
     """Owns ``model`` (an ``EaModel``, or anything with its ``continuous_batch``, ``check_drafter``,
-    ``stop_token_ids`` and ``device``) in
+    ``runnable_drafters``, ``stop_token_ids`` and ``device``) in
     one worker thread; see the module docstring.
 
     ``max_queue``: jobs that may wait (besides the running batch); ``max_batch_size``: rows of a running batch;
@@ -221,15 +221,14 @@ class ModelWorker:
 
     def runnable_drafters(self) -> list[str]:
         """The drafter specs a job may ask for (those the model can run)."""
-        return runnable_drafters(self._head())
+        return self.model.runnable_drafters()
 
     def check_drafter(self, spec: str) -> str:
         """``spec`` in its one spelling when the model can run it, else a ``ValueError`` saying why and listing the
         drafters it can run."""
-        return check_drafter(spec, self._head())
-
-    def _head(self):
-        return getattr(self.model, "ea_layer", None)
+        if spec is None or spec == HEAD:  # a name, not the model's internal "head"
+            raise ValueError(f"Unknown drafter {spec!r}; this model can run: {', '.join(self.runnable_drafters())}.")
+        return self.model.check_drafter(spec)
 
     # ------------------------------------------------------------------------------------------- worker side
     def _next_batch(self) -> list[Job] | None:
