@@ -74,6 +74,7 @@ import torch
 from tqdm import tqdm
 
 from eagle.cli import HelpFormatter, add_model_arguments, load_model_from_args, resolve_model_args
+from eagle.model.drafting.registry import HEAD, NONE
 from eagle.model.heads.quantized import draft_dtype_name
 from eagle.model.backends.onednn import pack_linear_layers, packed_layer_count, unpack_linear_layers
 from eagle.templates import TEMPLATES, encode_prompt, get_template
@@ -81,8 +82,8 @@ from eagle.templates import TEMPLATES, encode_prompt, get_template
 from .agreement import NEAR_TIE_LOGIT_GAP, greedy_agreement, logit_gap
 from .alpha import alpha_from_accept_lengths
 from .methods import (
-    ENGINE, HF_GENERATE, LLAMACPP, BENCHMARK_METHODS, Generation, Method, engine_generate, engine_stop_ids,
-    hf_generate, hf_generation_config, method_named, model_device,
+    ENGINE, HF_GENERATE, LLAMACPP, BENCHMARK_METHODS, Generation, Method, eagle_generate, engine_generate,
+    engine_stop_ids, hf_generate, hf_generation_config, method_named, model_device, plain_generate,
 )
 from . import llamacpp
 from .load import BusyProcesses, ThreadSettings, expand_variants, parse_thread_settings, split_variant, \
@@ -233,13 +234,16 @@ class TimedMethods:
         lookup branch where it says."""
         model = self.model if method.numerics is None else self.gguf_model(method.numerics)
         options = dict(temperature=self.args.temperature, max_new_tokens=self.args.max_new_tokens,
-                       is_llama3=self.template.is_llama3, drafter=method.drafter)
+                       is_llama3=self.template.is_llama3)
+        generate = {HEAD: eagle_generate, NONE: plain_generate}.get(method.drafter)
+        if generate is None:
+            generate, options["drafter"] = engine_generate, method.drafter
         if method.lookup:
-            return engine_generate(model, input_ids, **options)
+            return generate(model, input_ids, **options)
         settings, batch_trees = model.tree_settings, model.batch_trees
         model.set_tree(settings.total_token, settings.depth, settings.top_k, lookup_tokens=0)
         try:
-            return engine_generate(model, input_ids, **options)
+            return generate(model, input_ids, **options)
         finally:
             model.tree_settings = settings
             model.set_batch_trees(batch_trees)
