@@ -8,9 +8,9 @@ rather than silently ignored; fields it does not know are ignored, as client lib
 The drafter is chosen per request by an extension field, ``"drafter"`` (a drafter spec the loaded model can run:
 ``"eagle3"``, ``"eagle3+lookup"``, ``"lookup"``, ``"none"`` for plain decoding...; absent: the server's
 ``--drafter``). EAGLE's figures travel in an extension field, ``"eagle"``, of every answer (and of the last
-streamed chunks): ``{"drafter": the drafter spec that generated it, "steps": target forward passes, "accepted_tokens": accepted draft tokens,
-"accepted_tokens_per_step": accepted draft tokens per verification step, "tokens_per_step": generated tokens per
-target forward pass}``.
+streamed chunks): ``{"drafter": the drafter spec that generated it, "steps": target forward passes,
+"accepted_tokens": accepted draft tokens, "accepted_tokens_per_step": accepted draft tokens per verification step,
+"tokens_per_step": generated tokens per target forward pass}``.
 """
 
 from __future__ import annotations

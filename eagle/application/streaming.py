@@ -33,10 +33,10 @@ class PromptError(ValueError):
 class ReplyProgress:
     """A snapshot of one answer being generated.
 
-    ``drafter``: the drafter spec generating it (``"none"``: plain decoding); ``token_ids``: generated ids so far; ``step_sizes``: tokens added by each target forward pass (the prefill
-    first); ``seconds``: time spent inside the model only; ``finished``: generation ended (stop token, token
-    budget or context end); ``interrupted``: it ended before that (the worker closed or failed: ``error`` says
-    why).
+    ``drafter``: the drafter spec generating it (``"none"``: plain decoding); ``token_ids``: generated ids so far;
+    ``step_sizes``: tokens added by each target forward pass (the prefill first); ``seconds``: time spent inside
+    the model only; ``finished``: generation ended (stop token, token budget or context end); ``interrupted``: it
+    ended before that (the worker closed or failed: ``error`` says why).
     """
 
     drafter: str

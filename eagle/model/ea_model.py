@@ -4,8 +4,8 @@ as a thin facade over :class:`~eagle.model.engine.engine.Engine`.
 Every generation method checks its input into a request once and consumes the one loop's steps; the arguments of
 the reference (``use_eagle``, ``is_llama3``, ``log``...) are translated here and go no further. What drafts is a
 drafter spec of :mod:`eagle.model.drafting.registry` (``drafter="eagle3"``, ``"none"``, ``"eagle3+lookup"``...):
-the model's default (:attr:`EaModel.drafter`), or one per call; ``use_eagle`` is its alias
-(:func:`~eagle.model.drafting.registry.reference_drafter`).
+the model's default (``EaModel.drafter``, :class:`~eagle.model.drafting.choice.DrafterChoice`), or one per call
+(None: the default); ``use_eagle`` is its alias (:func:`~eagle.model.drafting.registry.reference_drafter`).
 """
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from eagle.model.drafting.registry import HEAD, NONE, check_drafter, head_spec, reference_drafter, runnable_drafters
+from eagle.model.drafting.choice import DrafterChoice
+from eagle.model.drafting.registry import HEAD, NONE, reference_drafter
 from eagle.model.drafting.settings import TreePlan, TreeSettings
 from eagle.model.engine.engine import ContinuousBatch, Engine
 from eagle.model.engine.hf_args import check_generate_extras
@@ -26,18 +27,15 @@ from eagle.model.backends.registry import switch_backend
 from eagle.model.base.target import feature_layers
 
 
-class EaModel(nn.Module):
-    """A base model (``base_model``), its draft head (``ea_layer``; None: the drafters that need no head only) and
-    tokenizer; ``engine`` runs them. Build it with :meth:`from_pretrained`. Generation takes one sequence or a
-    left-padded batch. ``drafter``: what drafts when a call does not say (None: the head's own, see
-    :attr:`drafter`); checked against the head here."""
+class EaModel(DrafterChoice, nn.Module):
+    """A base model (``base_model``), its draft head (``ea_layer``; None: no EAGLE drafter) and tokenizer; ``engine``
+    runs them. Build it with :meth:`from_pretrained`. Generation takes one sequence or a left-padded batch."""
 
     def __init__(self, base_model, ea_layer, tokenizer=None, total_token: int = 60, depth: int = 7, top_k: int = 10,
                  *, base_model_name_or_path: str | None = None, use_eagle3: bool | None = None, lookup_tokens: int = 0,
                  ea_model_path: str | None = None, thread_policy: bool = True,
                  allow_unknown_attention: bool = False, drafter: str | None = None):
         super().__init__()
-        self._drafter = None if drafter is None else check_drafter(drafter, ea_layer)
         self.base_model, self.ea_layer, self.tokenizer, self.config = base_model, ea_layer, tokenizer, base_model.config
         self.base_model_name_or_path, self.ea_model_path = base_model_name_or_path, ea_model_path
         self.use_eagle3 = ea_layer is not None and (ea_layer.eagle_version == 3 if use_eagle3 is None else use_eagle3)
@@ -45,20 +43,16 @@ class EaModel(nn.Module):
         self.hidden_size, self.vocab_size = base_model.get_output_embeddings().weight.shape[::-1]
         plan = TreePlan(TreeSettings(total_token, depth, top_k, lookup_tokens))
         self.engine = Engine(base_model, ea_layer, tokenizer, plan, layers, thread_policy=thread_policy,
-                             allow_unknown_attention=allow_unknown_attention)
+                             allow_unknown_attention=allow_unknown_attention, drafter=drafter)
 
     @classmethod
-    def from_pretrained(cls, use_eagle3: bool | None = None, base_model_path: str | None = None,
-                        ea_model_path: str | None = None, total_token: int | None = None, depth: int | None = None,
-                        top_k: int | None = None, threshold: float = 1.0, pack_cpu_weights: bool | str = "auto",
-                        lookup_tokens: int | None = None, draft_dtype="auto", thread_policy: bool = True,
-                        drafter: str | None = None, **kwargs) -> "EaModel":
+    def from_pretrained(cls, use_eagle3: bool | None = None, base_model_path: str | None = None, ea_model_path=None,
+                        total_token: int | None = None, depth: int | None = None, top_k: int | None = None,
+                        threshold: float = 1.0, pack_cpu_weights: bool | str = "auto", lookup_tokens: int | None = None,
+                        draft_dtype="auto", thread_policy: bool = True, drafter=None, **kwargs) -> "EaModel":
         """Load a base model (a directory, a Hub id or a ``.gguf`` file) and its head (a directory or Hub id); with
-        neither path, the embedded default pair. ``drafter``: the default drafter spec (None: the loaded head's own,
-        ``"eagle3"`` / ``"eagle1"`` with ``+lookup`` where its tree grafts lookup chains; ``"none"`` without a
-        head); ``use_eagle3`` (the reference's; None: True unless ``drafter`` needs an EAGLE-1 head) says which head
-        version loads. See :func:`eagle.model.pretrained.load_pretrained` for every argument (tree settings not
-        given come from the head's own tree for this device)."""
+        neither path, the embedded default pair. See :func:`eagle.model.pretrained.load_pretrained` for every
+        argument (``drafter``: the default drafter; tree settings not given: the head's own tree for this device)."""
         from eagle.model.pretrained import load_pretrained
 
         return load_pretrained(cls, use_eagle3=use_eagle3, drafter=drafter, base_model_path=base_model_path,
@@ -66,41 +60,6 @@ class EaModel(nn.Module):
                                                                   "top_k": top_k, "lookup_tokens": lookup_tokens},
                                threshold=threshold, pack_cpu_weights=pack_cpu_weights, draft_dtype=draft_dtype,
                                thread_policy=thread_policy, **kwargs)
-
-    # ------------------------------------------------------------------ drafters
-    @property
-    def drafter(self) -> str:
-        """The spec of the default drafter: the one given (``from_pretrained(drafter=...)``, or assigned: checked
-        against the head), else the head's own (``"eagle3"`` / ``"eagle1"``, with ``+lookup`` when some tree
-        grafts lookup chains), else ``"none"`` (a model without a head). Assigning None restores the head's own."""
-        if self._drafter is not None:
-            return self._drafter
-        return NONE if self.ea_layer is None else head_spec(self.ea_layer, self.engine.plan)
-
-    @drafter.setter
-    def drafter(self, spec: str | None) -> None:
-        self._drafter = None if spec is None else check_drafter(spec, self.ea_layer)
-
-    def runnable_drafters(self) -> list[str]:
-        """Every drafter spec this model can run (its head's first; see
-        :func:`~eagle.model.drafting.registry.runnable_drafters`)."""
-        return runnable_drafters(self.ea_layer)
-
-    def check_drafter(self, drafter: str | None = None, use_eagle: bool | None = None) -> str:
-        """The spec a call runs: ``drafter`` (or the reference's ``use_eagle``, its alias; ``use_eagle=True`` is
-        :attr:`drafter` where one was chosen, else the head's own), else :attr:`drafter`;
-        ``ValueError`` saying why when this model cannot run it (an unknown name, with the known ones; an EAGLE
-        drafter without a head or with the other version's head)."""
-        spec = reference_drafter(drafter, use_eagle=use_eagle)
-        if spec is None or (spec == HEAD and self._drafter is not None):
-            return self.drafter  # EAGLE (use_eagle=True, eagenerate): the default chosen at load, else the head's
-        if spec == HEAD and self.ea_layer is None:
-            raise ValueError("This model has no draft head (loaded without an EAGLE head), so EAGLE generation "
-                             f"cannot run; it can run: {', '.join(self.runnable_drafters())} (use_eagle=False or "
-                             "drafter='none' is plain decoding).")
-        if spec == HEAD:
-            return head_spec(self.ea_layer, self.engine.plan)
-        return check_drafter(spec, self.ea_layer)
 
     # ------------------------------------------------------------------ trees
     def set_tree(self, total_token: int, depth: int, top_k: int, lookup_tokens: int | None = None) -> None:
@@ -173,20 +132,17 @@ class EaModel(nn.Module):
         return outputs, outputs.hidden_states[-1]
 
     # ------------------------------------------------------------------ generation
-    def _request(self, input_ids, attention_mask=None, *, use_eagle=None, drafter=None, **settings):
-        return self.engine.request(input_ids, attention_mask, drafter=self.check_drafter(drafter, use_eagle),
-                                   **settings)
+    def _request(self, input_ids, mask=None, *, use_eagle=None, drafter=None, **kw):
+        return self.engine.request(input_ids, mask, drafter=reference_drafter(drafter, use_eagle=use_eagle), **kw)
 
     def generate_steps(self, input_ids, temperature=0.0, top_p=0.0, top_k=0.0, max_new_tokens=512, max_length=2048,
                        is_llama3=False, use_eagle=None, generator: torch.Generator | None = None,
                        drafter: str | None = None) -> Iterator[Step]:
         """One sequence: an iterator of :class:`~eagle.model.engine.steps.RowStep`, one per target forward pass
-        (checked before anything runs). For a batch, :meth:`generate_batch_steps`. ``drafter`` (or its alias
-        ``use_eagle``): the drafter spec (None: :attr:`drafter`)."""
+        (checked before anything runs). For a batch, :meth:`generate_batch_steps`. ``drafter``: see the module."""
         request = self._request(input_ids, temperature=temperature, top_p=top_p, top_k=top_k, use_eagle=use_eagle,
-                                drafter=drafter,
                                 max_new_tokens=max_new_tokens, max_length=max_length, is_llama3=is_llama3,
-                                generator=generator)
+                                generator=generator, drafter=drafter)
         if request.batch_size != 1:
             raise ValueError(f"generate_steps() generates one sequence; input_ids holds {request.batch_size}. Use "
                              "generate_batch_steps() for a batch.")
@@ -198,30 +154,24 @@ class EaModel(nn.Module):
                              drafter: str | None = None) -> Iterator[BatchStep]:
         """A batch (what a server's scheduler drives): ``input_ids`` (B, S) left-padded with ``attention_mask``, or
         a list of 1-D prompts. One :class:`~eagle.model.engine.steps.BatchStep` per target forward pass;
-        ``stop_token_ids`` replaces the model's stop tokens; ``drafter`` as in :meth:`generate_steps`. Checked
-        before anything runs."""
+        ``stop_token_ids`` replaces the model's stop tokens. Checked before anything runs."""
         return self.engine.run(self._request(
             input_ids, attention_mask, temperature=temperature, top_p=top_p, top_k=top_k, use_eagle=use_eagle,
-            drafter=drafter,
             max_new_tokens=max_new_tokens, max_length=max_length, is_llama3=is_llama3, generator=generator,
-            stop_ids=stop_token_ids))
+            stop_ids=stop_token_ids, drafter=drafter))
 
     def continuous_batch(self, temperature=0.0, top_p=0.0, top_k=0, max_length=2048, is_llama3=False,
                          use_eagle=None, generator: torch.Generator | None = None,
                          stop_token_ids=None, drafter: str | None = None) -> ContinuousBatch:
         """A batch that prompts join and leave between steps (see :class:`~eagle.model.engine.engine.ContinuousBatch`),
-        with one set of sampling settings and one drafter (as in :meth:`generate_steps`). The model runs one
-        generation at a time."""
-        return self.engine.open_batch(drafter=self.check_drafter(drafter, use_eagle), temperature=temperature,
-                                      top_p=top_p, top_k=top_k,
-                                      max_length=max_length, is_llama3=is_llama3, generator=generator,
-                                      stop_ids=stop_token_ids)
+        with one set of sampling settings and one drafter. The model runs one generation at a time."""
+        return self.engine.open_batch(drafter=reference_drafter(drafter, use_eagle=use_eagle), temperature=temperature,
+                                      top_p=top_p, top_k=top_k, max_length=max_length, is_llama3=is_llama3,
+                                      generator=generator, stop_ids=stop_token_ids)
 
-    def _reference_request(self, drafter, input_ids, attention_mask, temperature, top_p, top_k, max_new_tokens,
-                           max_length, is_llama3):
-        return self._request(input_ids, attention_mask, temperature=temperature, top_p=top_p, top_k=top_k,
-                             max_new_tokens=max_new_tokens, max_length=max_length, is_llama3=is_llama3,
-                             drafter=drafter)
+    def _reference_request(self, drafter, input_ids, attention_mask, *settings):
+        names = ("temperature", "top_p", "top_k", "max_new_tokens", "max_length", "is_llama3")  # in this order
+        return self._request(input_ids, attention_mask, drafter=drafter, **dict(zip(names, settings, strict=True)))
 
     @torch.no_grad()
     def eagenerate(self, input_ids, temperature=0.0, top_p=0.0, top_k=0.0, max_new_tokens=512, max_length=2048,
@@ -229,8 +179,7 @@ class EaModel(nn.Module):
         """Speculative generation: ``input_ids`` (1, S) or (S,), a batch (B, S) left-padded with ``attention_mask``,
         or a list of 1-D prompts. Returns the ids (B, S + T), rows that end early filled with the pad token; with
         ``log=True``, ``(ids, new_tokens, idx)``, ``idx`` the reference's 0-based index of the last draft/verify
-        cycle (plain ints for one sequence, lists of B ints for a batch). ``drafter``: a drafter spec (None: the
-        model's default, which must draft with its head when it was not chosen)."""
+        cycle (plain ints for one sequence, lists of B ints for a batch). ``drafter`` None: the model's default."""
         request = self._reference_request(drafter or HEAD, input_ids, attention_mask, temperature, top_p, top_k,
                                           max_new_tokens, max_length, is_llama3)
         return collect(self.engine.run(request), request, log)
@@ -264,9 +213,8 @@ class EaModel(nn.Module):
                  pad_token_id: int | None = None, drafter: str | None = None, **extras):
         """Hugging Face style: ``model.generate(**tokenizer(texts, padding=True, return_tensors="pt"),
         max_new_tokens=...)`` (left padding). Greedy unless ``do_sample``; ``eos_token_id`` replaces the stop
-        tokens and ``pad_token_id`` the filler, as in Hugging Face; ``drafter`` (or its alias ``use_eagle``): the
-        drafter spec (None: :attr:`drafter`); arguments it cannot honour raise a ``ValueError``. Returns ids
-        (B, S + T)."""
+        tokens and ``pad_token_id`` the filler, as in Hugging Face; arguments it cannot honour raise a
+        ``ValueError``. Returns ids (B, S + T)."""
         if input_ids is None:
             raise ValueError("generate() needs input_ids.")
         check_generate_extras(extras)

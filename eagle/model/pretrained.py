@@ -152,7 +152,7 @@ def convert_weights(base_model, ea_layer, base_model_path, pack_cpu_weights, num
 
 def load_pretrained(cls, *, use_eagle3: bool | None, base_model_path, ea_model_path, tree: dict, threshold: float,
                     pack_cpu_weights, draft_dtype, thread_policy: bool = True, gguf_kernels="auto", load_head=True,
-                    drafter: str | None = None, **kwargs):
+                    drafter=None, **kwargs):
     """An ``EaModel`` (``cls``) for the base model at ``base_model_path`` (a directory, a Hub id, or a ``.gguf``
     file / directory holding one) and the head at ``ea_model_path`` (``config.json`` + ``model.safetensors`` or
     ``pytorch_model.bin``); with neither path, the embedded default pair (nothing is downloaded). Other keyword
@@ -187,12 +187,7 @@ def load_pretrained(cls, *, use_eagle3: bool | None, base_model_path, ea_model_p
 
     ``load_head=False``: the base model alone (no ``ea_model_path``), for plain decoding on the same engine and
     backends (``naivegenerate``, ``generate(use_eagle=False)``, the benchmark's head-less baselines); EAGLE
-    generation then says the model has no head.
-
-    ``drafter``: the model's default drafter spec (see :attr:`~eagle.model.ea_model.EaModel.drafter`; None: the
-    head's own), checked before anything loads where it can be (an unknown name; a drafter needing a head with
-    ``load_head=False``) and against the loaded head; ``use_eagle3`` (None: True, unless ``drafter`` drafts with
-    an EAGLE-1 head) says which head version loads."""
+    generation then says the model has no head. ``drafter``, ``use_eagle3``: :func:`head_loads_as_eagle3`."""
     del threshold  # the reference's EAGLE-2 drafting never reads it either
     allow_unknown_attention = bool(kwargs.pop("allow_unknown_attention", False))
     use_eagle3 = head_loads_as_eagle3(drafter, use_eagle3, load_head)
@@ -218,9 +213,10 @@ def load_pretrained(cls, *, use_eagle3: bool | None, base_model_path, ea_model_p
 
 
 def head_loads_as_eagle3(drafter: str | None, use_eagle3: bool | None, load_head: bool) -> bool:
-    """Whether the head loads as EAGLE-3 (``use_eagle3``, the reference's; None: unless ``drafter`` drafts with an
-    EAGLE-1 head), after checking ``drafter`` as far as it can be before loading: a ``ValueError`` for an unknown
-    name, a boolean that contradicts it, or a drafter needing a head with ``load_head=False``."""
+    """Whether the head loads as EAGLE-3 (``use_eagle3``, the reference's; None: unless ``drafter``, the model's
+    default drafter spec, drafts with an EAGLE-1 head), after checking ``drafter`` as far as it can be before
+    loading (it is checked against the loaded head later): a ``ValueError`` for an unknown name, a boolean that
+    contradicts it, or a drafter needing a head with ``load_head=False``."""
     from eagle.model.drafting.registry import HEAD_VERSIONS, check_drafter, reference_drafter, spec_parts
 
     if drafter is None:
