@@ -149,8 +149,10 @@ def reference_drafter(drafter: str | None = None, *, use_eagle: bool | None = No
             raise ValueError(f"use_eagle={use_eagle} contradicts drafter={drafter!r}: pass drafter alone "
                              "(use_eagle=False is drafter='none').")
         drafter = alias if drafter is None else drafter
-    needed = None if drafter in (None, HEAD) else HEAD_VERSIONS.get(spec_parts(drafter)[0])
-    if use_eagle3 is not None and needed is not None and (needed == 3) != use_eagle3:
+    if use_eagle3 is None or drafter in (None, HEAD):
+        return drafter
+    needed = HEAD_VERSIONS.get(spec_parts(drafter)[0])
+    if needed is not None and (needed == 3) != use_eagle3:
         raise ValueError(f"use_eagle3={use_eagle3} loads an EAGLE-{3 if use_eagle3 else 1} head, which cannot run "
                          f"drafter={drafter!r}: pass drafter alone.")
     return drafter
