@@ -483,3 +483,23 @@ def test_build_demo_wires_a_single_model_queue(tokenizer):
     model_events = [d for d in demo.fns.values() if d.concurrency_id == MODEL_QUEUE]
     assert len(model_events) == 4  # submit, send, regenerate, API
     assert all(d.concurrency_limit == 1 for d in model_events)
+
+
+def test_the_drafter_choice_offers_what_the_model_runs_and_each_gives_the_greedy_answer(tiny_model):
+    from eagle.application.chat import NONE_LABEL, drafter_label
+
+    runner = runner_of(tiny_model)
+    assert runner.drafters()[0] == tiny_model.drafter
+    assert sorted(runner.drafters()) == sorted(tiny_model.runnable_drafters())
+    assert drafter_label("none") == NONE_LABEL and drafter_label("eagle3") == "eagle3"
+    prompt = runner.prompt([], "Tell me a story")
+    answers = {}
+    for drafter in runner.drafters():
+        *_, last = runner.stream(prompt, drafter, temperature=0.0, max_new_tokens=16)
+        answers[drafter] = last.token_ids
+        assert last.drafter == drafter and last.finished
+        if drafter == "none":
+            assert last.mean_accepted == 0 and last.draft_flags() == [False] * last.new_tokens
+    assert len({tuple(ids) for ids in answers.values()}) == 1  # greedy: every drafter answers alike
+    with pytest.raises(ValueError, match="Unknown drafter 'fast'.*this model can run: eagle3"):
+        next(runner.stream(prompt, "fast"))

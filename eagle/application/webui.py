@@ -40,7 +40,8 @@ def _describe(model, runner: ChatRunner, model_name: str | None) -> str:
     head = {True: "EAGLE-3 head", False: "EAGLE-1/2 head"}.get(getattr(model, "use_eagle3", None), "EAGLE head")
     name = model_name or getattr(model, "base_model_name_or_path", None) or type(model).__name__
     described = f"**Model:** {os.path.basename(os.path.normpath(str(name)))}"
-    return described + f" with an {head}; prompt format: {runner.model_type.name}; context: {runner.max_length} tokens."
+    head = "no EAGLE head" if getattr(model, "ea_layer", head) is None else f"an {head}"
+    return described + f" with {head}; prompt format: {runner.model_type.name}; context: {runner.max_length} tokens."
 
 
 @dataclass
