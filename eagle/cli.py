@@ -145,9 +145,11 @@ def drafter_flag(text: str) -> str:
 
 def add_drafter_argument(parser: argparse.ArgumentParser) -> None:
     """``--drafter NAME``: the model's default drafter (``EaModel.drafter``)."""
+    from eagle.model.drafting.registry import known_drafters
+
     parser.add_argument("--drafter", type=drafter_flag, default=None, metavar="NAME",
-                        help="what drafts: eagle3, eagle1 (the head's), lookup (prompt lookup), none (plain "
-                        "decoding), or NAME+lookup (default: the head's own, none without a head)")
+                        help=f"what drafts: a drafter of the registry, {known_drafters()}; none is plain decoding "
+                        "(default: the head's own, none without a head)")
 
 
 def add_model_arguments(parser: argparse.ArgumentParser, *, use_eagle3: bool = True, tree: bool | dict = True,
