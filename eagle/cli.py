@@ -18,6 +18,8 @@ Without argparse (a server, a notebook)::
 
 - ``--base-model-path`` (``--base-model``), ``--ea-model-path`` (``--eagle-model``);
 - ``--use-eagle3`` / ``--no-eagle3`` (also ``--use_eagle3`` / ``--no_eagle3``);
+- ``--drafter`` (a drafter spec of :mod:`eagle.model.drafting.registry`: what drafts by default, ``EaModel.drafter``;
+  not given: the head's own; ``--drafter eagle1`` loads the head as EAGLE-1 whatever ``--use-eagle3`` says);
 - ``--total-token`` (-1: timed on this device), ``--depth``, ``--top-k``, ``--lookup-tokens`` (0 = off);
 - ``--device`` (auto = the best accelerator), ``--dtype`` and ``--draft-dtype`` (auto, q8_0 or a name of
   :data:`eagle.model.heads.loading.DTYPES_BY_NAME`), ``--pack-cpu-weights`` (auto, on, off), ``--gguf-kernels``
@@ -68,6 +70,7 @@ class ModelOptions:
     base_model_path: str | None = None
     ea_model_path: str | None = None
     use_eagle3: bool = True
+    drafter: str | None = None
     total_token: int | None = None
     depth: int | None = None
     top_k: int | None = None
@@ -130,15 +133,36 @@ TREE_FLAGS = {
 LOADER_DEFAULTS = {"total_token": 60, "depth": 7, "top_k": 10, "lookup_tokens": 0}
 
 
+def drafter_flag(text: str) -> str:
+    """``--drafter``'s value in its one spelling; an argparse error listing the known drafters for an unknown one
+    (whether the loaded model can run it is checked when it loads)."""
+    from eagle.model.drafting.registry import canonical_spec, spec_parts
+
+    try:
+        return canonical_spec(spec_parts(text))
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def add_drafter_argument(parser: argparse.ArgumentParser) -> None:
+    """``--drafter NAME``: the model's default drafter (``EaModel.drafter``)."""
+    from eagle.model.drafting.registry import known_drafters
+
+    parser.add_argument("--drafter", type=drafter_flag, default=None, metavar="NAME",
+                        help=f"what drafts: a drafter of the registry, {known_drafters()}; none is plain decoding "
+                        "(default: the head's own, none without a head)")
+
+
 def add_model_arguments(parser: argparse.ArgumentParser, *, use_eagle3: bool = True, tree: bool | dict = True,
                         placement: bool = True, quantization: bool = True,
-                        required_paths: tuple[str, ...] = ()) -> None:
+                        required_paths: tuple[str, ...] = (), drafter: bool = True) -> None:
     """Add the model flags (see the module docstring) to ``parser``.
 
     ``use_eagle3``: the head version when no flag says; ``tree``: False leaves the tree flags out, a dict gives
     some of them other defaults than None; ``placement``: ``--device``/``--dtype``/``--draft-dtype``;
     ``quantization``: ``--load-in-8bit``/``--load-in-4bit``; ``required_paths``: "base" and/or "head" when the
-    command has no embedded default for them. ``--pack-cpu-weights`` and ``--gguf-kernels`` are always there."""
+    command has no embedded default for them; ``drafter``: False leaves ``--drafter`` out (a command that names
+    its drafters otherwise). ``--pack-cpu-weights`` and ``--gguf-kernels`` are always there."""
     embedded = " (default: the embedded {})"
     parser.add_argument("--base-model-path", "--base-model", dest="base_model_path", default=None,
                         required="base" in required_paths,
@@ -153,6 +177,8 @@ def add_model_arguments(parser: argparse.ArgumentParser, *, use_eagle3: bool = T
                         help=f"the head is an EAGLE-3 head (default: {version} for this command)")
     parser.add_argument("--no-eagle3", "--no_eagle3", dest="use_eagle3", action="store_false",
                         help=f"the head is an EAGLE-1/EAGLE-2 head (default: {version} for this command)")
+    if drafter:
+        add_drafter_argument(parser)
     if tree is not False:
         given = tree if isinstance(tree, dict) else {}
         for key, (flag, kind, text) in TREE_FLAGS.items():
@@ -190,7 +216,7 @@ def model_options(args: argparse.Namespace, need_head: bool = True) -> ModelOpti
     quantization = next((bits for bits in ("8bit", "4bit") if getattr(args, f"load_in_{bits}", False)), None)
     return ModelOptions(
         base_model_path=args.base_model_path, ea_model_path=args.ea_model_path,
-        use_eagle3=getattr(args, "use_eagle3", True),
+        use_eagle3=getattr(args, "use_eagle3", True), drafter=getattr(args, "drafter", None),
         **{key: getattr(args, key, None) for key in TREE_KEYS},
         device=getattr(args, "device", None), dtype=getattr(args, "dtype", None),
         draft_dtype=getattr(args, "draft_dtype", "auto"),
@@ -315,6 +341,11 @@ def load_model(options: ModelOptions, **hf_kwargs):
     from eagle.model.ea_model import EaModel
 
     options = options.resolved()
+    if options.drafter is not None:  # a drafter that drafts with a head says which version loads
+        from eagle.model.drafting.registry import HEAD_VERSIONS, spec_parts
+
+        needed = HEAD_VERSIONS.get(spec_parts(options.drafter)[0])
+        options = options if needed is None else dataclasses.replace(options, use_eagle3=needed == 3)
     _check_local_paths(options)
     _warn_on_head_version(options.ea_model_path, options.use_eagle3)
     _, kwargs = placement_kwargs(options)
@@ -328,7 +359,7 @@ def load_model(options: ModelOptions, **hf_kwargs):
     return EaModel.from_pretrained(use_eagle3=options.use_eagle3, base_model_path=options.base_model_path,
                                    ea_model_path=options.ea_model_path, pack_cpu_weights=options.pack_cpu_weights,
                                    gguf_kernels=options.gguf_kernels, draft_dtype=options.draft_dtype,
-                                   load_head=load_head, **options.tree, **kwargs)
+                                   load_head=load_head, drafter=options.drafter, **options.tree, **kwargs)
 
 
 def load_default_model(base_model_path: str | None = None, ea_model_path: str | None = None, use_eagle3: bool = True,

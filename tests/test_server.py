@@ -166,7 +166,7 @@ def test_chat_greedy_equals_eagenerate(served, tiny_model):
     assert answer.usage.total_tokens == answer.usage.prompt_tokens + new_tokens
     assert answer.choices[0].finish_reason == ("length" if new_tokens == 30 else "stop")
     eagle = answer.model_extra["eagle"]
-    assert eagle["mode"] == "eagle" and eagle["steps"] >= 1
+    assert eagle["drafter"] == tiny_model.drafter and eagle["steps"] >= 1
     assert eagle["tokens_per_step"] == pytest.approx(new_tokens / eagle["steps"], abs=1e-3)
 
 
@@ -291,7 +291,7 @@ def test_batches_above_the_eagle_limit_decode_plainly_with_the_same_answers(tiny
         model.gate.set()
         answers = [future.result(timeout=WAIT_S) for future in futures]
     assert [a.choices[0].message.content for a in answers] == expected
-    assert [a.model_extra["eagle"]["mode"] for a in answers] == ["eagle", "plain", "plain", "plain"]
+    assert [a.model_extra["eagle"]["drafter"] for a in answers] == [tiny_model.drafter, "none", "none", "none"]
     assert model.batches == [[1], [3]]  # the EAGLE batch took no one, the next one ran plain
 
 
@@ -568,3 +568,27 @@ def test_command_line_serves_the_model_given_by_flags(tiny_pair, tiny_model):
         process.terminate()
         status = process.wait(timeout=30)
     assert status == 0  # SIGTERM: a clean exit
+
+
+# ------------------------------------------------------------------------------------------------------ drafters
+def test_a_request_chooses_its_drafter_and_the_answer_says_which(served, tiny_model):
+    answers = {drafter: ask(served, PROMPTS[2], max_tokens=24, extra_body={"drafter": drafter})
+               for drafter in tiny_model.runnable_drafters()}
+    texts = {answer.choices[0].message.content for answer in answers.values()}
+    assert len(texts) == 1  # greedy: every drafter gives plain decoding's answer
+    assert {drafter: answer.model_extra["eagle"]["drafter"] for drafter, answer in answers.items()} == {
+        drafter: drafter for drafter in answers}
+    assert answers["none"].model_extra["eagle"]["accepted_tokens"] == 0
+    health = httpx.get(served.url + "/health").json()
+    assert health["drafter"] == tiny_model.drafter and health["drafters"] == tiny_model.runnable_drafters()
+
+
+@pytest.mark.parametrize("value,says", [("medusa", "Unknown drafter 'medusa'"), ("eagle1", "needs an EAGLE-1 head"),
+                                        ("head", "Unknown drafter 'head'")])
+def test_a_drafter_the_model_cannot_run_is_a_400_naming_the_field_and_the_allowed_values(served, tiny_model, value,
+                                                                                          says):
+    response = httpx.post(served.url + "/v1/chat/completions", json={
+        "model": NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "drafter": value})
+    error = response.json()["error"]
+    assert response.status_code == 400 and error["param"] == "drafter"
+    assert says in error["message"] and "can run: " + ", ".join(tiny_model.runnable_drafters()) in error["message"]

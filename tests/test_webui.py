@@ -16,10 +16,11 @@ import torch
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 
 from eagle.application import highlight, prompts  # noqa: E402
-from eagle.application.streaming import EAGLE, PLAIN, ChatRunner, PromptError  # noqa: E402
+from eagle.application.streaming import ChatRunner, PromptError  # noqa: E402
 from eagle.application.worker import ModelWorker  # noqa: E402
 from eagle.model.engine.steps import RowStep  # noqa: E402
 
+EAGLE, PLAIN = "eagle3", "none"  # the drafters the tests answer with
 FAKE_ANSWER = "Hello! EAGLE drafts\n- make it *fast*\n- `x < y`"
 FAKE_CHUNKS = [1, 3, 1, 4, 2]  # tokens per yield after the prefill's single token, cycled
 
@@ -63,7 +64,7 @@ class FakeBatch:
 
 class FakeModel:
     """Scripted stand-in for ``EaModel``: answers ``answer`` (then EOS) whatever the prompt, EAGLE
-    (``continuous_batch(use_eagle=True)``) in ``chunks``-sized steps (all but the last token of each step "accepted
+    (``continuous_batch(drafter="eagle3")``) in ``chunks``-sized steps (all but the last token of each step "accepted
     drafts"), plain decoding one token per step, sleeping ``delay`` seconds per step. Records the keyword arguments
     of each batch (and the budget of its last row)."""
 
@@ -77,9 +78,17 @@ class FakeModel:
         self.config = type("Config", (), {"max_position_embeddings": max_position_embeddings})()
         self.calls: list[dict] = []
 
-    def continuous_batch(self, use_eagle=True, generator=None, **kwargs):
+    def continuous_batch(self, drafter=EAGLE, generator=None, **kwargs):
         self.calls.append(dict(kwargs))
-        return FakeBatch(self, self.chunks if use_eagle else [1])
+        return FakeBatch(self, self.chunks if drafter != PLAIN else [1])
+
+    def runnable_drafters(self):
+        return [EAGLE, PLAIN]
+
+    def check_drafter(self, drafter=None, use_eagle=None):
+        if drafter not in (None, *self.runnable_drafters()):
+            raise ValueError(f"Unknown drafter {drafter!r}; this model can run: eagle3, none.")
+        return drafter or EAGLE
 
 
 def runner_of(model, **kwargs) -> ChatRunner:
@@ -351,11 +360,11 @@ def test_an_answer_streams_into_the_last_turn_and_feeds_the_next_prompt(tokenize
 
 
 def test_compare_answers_with_both_and_reports_the_speed_up(tokenizer):
-    from eagle.application.chat import MODE_COMPARE, AnswerSettings
+    from eagle.application.chat import AnswerSettings
 
     controller, model = _controller(tokenizer, delay=0.002)
     history = controller.submit("Hi", [], "s")
-    last = list(controller.answer(history, AnswerSettings(mode=MODE_COMPARE, highlight=False), "s"))[-1]
+    last = list(controller.answer(history, AnswerSettings(highlight=False, compare=True), "s"))[-1]
     assert last.history[-1].answer == FAKE_ANSWER and "<mark" not in last.history[-1].shown
     assert last.plain_messages[0] == {"role": "user", "content": "Hi"} and last.plain_label.endswith("tokens/s")
     assert last.comparison.split("x")[0].replace(".", "").isdigit() and "vs plain" in last.comparison
@@ -363,12 +372,12 @@ def test_compare_answers_with_both_and_reports_the_speed_up(tokenizer):
 
 
 def test_stop_keeps_the_partial_answer_and_skips_the_second_answer_of_a_comparison(tokenizer):
-    from eagle.application.chat import MODE_COMPARE, UPDATE_INTERVAL_S, AnswerSettings
+    from eagle.application.chat import UPDATE_INTERVAL_S, AnswerSettings
 
     controller, model = _controller(tokenizer, delay=UPDATE_INTERVAL_S)  # an update after every step
     controller.stop("s")  # pressed while idle: does not stop the next answer
     history = controller.submit("Hi", [], "s")
-    updates = controller.answer(history, AnswerSettings(mode=MODE_COMPARE), "s")
+    updates = controller.answer(history, AnswerSettings(compare=True), "s")
     first = next(updates)
     controller.stop("other tab")  # another session's Stop is not ours
     assert next(updates).history[-1].answer != first.history[-1].answer  # still answering
@@ -412,7 +421,7 @@ def test_the_api_streams_plain_dicts_and_refuses_bad_input(tokenizer):
     controller, _ = _controller(tokenizer)
     *_, last = controller.api_stream("Hi", [["Earlier", "Answer"]], PLAIN, AnswerSettings(max_new_tokens=5))
     assert last["finished"] and last["new_tokens"] == 5 and last["steps"] == 5 and last["mean_accepted"] == 0
-    with pytest.raises(ValueError, match="unknown decoding mode"):
+    with pytest.raises(ValueError, match="Unknown drafter 'fast'"):
         list(controller.api_stream("Hi", None, "fast", AnswerSettings()))
 
 
@@ -474,3 +483,23 @@ def test_build_demo_wires_a_single_model_queue(tokenizer):
     model_events = [d for d in demo.fns.values() if d.concurrency_id == MODEL_QUEUE]
     assert len(model_events) == 4  # submit, send, regenerate, API
     assert all(d.concurrency_limit == 1 for d in model_events)
+
+
+def test_the_drafter_choice_offers_what_the_model_runs_and_each_gives_the_greedy_answer(tiny_model):
+    from eagle.application.chat import NONE_LABEL, drafter_label
+
+    runner = runner_of(tiny_model)
+    assert runner.drafters()[0] == tiny_model.drafter
+    assert sorted(runner.drafters()) == sorted(tiny_model.runnable_drafters())
+    assert drafter_label("none") == NONE_LABEL and drafter_label("eagle3") == "eagle3"
+    prompt = runner.prompt([], "Tell me a story")
+    answers = {}
+    for drafter in runner.drafters():
+        *_, last = runner.stream(prompt, drafter, temperature=0.0, max_new_tokens=16)
+        answers[drafter] = last.token_ids
+        assert last.drafter == drafter and last.finished
+        if drafter == "none":
+            assert last.mean_accepted == 0 and last.draft_flags() == [False] * last.new_tokens
+    assert len({tuple(ids) for ids in answers.values()}) == 1  # greedy: every drafter answers alike
+    with pytest.raises(ValueError, match="Unknown drafter 'fast'.*this model can run: eagle3"):
+        next(runner.stream(prompt, "fast"))

@@ -171,10 +171,16 @@ def _send(browser, text):
     _click(browser, "eagle-send")
 
 
-def _choose_mode(browser, label):
+def _choose_drafter(browser, label):
     from selenium.webdriver.common.by import By
 
-    browser.find_element(By.XPATH, f"//*[@id='eagle-mode']//label[contains(., '{label}')]").click()
+    browser.find_element(By.XPATH, f"//*[@id='eagle-drafter']//label[contains(., '{label}')]").click()
+
+
+def _compare(browser, on: bool):
+    box = _by_css(browser, "#eagle-compare input")[0]
+    if box.is_selected() != on:
+        box.click()
 
 
 def _wait_answer(browser, count: int, what: str):
@@ -221,7 +227,7 @@ def test_stop_keeps_the_partial_answer_and_the_model_keeps_working(slow_fake_app
     url, model = slow_fake_app
     full = model.tokenizer.decode(model.answer_ids, skip_special_tokens=True)
     _open(browser, url)
-    _choose_mode(browser, "Plain decoding")  # one token per 30 ms step: a few seconds in all
+    _choose_drafter(browser, "none (plain decoding)")  # one token per 30 ms step: a few seconds in all
     _send(browser, "Say a lot")
     _wait(browser, lambda: len("".join(_bot_messages(browser))) >= 5, "the first tokens")
     assert not _by_css(browser, "#eagle-message textarea")[0].is_enabled()  # one answer at a time
@@ -232,14 +238,15 @@ def test_stop_keeps_the_partial_answer_and_the_model_keeps_working(slow_fake_app
     time.sleep(0.3)
     assert _bot_messages(browser)[-1] == stopped and 5 <= len(stopped) < len(full)
 
-    _choose_mode(browser, "EAGLE")
+    _choose_drafter(browser, "eagle3")
     _send(browser, "Again")
     _wait_answer(browser, 2, "an answer after Stop")
     marks = _by_css(browser, "#eagle-chat [data-testid=bot] mark.eagle-draft")
     assert marks and all(mark.get_attribute("textContent").strip() for mark in marks)  # drafts highlighted
     assert float(_box(browser, "eagle-tokens-per-step")) > 2  # the script accepts 1-3 drafts per step
 
-    _choose_mode(browser, "Compare both")
+    _choose_drafter(browser, "eagle3")
+    _compare(browser, True)
     _send(browser, "Compare")
     _wait(browser, lambda: "x" in _box(browser, "eagle-speedup") and not _busy(browser), "the comparison")
     # the speed-up figure is shown (its value is timing: benchmarks measure it, tests do not); both sides answered
@@ -251,7 +258,8 @@ def test_stop_keeps_the_partial_answer_and_the_model_keeps_working(slow_fake_app
     browser.save_screenshot(str(ARTIFACTS / "webui_compare.png"))
 
     # Clear while an answer streams: the chat empties and stays empty, with no error shown; the next answer works.
-    _choose_mode(browser, "Plain decoding")
+    _compare(browser, False)
+    _choose_drafter(browser, "none (plain decoding)")
     delay, model.delay = model.delay, 0.2  # 8 s in all: still streaming when Clear is pressed, even on a busy machine
     try:
         _send(browser, "Say a lot")
@@ -274,7 +282,7 @@ def test_gradio_client_streams_greedy_answers_equal_to_plain_decoding(real_app):
 
     url, expected = real_app
     client = Client(url, verbose=False, analytics_enabled=False, download_files=False)
-    job = client.submit(PROMPTS[0], [], "eagle", 0.0, 0.0, 0, MAX_NEW, api_name="/generate")
+    job = client.submit(PROMPTS[0], [], "eagle3", 0.0, 0.0, 0, MAX_NEW, api_name="/generate")
     final = job.result(timeout=WAIT_S)
     assert final["finished"] and final["text"] == expected[PROMPTS[0]]
     assert final["new_tokens"] >= 1 and final["tokens_per_second"] > 0 and final["tokens_per_step"] >= 1
@@ -282,7 +290,7 @@ def test_gradio_client_streams_greedy_answers_equal_to_plain_decoding(real_app):
 
     # Two clients at once are queued, not interleaved on the shared KV cache: each gets its own greedy answer.
     jobs = [client.submit(text, [], mode, 0.0, 0.0, 0, MAX_NEW, api_name="/generate")
-            for text, mode in zip(PROMPTS * 2, ["eagle", "plain", "plain", "eagle"])]
+            for text, mode in zip(PROMPTS * 2, ["eagle3", "none", "none", "eagle3"])]
     assert [job.result(timeout=WAIT_S)["text"] for job in jobs] == [expected[text] for text in PROMPTS * 2]
 
 
@@ -291,10 +299,10 @@ def test_gradio_client_cancel_then_the_model_still_answers_correctly(real_app):
 
     url, expected = real_app
     client = Client(url, verbose=False, analytics_enabled=False, download_files=False)
-    job = client.submit(PROMPTS[1], [], "eagle", 0.9, 0.9, 0, 400, api_name="/generate")
+    job = client.submit(PROMPTS[1], [], "eagle3", 0.9, 0.9, 0, 400, api_name="/generate")
     _wait_for(lambda: job.outputs() or job.done(), "the first streamed update")
     job.cancel()
-    final = client.predict(PROMPTS[1], [], "eagle", 0.0, 0.0, 0, MAX_NEW, api_name="/generate")
+    final = client.predict(PROMPTS[1], [], "eagle3", 0.0, 0.0, 0, MAX_NEW, api_name="/generate")
     assert final["text"] == expected[PROMPTS[1]]
 
 
@@ -305,10 +313,10 @@ def test_gradio_client_gets_clear_errors_for_bad_input(real_app):
     url, _ = real_app
     client = Client(url, verbose=False, analytics_enabled=False, download_files=False)
     with pytest.raises(AppError, match="message is empty"):
-        client.predict("  ", [], "eagle", 0.0, 0.0, 0, 8, api_name="/generate")
+        client.predict("  ", [], "eagle3", 0.0, 0.0, 0, 8, api_name="/generate")
     with pytest.raises(AppError, match="context holds 512 tokens"):
-        client.predict("x" * 600, [], "eagle", 0.0, 0.0, 0, 8, api_name="/generate")
-    with pytest.raises(AppError, match="unknown decoding mode 'fast'"):
+        client.predict("x" * 600, [], "eagle3", 0.0, 0.0, 0, 8, api_name="/generate")
+    with pytest.raises(AppError, match="Unknown drafter 'fast'"):
         client.predict("Hi", [], "fast", 0.0, 0.0, 0, 8, api_name="/generate")
 
 
@@ -352,7 +360,7 @@ def test_demo_py_serves_the_chat_on_localhost_only(real_app, tiny_pair):
 
         _wait_for(up, "demo.py to serve", timeout=150)
         client = Client(url, verbose=False, analytics_enabled=False, download_files=False)
-        final = client.predict(PROMPTS[0], [], "eagle", 0.0, 0.0, 0, MAX_NEW, api_name="/generate")
+        final = client.predict(PROMPTS[0], [], "eagle3", 0.0, 0.0, 0, MAX_NEW, api_name="/generate")
         assert final["text"] == expected[PROMPTS[0]]
     finally:
         server.terminate()

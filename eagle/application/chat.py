@@ -18,18 +18,19 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from ..model.drafting.registry import NONE
 from .prompts import Turn
-from .streaming import EAGLE, PLAIN, ChatRunner, ReplyProgress
+from .streaming import ChatRunner, ReplyProgress
 
-MODE_EAGLE, MODE_PLAIN, MODE_COMPARE = "EAGLE", "Plain decoding", "Compare both"
-MODES = {MODE_EAGLE: [EAGLE], MODE_PLAIN: [PLAIN], MODE_COMPARE: [EAGLE, PLAIN]}
+#: How the page shows plain decoding's drafter, ``"none"``.
+NONE_LABEL = "none (plain decoding)"
 #: Least time between two screen updates while streaming (the last update of an answer is always sent).
 UPDATE_INTERVAL_S = 0.05
 EMPTY_ANSWER = "*(empty answer)*"
 STOPPED_EMPTY = "*(stopped before the first token)*"
 STOP, CLEAR = "stop", "clear"
-PLAIN_PANEL_LABEL = "Plain decoding (same prompt)"
-NOT_COMPARING = f"choose '{MODE_COMPARE}' to measure"
+PLAIN_PANEL_LABEL = f"{NONE_LABEL}, same prompt"
+NOT_COMPARING = "tick 'Compare with none' to measure"
 
 
 @dataclass
@@ -40,6 +41,11 @@ class ChatTurn:
     user: str
     answer: str | None = None
     shown: str | None = None
+
+
+def drafter_label(drafter: str) -> str:
+    """How the page names ``drafter`` (its value stays the drafter spec)."""
+    return NONE_LABEL if drafter == NONE else drafter
 
 
 def finished_turns(history: list[ChatTurn]) -> list[Turn]:
@@ -59,14 +65,16 @@ def chat_messages(history: list[ChatTurn]) -> list[dict[str, str]]:
 
 @dataclass(frozen=True)
 class AnswerSettings:
-    """The controls an answer is generated with."""
+    """The controls an answer is generated with. ``drafter``: a drafter spec the model can run (None: the worker's
+    default); ``compare``: then answer again with ``"none"`` (plain decoding) and show both speeds."""
 
-    mode: str = MODE_EAGLE
+    drafter: str | None = None
     highlight: bool = True
     temperature: float = 0.0
     top_p: float = 0.0
     top_k: int = 0
     max_new_tokens: int = 512
+    compare: bool = False
 
 
 @dataclass
@@ -95,15 +103,17 @@ def speed_figures(progress: ReplyProgress | None) -> tuple[str, str, str]:
     """(tokens/s, tokens per target step, accepted draft tokens per step) as shown in the stats boxes."""
     if progress is None or progress.new_tokens == 0:
         return "", "", ""
-    accepted = f"{progress.mean_accepted:.2f}" if progress.mode == EAGLE else "0 (plain decoding)"
+    accepted = f"{progress.mean_accepted:.2f}" if progress.drafter != NONE else f"0 ({NONE_LABEL})"
     return f"{progress.tokens_per_second:.2f} tokens/s", f"{progress.tokens_per_step:.2f}", accepted
 
 
-def comparison_text(eagle: ReplyProgress | None, plain: ReplyProgress | None, comparing: bool) -> str:
-    if eagle is None or plain is None or not plain.tokens_per_second:
+def comparison_text(first: ReplyProgress | None, plain: ReplyProgress | None, comparing: bool) -> str:
+    """The speed-up line: the chosen drafter's answer (``first``) against ``"none"``'s (``plain``)."""
+    if first is None or plain is None or not plain.tokens_per_second:
         return "measuring..." if comparing else NOT_COMPARING
-    ratio = eagle.tokens_per_second / plain.tokens_per_second
-    return f"{ratio:.2f}x  (EAGLE {eagle.tokens_per_second:.2f} vs plain {plain.tokens_per_second:.2f} tokens/s)"
+    ratio = first.tokens_per_second / plain.tokens_per_second
+    return (f"{ratio:.2f}x  ({first.drafter} {first.tokens_per_second:.2f} vs plain decoding "
+            f"{plain.tokens_per_second:.2f} tokens/s)")
 
 
 class NothingToRegenerate(ValueError):
@@ -162,8 +172,8 @@ class ChatController:
             return
         prompt = self.runner.prompt(finished_turns(history[:-1]), history[-1].user)  # PromptError: bad state
         answering = _Answering([dataclasses.replace(turn) for turn in history], settings)
-        for decoding in MODES[settings.mode]:
-            stream = self.runner.stream(prompt, decoding, settings.temperature, settings.top_p, int(settings.top_k),
+        for decoding, drafter in enumerate([settings.drafter, NONE][: 1 + settings.compare]):
+            stream = self.runner.stream(prompt, drafter, settings.temperature, settings.top_p, int(settings.top_k),
                                         int(settings.max_new_tokens))
             try:
                 for update in self._updates(answering, decoding, stream, tab):
@@ -173,7 +183,7 @@ class ChatController:
             finally:
                 stream.close()
 
-    def _updates(self, answering: _Answering, decoding: str, stream, tab: str) -> Iterator[AnswerUpdate]:
+    def _updates(self, answering: _Answering, decoding: int, stream, tab: str) -> Iterator[AnswerUpdate]:
         last_update = 0.0
         for progress in stream:
             answering.results[decoding] = progress
@@ -190,43 +200,44 @@ class ChatController:
             if answering.stopped:
                 return
 
-    def api_stream(self, message: str, history: list[list[str]] | None, mode: str, settings: AnswerSettings
-                   ) -> Iterator[dict]:
-        """The API's answer to ``message`` after ``history`` ([[user, answer], ...]) with ``mode`` "eagle" or
-        "plain": dicts of text, new_tokens, steps, tokens_per_second, tokens_per_step, mean_accepted, finished.
-        ``ValueError`` (a :class:`PromptError` among them) for a bad message, mode or setting."""
+    def api_stream(self, message: str, history: list[list[str]] | None, drafter: str | None,
+                   settings: AnswerSettings) -> Iterator[dict]:
+        """The API's answer to ``message`` after ``history`` ([[user, answer], ...]) with ``drafter`` (None: the
+        worker's default):
+        dicts of text, new_tokens, steps, tokens_per_second, tokens_per_step, mean_accepted, finished, drafter.
+        ``ValueError`` (a :class:`PromptError` among them) for a bad message, drafter or setting."""
         prompt = self.runner.prompt([tuple(turn) for turn in history or []], message)
-        stream = self.runner.stream(prompt, mode, settings.temperature, settings.top_p, int(settings.top_k),
+        stream = self.runner.stream(prompt, drafter, settings.temperature, settings.top_p, int(settings.top_k),
                                     int(settings.max_new_tokens))
         for progress in stream:
             yield {"text": progress.text, "new_tokens": progress.new_tokens, "steps": progress.steps,
                    "tokens_per_second": progress.tokens_per_second, "tokens_per_step": progress.tokens_per_step,
-                   "mean_accepted": progress.mean_accepted, "finished": progress.finished}
+                   "mean_accepted": progress.mean_accepted, "finished": progress.finished,
+                   "drafter": progress.drafter}
 
 
 @dataclass
 class _Answering:
-    """One answer in progress: the conversation being updated, the progress of each decoding, the plain panel."""
+    """One answer in progress: the conversation being updated, the progress of each decoding (0: the chosen
+    drafter's, 1: the comparison's plain decoding), the plain panel."""
 
     history: list[ChatTurn]
     settings: AnswerSettings
-    results: dict[str, ReplyProgress] = dataclasses.field(default_factory=dict)
+    results: dict[int, ReplyProgress] = dataclasses.field(default_factory=dict)
     plain_messages: list[dict[str, str]] | None = None
     plain_label: str | None = None
     stopped: bool = False
 
-    def update(self, decoding: str, progress: ReplyProgress, runner: ChatRunner, done: bool) -> AnswerUpdate:
+    def update(self, decoding: int, progress: ReplyProgress, runner: ChatRunner, done: bool) -> AnswerUpdate:
         shown = runner.render(progress, self.settings.highlight) or (
             (STOPPED_EMPTY if self.stopped else EMPTY_ANSWER) if done else "")
-        first = MODES[self.settings.mode][0]
-        if decoding == first:  # a stopped answer stays in the chat, and in the prompt of the next turn
+        if decoding == 0:  # a stopped answer stays in the chat, and in the prompt of the next turn
             self.history[-1].answer, self.history[-1].shown = progress.text, shown
         else:
             self.plain_messages = [{"role": "user", "content": self.history[-1].user},
                                    {"role": "assistant", "content": shown}]
-            self.plain_label = f"Plain decoding: {progress.tokens_per_second:.2f} tokens/s"
-        comparison = comparison_text(self.results.get(EAGLE), self.results.get(PLAIN),
-                                     self.settings.mode == MODE_COMPARE)
+            self.plain_label = f"{NONE_LABEL}: {progress.tokens_per_second:.2f} tokens/s"
+        comparison = comparison_text(self.results.get(0), self.results.get(1), self.settings.compare)
         snapshot = [*self.history[:-1], dataclasses.replace(self.history[-1])]  # later steps change the last turn
-        return AnswerUpdate(snapshot, speed_figures(self.results[first]), comparison, self.plain_messages,
+        return AnswerUpdate(snapshot, speed_figures(self.results[0]), comparison, self.plain_messages,
                             self.plain_label)

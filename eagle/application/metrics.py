@@ -37,7 +37,7 @@ class Metrics:
             else:
                 self.decode_seconds += seconds
 
-    def render(self, queue_depth: int, running: int, mode: str) -> str:
+    def render(self, queue_depth: int, running: int, drafter: str) -> str:
         with self.lock:
             rate = self.generated_tokens / self.busy_seconds if self.busy_seconds else 0.0
             mean_accepted = self.accepted / self.verify_steps if self.verify_steps else 0.0
@@ -56,7 +56,7 @@ class Metrics:
                  "Seconds of decoding steps (draft and verification, or one plain step) of running batches."),
                 ("tokens_per_second", "gauge", round(rate, 4), "Generated tokens per busy second."),
                 ("mean_accepted_tokens_per_step", "gauge", round(mean_accepted, 4),
-                 f"Accepted draft tokens per verification step ({mode} decoding)."),
+                 f"Accepted draft tokens per verification step (default drafter: {drafter})."),
                 ("queue_depth", "gauge", queue_depth, "Requests waiting for the model."),
                 ("running_requests", "gauge", running, "Requests being generated."),
                 ("batch_size", "gauge", self.batch_size, "Requests in the batch running now."),

@@ -7,10 +7,12 @@ ignored; fields it does not know are ignored, as client libraries send extras. L
 ``top_logprobs`` (0 to :data:`MAX_CHAT_TOP_LOGPROBS`) in chat, ``logprobs`` (0 to
 :data:`MAX_COMPLETION_LOGPROBS`) and ``echo`` in completions (see :mod:`eagle.application.logprobs`).
 
-EAGLE's figures travel in an extension field, ``"eagle"``, of every answer (and of the last streamed chunks):
-``{"mode": "eagle" | "plain", "steps": target forward passes, "accepted_tokens": accepted draft tokens,
-"accepted_tokens_per_step": accepted draft tokens per verification step, "tokens_per_step": generated tokens per
-target forward pass}``.
+The drafter is chosen per request by an extension field, ``"drafter"`` (a drafter spec the loaded model can run:
+``"eagle3"``, ``"eagle3+lookup"``, ``"lookup"``, ``"none"`` for plain decoding...; absent: the server's
+``--drafter``). EAGLE's figures travel in an extension field, ``"eagle"``, of every answer (and of the last
+streamed chunks): ``{"drafter": the drafter spec that generated it, "steps": target forward passes,
+"accepted_tokens": accepted draft tokens, "accepted_tokens_per_step": accepted draft tokens per verification step,
+"tokens_per_step": generated tokens per target forward pass}``.
 """
 
 from __future__ import annotations
@@ -85,7 +87,8 @@ class ChatMessage(_Strict):
 
 
 class SamplingRequest(_Strict):
-    """The fields both endpoints share. ``top_k`` is an extension (0 or -1 = off)."""
+    """The fields both endpoints share. ``top_k`` and ``drafter`` (a drafter spec, checked against the loaded model
+    by the app) are extensions (``top_k`` 0 or -1 = off)."""
 
     model_config = ConfigDict(extra="allow", strict=True)
 
@@ -99,6 +102,7 @@ class SamplingRequest(_Strict):
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
+    drafter: str | None = None
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -234,11 +238,11 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def eagle_stats(mode: str, steps: int, accepted: int, completion_tokens: int) -> dict:
+def eagle_stats(drafter: str, steps: int, accepted: int, completion_tokens: int) -> dict:
     """The ``"eagle"`` extension field (see the module docstring). ``steps``: target forward passes, the prefill
     included."""
     verify_steps = max(steps - 1, 0)
-    return {"mode": mode, "steps": steps, "accepted_tokens": accepted,
+    return {"drafter": drafter, "steps": steps, "accepted_tokens": accepted,
             "accepted_tokens_per_step": round(accepted / verify_steps, 4) if verify_steps else 0.0,
             "tokens_per_step": round(completion_tokens / steps, 4) if steps else 0.0}
 

@@ -46,22 +46,24 @@ SHUTDOWN_WRITE_MARGIN_S = 1.0
 
 
 def create_app(model, served_model_name: str = "eagle", api_key: str | None = None, model_type: str | None = None,
-               use_eagle: bool = True, max_length: int = 2048, default_max_tokens: int = 512,
+               use_eagle: bool | None = None, max_length: int = 2048, default_max_tokens: int = 512,
                max_queue: int = DEFAULT_MAX_QUEUE, max_batch_size: int = 8,
                eagle_max_batch_size: int = DEFAULT_EAGLE_MAX_BATCH_SIZE, bind_host: str = "127.0.0.1",
                extra_allowed_hosts: Sequence[str] = (), max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-               api_docs: bool = False, max_echo_tokens: int = DEFAULT_MAX_ECHO_TOKENS):
+               api_docs: bool = False, max_echo_tokens: int = DEFAULT_MAX_ECHO_TOKENS, drafter: str | None = None):
     """The FastAPI app serving ``model`` (an ``EaModel``). ``max_length``: prompt plus answer in tokens (capped by
-    the model's position limit); ``use_eagle=False`` serves plain decoding (for comparison);
+    the model's position limit); ``drafter``: the drafter spec of requests that do not name one (None: the model's
+    default, ``model.drafter``; ``use_eagle=False``, the reference's alias, is ``"none"``: plain decoding);
     ``max_batch_size``: rows of the running batch that waiting requests join between steps;
-    ``eagle_max_batch_size`` > 0: when more requests run or wait, batches run plain decoding; ``bind_host`` and
+    ``eagle_max_batch_size`` > 0: when more requests run or wait, batches of requests that name no drafter run plain
+    decoding; ``bind_host`` and
     ``extra_allowed_hosts``: the ``Host`` names answered (:func:`~eagle.application.request_guard.allowed_hosts`);
     ``max_body_bytes``: larger request bodies get 413; ``api_docs``: serve ``/openapi.json``, ``/docs`` and
     ``/redoc`` (behind ``api_key``); ``max_echo_tokens``: the longest prompt ``echo`` with ``logprobs`` scores.
     The model worker starts when the app starts (uvicorn's lifespan) and stops with
     it."""
     worker = ModelWorker(model, max_queue=max_queue, max_batch_size=max_batch_size, max_length=max_length,
-                         use_eagle=use_eagle, eagle_max_batch_size=eagle_max_batch_size,
+                         use_eagle=use_eagle, drafter=drafter, eagle_max_batch_size=eagle_max_batch_size,
                          is_llama3=MODEL_TYPES[model_type].is_llama3 if model_type else False)
     settings = ServerSettings(served_model_name=served_model_name, api_key=api_key, model_type=model_type,
                               default_max_tokens=default_max_tokens,
@@ -169,7 +171,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "embedded default pair. Greedy answers are token for token those of plain decoding.")
     add_model_arguments(parser)
     parser.add_argument("--no-eagle", action="store_true",
-                        help="serve with plain decoding (no drafts), to compare with EAGLE")
+                        help="serve with plain decoding (no drafts): the same as --drafter none")
     parser.add_argument("--host", default="127.0.0.1",
                         help="address to bind (default 127.0.0.1; 0.0.0.0 exposes the server to your network)")
     parser.add_argument("--port", type=int, default=8000, help="port (default 8000)")
@@ -202,6 +204,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"--max-length must be at least 2, got {args.max_length}")
     if args.shutdown_timeout < 0:
         parser.error(f"--shutdown-timeout must be at least 0 seconds, got {args.shutdown_timeout}")
+    if args.no_eagle and args.drafter not in (None, "none"):
+        parser.error(f"--no-eagle is --drafter none; it contradicts --drafter {args.drafter}")
+    args.drafter = "none" if args.no_eagle else args.drafter
     return args
 
 
@@ -235,7 +240,7 @@ def main(argv: list[str] | None = None) -> None:
     name = args.served_model_name or default_served_name(args.base_model_path)  # before the paths are filled in
     model = load_model(args)  # exits with the reason when the model cannot be loaded
     app = create_app(model, served_model_name=name, api_key=args.api_key, model_type=args.model_type,
-                     use_eagle=not args.no_eagle, max_length=args.max_length, default_max_tokens=args.max_new_tokens,
+                     max_length=args.max_length, default_max_tokens=args.max_new_tokens,
                      max_queue=args.max_queue, max_batch_size=args.max_batch_size,
                      eagle_max_batch_size=args.eagle_max_batch_size, bind_host=args.host,
                      extra_allowed_hosts=args.allowed_host, max_body_bytes=args.max_body_bytes,
@@ -249,8 +254,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.host in WILDCARD_HOSTS and ANY_HOST not in args.allowed_host:
         logger.info("clients that reach this server by a name other than localhost need --allowed-host NAME "
                     "(by IP address they need nothing)")
-    logger.info("serving '%s' (%s decoding) on http://%s:%d/v1", name, "plain" if args.no_eagle else "EAGLE",
-                args.host, args.port)
+    logger.info("serving '%s' (drafter %s; a request's \"drafter\" may name any of %s) on http://%s:%d/v1", name,
+                app.state.worker.drafter, ", ".join(app.state.worker.runnable_drafters()), args.host, args.port)
     server = DeadlineServer(app, shutdown_timeout=args.shutdown_timeout, host=args.host, port=args.port,
                             log_level="info")
     serve_until_signalled(server)

@@ -185,7 +185,8 @@ def _add_routes(app: FastAPI, model, worker: ModelWorker, settings: ServerSettin
 
     @app.get("/health")
     async def health():
-        return {"status": "ok", "model": name, "mode": worker.mode, "queue_depth": worker.queue_depth(),
+        return {"status": "ok", "model": name, "drafter": worker.drafter, "drafters": worker.runnable_drafters(),
+                "queue_depth": worker.queue_depth(),
                 "running": worker.running()}
 
     @app.get("/metrics")
@@ -272,9 +273,21 @@ def _params(body: schema.SamplingRequest, budget: int | None, prompt_length: int
                             logprobs=body.top_logprobs_wanted, echo=echo)
 
 
+def _requested_drafter(body: schema.SamplingRequest, worker: ModelWorker) -> str | None:
+    """The request's ``drafter`` field in its one spelling (None: absent, the server's default); a 400 naming the
+    field and the drafters this model can run for a value it cannot run."""
+    if body.drafter is None:
+        return None
+    try:
+        return worker.check_drafter(body.drafter)
+    except ValueError as err:
+        raise APIError(400, f"drafter: {err}", param="drafter", code="invalid_drafter") from None
+
+
 async def _answer(request: Request, body: schema.SamplingRequest, prompt_ids: list[int], budget: int | None,
                   chat: bool, model, worker: ModelWorker, settings: ServerSettings):
     params = _params(body, budget, len(prompt_ids), worker.max_length, settings)
+    params.drafter = _requested_drafter(body, worker)
     channel = _Channel(_mailbox(request.app.state))
     job = Job(prompt_ids=prompt_ids, params=params, deliver=channel.deliver,
                             text=TextStream(model.tokenizer, params.stop))
@@ -311,7 +324,7 @@ class _Answer:
         return schema.usage(self.prompt_tokens, update.completion_tokens)
 
     def eagle(self, update: Update) -> dict:
-        return schema.eagle_stats(update.mode, update.steps, update.accepted, update.completion_tokens)
+        return schema.eagle_stats(update.drafter, update.steps, update.accepted, update.completion_tokens)
 
     def text_of(self, update: Update) -> str:
         """The text ``update`` adds: the prompt's for the echo update."""

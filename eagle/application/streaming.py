@@ -1,4 +1,5 @@
-"""Streaming one chat answer (EAGLE or plain decoding), with live speed figures.
+"""Streaming one chat answer (with any drafter the model can run: ``"none"`` is plain decoding), with live speed
+figures.
 
 :class:`ChatRunner` is the only thing the web UI calls to reach the model. It builds and checks prompts, and streams
 :class:`ReplyProgress` snapshots of a job it submits to the serving worker
@@ -14,14 +15,13 @@ import queue
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
-
+from ..model.drafting.registry import NONE
 from .highlight import draft_flags, draft_segments, render_highlighted
 from .prompts import ModelType, Prompt, Turn, build_prompt, get_model_type
 from .worker import GenerationParams, Job, ModelWorker, position_limit
 
 logger = logging.getLogger(__name__)
 
-EAGLE, PLAIN = "eagle", "plain"
 DEFAULT_MAX_LENGTH = 2048
 
 
@@ -33,13 +33,13 @@ class PromptError(ValueError):
 class ReplyProgress:
     """A snapshot of one answer being generated.
 
-    ``token_ids``: generated ids so far; ``step_sizes``: tokens added by each target forward pass (the prefill
-    first); ``seconds``: time spent inside the model only; ``finished``: generation ended (stop token, token
-    budget or context end); ``interrupted``: it ended before that (the worker closed or failed: ``error`` says
-    why).
+    ``drafter``: the drafter spec generating it (``"none"``: plain decoding); ``token_ids``: generated ids so far;
+    ``step_sizes``: tokens added by each target forward pass (the prefill first); ``seconds``: time spent inside
+    the model only; ``finished``: generation ended (stop token, token budget or context end); ``interrupted``: it
+    ended before that (the worker closed or failed: ``error`` says why).
     """
 
-    mode: str
+    drafter: str
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     step_sizes: list[int] = field(default_factory=list)
@@ -76,7 +76,7 @@ class ReplyProgress:
 
     def draft_flags(self) -> list[bool]:
         """One flag per generated token: True for accepted draft tokens (always False in plain decoding)."""
-        if self.mode != EAGLE:
+        if self.drafter == NONE:
             return [False] * self.new_tokens
         return draft_flags(self.step_sizes)
 
@@ -114,21 +114,27 @@ class ChatRunner:
             )
         return prompt
 
-    def stream(self, prompt: Prompt | Sequence[int], mode: str = EAGLE, temperature: float = 0.0,
+    def drafters(self) -> list[str]:
+        """The drafter specs an answer may use (those the model can run), the worker's default first."""
+        default = self.worker.drafter
+        return [default, *(spec for spec in self.worker.runnable_drafters() if spec != default)]
+
+    def stream(self, prompt: Prompt | Sequence[int], drafter: str | None = None, temperature: float = 0.0,
                top_p: float = 0.0, top_k: int = 0, max_new_tokens: int = 512) -> Iterator[ReplyProgress]:
         """Generate an answer, yielding a :class:`ReplyProgress` after every target forward pass.
 
-        ``mode``: ``"eagle"`` (speculative) or ``"plain"``. The last snapshot has ``finished`` (or ``interrupted``)
-        set. The same object is yielded each time, updated in place. Closing the stream early cancels the job."""
-        if mode not in (EAGLE, PLAIN):
-            raise ValueError(f"unknown decoding mode {mode!r}; expected {EAGLE!r} or {PLAIN!r}")
+        ``drafter``: a drafter spec the model can run (``"eagle3"``, ``"none"`` for plain decoding...; None: the
+        worker's default; ``ValueError`` listing the runnable ones otherwise). The last snapshot has ``finished``
+        (or ``interrupted``) set. The same object is yielded each time, updated in place. Closing the stream early
+        cancels the job."""
+        drafter = self.worker.drafter if drafter is None else self.worker.check_drafter(drafter)
         ids = prompt.input_ids if isinstance(prompt, Prompt) else list(prompt)
         budget = max(0, min(int(max_new_tokens), self.max_length - len(ids)))
         params = GenerationParams(max_new_tokens=budget, temperature=float(temperature), top_p=float(top_p),
-                                  top_k=int(top_k), mode=mode)
+                                  top_k=int(top_k), drafter=drafter)
         updates: queue.SimpleQueue = queue.SimpleQueue()
         job = Job(list(ids), params, deliver=updates.put)
-        progress = ReplyProgress(mode=mode)
+        progress = ReplyProgress(drafter=drafter)
         self.worker.start()
         self.worker.submit(job)
         try:
@@ -165,7 +171,7 @@ class ChatRunner:
 
     def render(self, progress: ReplyProgress, highlight: bool) -> str:
         """The answer as chat Markdown, draft tokens marked when ``highlight``."""
-        if highlight and progress.mode == EAGLE:
+        if highlight and progress.drafter != NONE:
             segments = self.segments(progress)
             if segments and not progress.finished:  # hold back a half-decoded character, as in progress.text
                 segments[-1] = (segments[-1][0].rstrip("\ufffd"), segments[-1][1])

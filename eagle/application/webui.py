@@ -1,4 +1,5 @@
-"""Gradio chat that answers with EAGLE speculative decoding or plain decoding and shows the speed of each.
+"""Gradio chat that answers with a drafter of the user's choice (EAGLE's, prompt lookup, ``none`` for plain decoding:
+those the loaded model can run) and shows its speed, against plain decoding's when comparing.
 
 Run ``python -m eagle.application.webui --help``. Nothing is loaded at import time: :func:`build_demo` takes a
 loaded model and returns the ``gr.Blocks`` app; :func:`main` parses flags, loads the model and serves it (on
@@ -22,12 +23,12 @@ from dataclasses import dataclass
 
 from .. import cli
 from ..cli import add_model_arguments
-from .chat import (  # noqa: F401  (the UI's modes and texts, importable here as before)
-    EMPTY_ANSWER, MODE_COMPARE, MODE_EAGLE, MODE_PLAIN, MODES, NOT_COMPARING, PLAIN_PANEL_LABEL, STOPPED_EMPTY,
-    UPDATE_INTERVAL_S, AnswerSettings, AnswerUpdate, ChatController, ChatTurn, NothingToRegenerate, chat_messages,
+from .chat import (  # noqa: F401  (the UI's texts, importable here as before)
+    EMPTY_ANSWER, NONE_LABEL, NOT_COMPARING, PLAIN_PANEL_LABEL, STOPPED_EMPTY, UPDATE_INTERVAL_S, AnswerSettings,
+    AnswerUpdate, ChatController, ChatTurn, NothingToRegenerate, chat_messages, drafter_label,
 )
 from .prompts import MODEL_TYPES
-from .streaming import EAGLE, ChatRunner, PromptError
+from .streaming import ChatRunner, PromptError
 from .worker import ModelWorker
 
 logger = logging.getLogger(__name__)
@@ -39,7 +40,8 @@ def _describe(model, runner: ChatRunner, model_name: str | None) -> str:
     head = {True: "EAGLE-3 head", False: "EAGLE-1/2 head"}.get(getattr(model, "use_eagle3", None), "EAGLE head")
     name = model_name or getattr(model, "base_model_name_or_path", None) or type(model).__name__
     described = f"**Model:** {os.path.basename(os.path.normpath(str(name)))}"
-    return described + f" with an {head}; prompt format: {runner.model_type.name}; context: {runner.max_length} tokens."
+    head = "no EAGLE head" if getattr(model, "ea_layer", head) is None else f"an {head}"
+    return described + f" with {head}; prompt format: {runner.model_type.name}; context: {runner.max_length} tokens."
 
 
 @dataclass
@@ -54,7 +56,8 @@ class _Page:
     stop: object
     regenerate: object
     clear: object
-    mode: object
+    drafter: object
+    compare: object
     highlight: object
     temperature: object
     top_p: object
@@ -67,7 +70,7 @@ class _Page:
 
     @property
     def answer_inputs(self) -> list:
-        return [self.history, self.mode, self.highlight, self.temperature, self.top_p, self.top_k,
+        return [self.history, self.drafter, self.compare, self.highlight, self.temperature, self.top_p, self.top_k,
                 self.max_new_tokens]
 
     @property
@@ -75,8 +78,9 @@ class _Page:
         return [self.history, self.chatbot, self.speed, self.per_step, self.accepted, self.speedup, self.plain_chat]
 
 
-def _layout(gr, described: str, max_new_tokens: int, max_length: int, temperature: float, top_p: float) -> _Page:
-    """The page's components, in order (inside a ``gr.Blocks``)."""
+def _layout(gr, described: str, max_new_tokens: int, max_length: int, temperature: float, top_p: float,
+            drafters: list[str]) -> _Page:
+    """The page's components, in order (inside a ``gr.Blocks``); ``drafters``: the choices, the default first."""
     gr.Markdown("# EAGLE chat: speculative decoding vs plain decoding\n" + described)
     history = gr.State([])
     with gr.Row():
@@ -101,7 +105,9 @@ def _layout(gr, described: str, max_new_tokens: int, max_length: int, temperatur
         clear = gr.Button("Clear", elem_id="eagle-clear")
     with gr.Accordion("Settings", open=True):
         with gr.Row():
-            mode = gr.Radio(list(MODES), value=MODE_EAGLE, label="Decoding", elem_id="eagle-mode")
+            drafter = gr.Radio([(drafter_label(spec), spec) for spec in drafters], value=drafters[0],
+                               label="Drafter", elem_id="eagle-drafter")
+            compare = gr.Checkbox(value=False, label=f"Compare with {NONE_LABEL}", elem_id="eagle-compare")
             highlight = gr.Checkbox(value=True, label="Highlight tokens accepted from EAGLE drafts",
                                     elem_id="eagle-highlight")
         with gr.Row():
@@ -110,7 +116,7 @@ def _layout(gr, described: str, max_new_tokens: int, max_length: int, temperatur
             top_k_slider = gr.Slider(0, 200, value=0, step=1, label="Top-k (0 = off)")
             max_tokens_slider = gr.Slider(1, max(max_new_tokens, max_length - 1), value=max_new_tokens, step=1,
                                           label="Max new tokens")
-    return _Page(history, chatbot, plain_chat, message, send, stop, regenerate, clear, mode, highlight,
+    return _Page(history, chatbot, plain_chat, message, send, stop, regenerate, clear, drafter, compare, highlight,
                  temperature_slider, top_p_slider, top_k_slider, max_tokens_slider, speed, per_step, accepted, speedup)
 
 
@@ -151,10 +157,10 @@ class _Events:
             return history, gr.update(), gr.update(), gr.update(), gr.update()
         return history, chat_messages(history), *self._inputs(False)
 
-    def respond(self, history: list[ChatTurn], mode: str, highlight: bool, temperature: float, top_p: float,
-                top_k: float, max_new_tokens: float, session: str):
+    def respond(self, history: list[ChatTurn], drafter: str, compare: bool, highlight: bool, temperature: float,
+                top_p: float, top_k: float, max_new_tokens: float, session: str):
         """Stream the answer to the last (pending) message as updates for ``_Page.answer_outputs``."""
-        settings = AnswerSettings(mode, highlight, temperature, top_p, int(top_k), int(max_new_tokens))
+        settings = AnswerSettings(drafter, highlight, temperature, top_p, int(top_k), int(max_new_tokens), compare)
         try:
             for update in self.controller.answer(history, settings, session):
                 yield self._answer_outputs(update)
@@ -169,23 +175,24 @@ class _Events:
         cleared = self._answer_outputs(self.controller.clear(session))
         return self.gr.update(value="", interactive=True), *cleared, *self._inputs(True)[1:]
 
-    def show_compare_panel(self, mode: str):
-        return self.gr.update(visible=mode == MODE_COMPARE)
+    def show_compare_panel(self, compare: bool):
+        return self.gr.update(visible=bool(compare))
 
     def api_generate(self):
         """The ``/generate`` API function (its signature is the API's)."""
         controller, gr = self.controller, self.gr
 
-        def generate(message: str, history: list[list[str]] | None = None, mode: str = EAGLE,
+        def generate(message: str, history: list[list[str]] | None = None, drafter: str | None = None,
                      temperature: float = 0.0, top_p: float = 0.0, top_k: int = 0,
                      max_new_tokens: int = self.max_new_tokens) -> Iterator[dict]:
-            """Answer ``message`` after ``history`` ([[user, answer], ...]) with ``mode`` "eagle" or "plain".
-            Streams dicts: text, new_tokens, steps, tokens_per_second, tokens_per_step, mean_accepted, finished."""
+            """Answer ``message`` after ``history`` ([[user, answer], ...]) with ``drafter`` (a drafter the model
+            can run: "eagle3", "none" for plain decoding...; None: the default). Streams dicts: text, new_tokens,
+            steps, tokens_per_second, tokens_per_step, mean_accepted, finished, drafter."""
             settings = AnswerSettings(temperature=temperature, top_p=top_p, top_k=int(top_k),
                                       max_new_tokens=int(max_new_tokens))
             try:
-                yield from controller.api_stream(message, history, mode, settings)
-            except ValueError as err:  # PromptError, or a bad mode/setting
+                yield from controller.api_stream(message, history, drafter or None, settings)
+            except ValueError as err:  # PromptError, or a bad drafter/setting
                 raise gr.Error(str(err), print_exception=False) from None
 
         return generate
@@ -200,9 +207,9 @@ def _session_handlers(gr, events: _Events, controller: ChatController) -> dict:
     def regenerate(history: list[ChatTurn], request: gr.Request):
         return events.regenerate(history, request.session_hash)
 
-    def respond(history: list[ChatTurn], mode: str, highlight: bool, temperature: float, top_p: float,
-                top_k: float, max_new_tokens: float, request: gr.Request):
-        yield from events.respond(history, mode, highlight, temperature, top_p, top_k, max_new_tokens,
+    def respond(history: list[ChatTurn], drafter: str, compare: bool, highlight: bool, temperature: float,
+                top_p: float, top_k: float, max_new_tokens: float, request: gr.Request):
+        yield from events.respond(history, drafter, compare, highlight, temperature, top_p, top_k, max_new_tokens,
                                   request.session_hash)
 
     def stop(request: gr.Request):
@@ -242,7 +249,7 @@ def _wire(gr, page: _Page, events: _Events, demo) -> None:
     page.clear.click(on["clear"], None, cleared, **light)
     page.chatbot.clear(on["clear"], None, cleared, **light)  # the chat's own trash button
     demo.unload(on["forget"])
-    page.mode.change(events.show_compare_panel, [page.mode], [page.plain_chat], **light)
+    page.compare.change(events.show_compare_panel, [page.compare], [page.plain_chat], **light)
     gr.api(events.api_generate(), api_name="generate", **model_events)
 
 
@@ -263,7 +270,7 @@ def build_demo(model, model_type: str | None = None, max_new_tokens: int = 512, 
     events = _Events(gr, ChatController(runner), max_new_tokens)
     with gr.Blocks(title="EAGLE chat", analytics_enabled=False) as demo:
         page = _layout(gr, _describe(model, runner, model_name), max_new_tokens, runner.max_length, temperature,
-                       top_p)
+                       top_p, runner.drafters())
         _wire(gr, page, events, demo)
     return demo
 

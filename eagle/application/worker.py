@@ -2,7 +2,7 @@
 
 Jobs wait in a bounded queue (:meth:`ModelWorker.submit` refuses with a 429 :class:`APIError` when it is full).
 The worker starts a batch with the oldest waiting job and the waiting jobs that can share its generation (greedy
-ones together; sampled ones with the same temperature / top-p / top-k and no seed; the same decoding mode), up to
+ones together; sampled ones with the same temperature / top-p / top-k and no seed; the same drafter), up to
 ``max_batch_size``, and runs it through the engine's running batch (``EaModel.continuous_batch``), handing each job
 an :class:`Update` after every step it took part in.
 
@@ -10,9 +10,9 @@ Continuous batching: at every step boundary, jobs that wait join the running bat
 share its generation, up to ``max_batch_size`` rows; a seeded job runs alone, with its own random generator), and
 rows whose job ended leave it: each job ends at its own stop token or budget (the engine's ``finish_reason``), a
 stop string, or cancellation (a client that went away, a closed web UI stream), so its place is freed at once. A
-batch keeps its mode (EAGLE or plain decoding: the job's own ``mode``, else the worker's policy, see
-``eagle_max_batch_size``); when the load calls for the other mode, or the oldest waiting job needs another kind of
-batch, the running batch takes no one until it ends, and the next one starts.
+batch keeps its drafter (a spec of :mod:`eagle.model.drafting.registry`: the job's own ``drafter``, else the
+worker's policy, see ``eagle_max_batch_size``); when the load calls for another drafter, or the oldest waiting job
+needs another kind of batch, the running batch takes no one until it ends, and the next one starts.
 
 The worker thread owns its OpenMP pool: :meth:`ModelWorker.start` frees the starting thread's pool (the model was
 loaded there) and the worker frees its own whenever a batch ends (see :mod:`eagle.utils.openmp`).
@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..model.drafting.registry import HEAD, NONE
 from ..model.engine.logprobs import TokenLogprobs
 from ..utils.openmp import release_openmp_threads
 from .metrics import Metrics
@@ -37,15 +38,13 @@ from .text_stream import TextStream
 
 logger = logging.getLogger(__name__)
 
-EAGLE, PLAIN = "eagle", "plain"
-
-
 @dataclass
 class GenerationParams:
-    """What one job asks for. ``top_p`` / ``top_k`` of 0 mean off; ``temperature`` 0 is greedy; ``mode``: EAGLE or
-    PLAIN decoding, None for the worker's policy; ``logprobs``: the generated tokens' log-probabilities with that
-    many alternatives each (None: not computed); ``echo``: the job's first update is the prompt's (with its
-    logprobs when ``logprobs`` is set); ``max_new_tokens`` 0 (with ``echo``) generates nothing."""
+    """What one job asks for. ``top_p`` / ``top_k`` of 0 mean off; ``temperature`` 0 is greedy; ``drafter``: a
+    drafter spec the model can run (``"none"``: plain decoding; checked by :meth:`ModelWorker.check_drafter`),
+    None for the worker's policy; ``logprobs``: the generated tokens' log-probabilities with that many alternatives
+    each (None: not computed); ``echo``: the job's first update is the prompt's (with its logprobs when ``logprobs``
+    is set); ``max_new_tokens`` 0 (with ``echo``) generates nothing."""
 
     max_new_tokens: int
     temperature: float = 0.0
@@ -53,13 +52,9 @@ class GenerationParams:
     top_k: int = 0
     stop: Sequence[str] = ()
     seed: int | None = None
-    mode: str | None = None
+    drafter: str | None = None
     logprobs: int | None = None
     echo: bool = False
-
-    def __post_init__(self):
-        if self.mode not in (None, EAGLE, PLAIN):
-            raise ValueError(f"mode must be {EAGLE!r}, {PLAIN!r} or None, not {self.mode!r}")
 
 
 @dataclass
@@ -80,7 +75,7 @@ class Update:
     completion_tokens: int = 0
     steps: int = 0
     accepted: int = 0
-    mode: str = EAGLE
+    drafter: str = NONE
     logprobs: TokenLogprobs | None = None
     echo: bool = False
     prompt_logprobs: TokenLogprobs | None = None
@@ -104,7 +99,7 @@ class Job:
     steps: int = 0
     accepted: int = 0
     done: bool = False
-    mode: str = EAGLE  # how it was generated: EAGLE or PLAIN (set when its batch starts)
+    drafter: str = NONE  # the drafter spec it was generated with (set when its batch starts)
     _finishing: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def finish(self, reason: str | None = None, error: APIError | None = None, text: str = "",
@@ -115,7 +110,7 @@ class Job:
             if self.done:
                 return False
             self.done = True
-        last = last or Update(text=text, mode=self.mode)
+        last = last or Update(text=text, drafter=self.drafter)
         last.finish_reason, last.error = reason, error
         last.completion_tokens, last.steps, last.accepted = self.completion_tokens, self.steps, self.accepted
         self.deliver(last)
@@ -136,34 +131,36 @@ def position_limit(model) -> int | None:
 def batch_key(params: GenerationParams) -> tuple | None:
     """Jobs with the same key may be generated in one batch; None: this one runs alone (a seeded sampler)."""
     if params.temperature <= 1e-5:
-        return ("greedy", params.mode)
+        return ("greedy", params.drafter)
     if params.seed is not None:
         return None
-    return ("sample", params.mode, params.temperature, params.top_p, params.top_k)
+    return ("sample", params.drafter, params.temperature, params.top_p, params.top_k)
 
 
 class ModelWorker:
-    """Owns ``model`` (an ``EaModel``, or anything with ``continuous_batch``, ``stop_token_ids`` and ``device``, and
-    ``engine.prompt_logprobs`` for jobs that echo their prompt with logprobs) in one worker thread; see the module
-    docstring.
+    """Owns ``model`` (an ``EaModel``, or anything with its ``continuous_batch``, ``check_drafter``,
+    ``runnable_drafters``, ``stop_token_ids`` and ``device``, and ``engine.prompt_logprobs`` for jobs that echo
+    their prompt with logprobs) in one worker thread; see the module docstring.
 
     ``max_queue``: jobs that may wait (besides the running batch); ``max_batch_size``: rows of a running batch;
-    ``max_length``: prompt plus answer, in tokens (capped by the model's position limit); ``use_eagle``: EAGLE or plain decoding for jobs that do not say;
-    ``is_llama3``: also stop at ``<|eot_id|>``; ``eagle_max_batch_size``: when more jobs than this run or wait,
-    batches of jobs that do not say run plain decoding (the same greedy tokens and sampled distribution; EAGLE's
-    drafts stop paying in large batches on some devices); 0 = EAGLE at every batch size.
+    ``max_length``: prompt plus answer, in tokens (capped by the model's position limit); ``drafter``: the drafter
+    spec of jobs that do not say (None: the model's default, ``model.drafter``; ``use_eagle`` is the reference's
+    alias); ``is_llama3``: also stop at ``<|eot_id|>``; ``eagle_max_batch_size``: when more jobs than this run or
+    wait, batches of jobs that do not say run plain decoding (the same greedy tokens and sampled distribution;
+    drafts stop paying in large batches on some devices); 0 = the default drafter at every batch size.
     """
 
     def __init__(self, model, max_queue: int = 64, max_batch_size: int = 1, max_length: int = 2048,
-                 use_eagle: bool = True, is_llama3: bool = False, eagle_max_batch_size: int = 0):
+                 use_eagle: bool | None = None, is_llama3: bool = False, eagle_max_batch_size: int = 0,
+                 drafter: str | None = None):
         if max_queue < 1 or max_batch_size < 1:
             raise ValueError(f"max_queue and max_batch_size must be >= 1, got {max_queue} and {max_batch_size}")
         self.model, self.max_queue = model, max_queue
         self.max_length = min(max_length, position_limit(model) or max_length)
         self.max_batch_size = max_batch_size
-        self.use_eagle, self.is_llama3 = use_eagle, is_llama3
+        self.is_llama3 = is_llama3
         self.eagle_max_batch_size = eagle_max_batch_size  # larger batches decode plainly (0: no limit)
-        self.mode = EAGLE if use_eagle else PLAIN
+        self.drafter = model.check_drafter(drafter, use_eagle)  # ValueError for one the model cannot run
         self.metrics = Metrics()
         self._waiting: collections.deque[Job] = collections.deque()
         self._running: list[Job] = []
@@ -231,7 +228,18 @@ class ModelWorker:
         return len(self._running)
 
     def render_metrics(self) -> str:
-        return self.metrics.render(self.queue_depth(), self.running(), self.mode)
+        return self.metrics.render(self.queue_depth(), self.running(), self.drafter)
+
+    def runnable_drafters(self) -> list[str]:
+        """The drafter specs a job may ask for (those the model can run)."""
+        return self.model.runnable_drafters()
+
+    def check_drafter(self, spec: str) -> str:
+        """``spec`` in its one spelling when the model can run it, else a ``ValueError`` saying why and listing the
+        drafters it can run."""
+        if spec is None or spec == HEAD:  # a name, not the model's internal "head"
+            raise ValueError(f"Unknown drafter {spec!r}; this model can run: {', '.join(self.runnable_drafters())}.")
+        return self.model.check_drafter(spec)
 
     # ------------------------------------------------------------------------------------------- worker side
     def _next_batch(self) -> list[Job] | None:
@@ -286,16 +294,16 @@ class ModelWorker:
         string or its client's cancellation (the row leaves the engine's batch at the next step); at every step
         boundary waiting jobs of the same kind join it (see :meth:`_joiners`)."""
         params, key = batch[0].params, batch_key(batch[0].params)
-        use_eagle = self._wants_eagle(params, len(batch))
+        drafter = self._drafter_for(params, len(batch))
         generator = None
         if params.seed is not None:
             generator = torch.Generator(device=self.model.device).manual_seed(params.seed)
         running = self.model.continuous_batch(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
                                               max_length=self.max_length, is_llama3=self.is_llama3,
-                                              use_eagle=use_eagle, generator=generator)
+                                              drafter=drafter, generator=generator)
         rows: dict[int, Job] = {}
         for job in batch:
-            self._join(running, rows, job, use_eagle)
+            self._join(running, rows, job, drafter)
         try:
             for update, seconds in self._timed(running, rows):
                 for row, part in update.items():
@@ -307,7 +315,7 @@ class ModelWorker:
                     if part.finished:
                         del rows[row]
                         self._end(job, part.finish_reason)
-                self._boundary(running, rows, key, use_eagle)
+                self._boundary(running, rows, key, drafter)
         finally:
             running.close()
         for job in rows.values():  # the engine ended without a reason for them (it should not happen)
@@ -327,19 +335,19 @@ class ModelWorker:
             self.metrics.record_time(seconds, prefill=joined)
             yield update, seconds
 
-    def _join(self, running, rows: dict, job: Job, use_eagle: bool) -> None:
+    def _join(self, running, rows: dict, job: Job, drafter: str) -> None:
         """Add ``job`` to the engine's running batch (it joins at the next step)."""
         if job.done or job.cancelled.is_set():
             if not job.done:
                 self.metrics.count("cancelled")
                 job.done = True
             return
-        job.mode = EAGLE if use_eagle else PLAIN
+        job.drafter = drafter
         try:
             if job.params.echo:
                 self._echo(job)
             if job.params.max_new_tokens == 0:
-                self._finish(job, "length", Update(mode=job.mode))
+                self._finish(job, "length", Update(drafter=job.drafter))
                 return
             extra = {} if job.params.logprobs is None else {"logprobs": job.params.logprobs}
             (row,) = running.add(torch.tensor(job.prompt_ids, dtype=torch.long), max_new_tokens=job.params.max_new_tokens,
@@ -356,31 +364,32 @@ class ModelWorker:
         logprobs = None
         if job.params.logprobs is not None:
             logprobs = self.model.engine.prompt_logprobs(job.prompt_ids, job.params.logprobs, job.params.temperature)
-        job.deliver(Update(mode=job.mode, echo=True, prompt_logprobs=logprobs))
+        job.deliver(Update(drafter=job.drafter, echo=True, prompt_logprobs=logprobs))
 
-    def _boundary(self, running, rows: dict, key, use_eagle: bool) -> None:
+    def _boundary(self, running, rows: dict, key, drafter: str) -> None:
         """Between two steps: rows whose job ended (stop string) or was cancelled leave; waiting jobs join."""
         for row, job in list(rows.items()):
             if job.done or job.cancelled.is_set():
                 running.cancel(row)
                 del rows[row]
                 self._end(job, None)
-        for job in self._joiners(key, use_eagle, len(rows)):
-            self._join(running, rows, job, use_eagle)
+        for job in self._joiners(key, drafter, len(rows)):
+            self._join(running, rows, job, drafter)
         with self._cond:
             self._running = list(rows.values())
             self.metrics.batch_size = len(rows)
 
-    def _joiners(self, key, use_eagle: bool, active: int) -> list[Job]:
+    def _joiners(self, key, drafter: str, active: int) -> list[Job]:
         """Waiting jobs that join a running batch of ``active`` rows: from the oldest, while they can share its
         generation (same :func:`batch_key`; none for a seeded job's batch), up to ``max_batch_size`` rows, and only
-        while the load (rows plus waiting jobs) still calls for the batch's mode. Otherwise the batch takes no one,
-        ends with its rows, and the next batch starts with the oldest waiting job, in the mode it calls for."""
+        while the load (rows plus waiting jobs) still calls for the batch's drafter. Otherwise the batch takes no
+        one, ends with its rows, and the next batch starts with the oldest waiting job, with the drafter it calls
+        for."""
         with self._cond:
             if key is None or self._closing or not self._waiting:
                 return []
             load = min(active + len(self._waiting), self.max_batch_size)
-            if self._wants_eagle(self._waiting[0].params, load) != use_eagle:
+            if self._drafter_for(self._waiting[0].params, load) != drafter:
                 return []
             joining = []
             while self._waiting and active + len(joining) < self.max_batch_size:
@@ -390,12 +399,13 @@ class ModelWorker:
             self._running.extend(joining)  # running from now on, for close() to end them too
             return joining
 
-    def _wants_eagle(self, params: GenerationParams, rows: int) -> bool:
-        """Whether a batch of ``rows`` jobs like ``params`` runs EAGLE (else plain decoding)."""
-        if params.mode is not None:
-            return params.mode == EAGLE
+    def _drafter_for(self, params: GenerationParams, rows: int) -> str:
+        """The drafter of a batch of ``rows`` jobs like ``params``: the job's own, else the worker's, which turns
+        to plain decoding above ``eagle_max_batch_size`` rows."""
+        if params.drafter is not None:
+            return params.drafter
         limit = self.eagle_max_batch_size
-        return self.use_eagle and (limit <= 0 or rows <= limit)
+        return self.drafter if limit <= 0 or rows <= limit else NONE
 
     def _deliver_step(self, job: Job, part, seconds: float) -> None:
         tokens = part.tokens.tolist()
@@ -407,7 +417,7 @@ class ModelWorker:
         self.metrics.record_step(len(tokens), int(part.accepted), first)
         text = "" if job.text is None else job.text.add(tokens)
         update = Update(text=text, new_tokens=tokens, step_accepted=int(part.accepted), step_seconds=seconds,
-                        mode=job.mode, logprobs=getattr(part, "logprobs", None))
+                        drafter=job.drafter, logprobs=getattr(part, "logprobs", None))
         if job.text is not None and job.text.stopped:
             self._finish(job, "stop", update)
         else:
@@ -424,7 +434,7 @@ class ModelWorker:
             return
         text = "" if job.text is None else job.text.add([], final=True)
         stopped = job.text is not None and job.text.stopped
-        self._finish(job, "stop" if stopped else (reason or "length"), Update(text=text, mode=job.mode))
+        self._finish(job, "stop" if stopped else (reason or "length"), Update(text=text, drafter=job.drafter))
 
     def _finish(self, job: Job, reason: str, last: Update) -> None:
         """End ``job`` with ``reason``: its last update carries the reason and the final counts."""
@@ -433,13 +443,12 @@ class ModelWorker:
                 self.metrics.prompt_tokens += len(job.prompt_ids)
             self.metrics.count("ok")
 
-    def warm_up(self, use_eagle: bool | None = None) -> None:
+    def warm_up(self, drafter: str | None = None) -> None:
         """One short generation through the worker, so that the first client does not wait for lazy
         initialisation (the worker must be started)."""
         tokenizer = self.model.tokenizer
         ids = tokenizer("Hello", add_special_tokens=True)["input_ids"]
-        mode = None if use_eagle is None else (EAGLE if use_eagle else PLAIN)
         done = threading.Event()
-        self.submit(Job(list(ids), GenerationParams(max_new_tokens=8, mode=mode),
+        self.submit(Job(list(ids), GenerationParams(max_new_tokens=8, drafter=drafter),
                         deliver=lambda update: update.final and done.set()))
         done.wait()

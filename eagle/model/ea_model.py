@@ -2,7 +2,10 @@
 as a thin facade over :class:`~eagle.model.engine.engine.Engine`.
 
 Every generation method checks its input into a request once and consumes the one loop's steps; the arguments of
-the reference (``use_eagle``, ``is_llama3``, ``log``...) are translated here and go no further.
+the reference (``use_eagle``, ``is_llama3``, ``log``...) are translated here and go no further. What drafts is a
+drafter spec of :mod:`eagle.model.drafting.registry` (``drafter="eagle3"``, ``"none"``, ``"eagle3+lookup"``...):
+the model's default (``EaModel.drafter``, :class:`~eagle.model.drafting.choice.DrafterChoice`), or one per call
+(None: the default); ``use_eagle`` is its alias (:func:`~eagle.model.drafting.registry.reference_drafter`).
 """
 
 from __future__ import annotations
@@ -12,8 +15,10 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
+from eagle.model.drafting.choice import DrafterChoice
+from eagle.model.drafting.registry import HEAD, NONE, reference_drafter
 from eagle.model.drafting.settings import TreePlan, TreeSettings
-from eagle.model.engine.engine import HEAD, PLAIN, ContinuousBatch, Engine
+from eagle.model.engine.engine import ContinuousBatch, Engine
 from eagle.model.engine.hf_args import check_generate_extras
 from eagle.model.engine.outputs import collect, stream
 from eagle.model.engine.steps import BatchStep, Step
@@ -22,18 +27,14 @@ from eagle.model.backends.registry import switch_backend
 from eagle.model.base.target import feature_layers
 
 
-def _drafter(use_eagle: bool) -> str:
-    return HEAD if use_eagle else PLAIN
-
-
-class EaModel(nn.Module):
-    """A base model (``base_model``), its draft head (``ea_layer``; None: plain decoding only) and tokenizer; ``engine``
+class EaModel(DrafterChoice, nn.Module):
+    """A base model (``base_model``), its draft head (``ea_layer``; None: no EAGLE drafter) and tokenizer; ``engine``
     runs them. Build it with :meth:`from_pretrained`. Generation takes one sequence or a left-padded batch."""
 
     def __init__(self, base_model, ea_layer, tokenizer=None, total_token: int = 60, depth: int = 7, top_k: int = 10,
                  *, base_model_name_or_path: str | None = None, use_eagle3: bool | None = None, lookup_tokens: int = 0,
                  ea_model_path: str | None = None, thread_policy: bool = True,
-                 allow_unknown_attention: bool = False):
+                 allow_unknown_attention: bool = False, drafter: str | None = None):
         super().__init__()
         self.base_model, self.ea_layer, self.tokenizer, self.config = base_model, ea_layer, tokenizer, base_model.config
         self.base_model_name_or_path, self.ea_model_path = base_model_name_or_path, ea_model_path
@@ -42,19 +43,19 @@ class EaModel(nn.Module):
         self.hidden_size, self.vocab_size = base_model.get_output_embeddings().weight.shape[::-1]
         plan = TreePlan(TreeSettings(total_token, depth, top_k, lookup_tokens))
         self.engine = Engine(base_model, ea_layer, tokenizer, plan, layers, thread_policy=thread_policy,
-                             allow_unknown_attention=allow_unknown_attention)
+                             allow_unknown_attention=allow_unknown_attention, drafter=drafter)
 
     @classmethod
-    def from_pretrained(cls, use_eagle3: bool = True, base_model_path: str | None = None, ea_model_path: str | None = None,
+    def from_pretrained(cls, use_eagle3: bool | None = None, base_model_path: str | None = None, ea_model_path=None,
                         total_token: int | None = None, depth: int | None = None, top_k: int | None = None,
                         threshold: float = 1.0, pack_cpu_weights: bool | str = "auto", lookup_tokens: int | None = None,
-                        draft_dtype="auto", thread_policy: bool = True, **kwargs) -> "EaModel":
+                        draft_dtype="auto", thread_policy: bool = True, drafter=None, **kwargs) -> "EaModel":
         """Load a base model (a directory, a Hub id or a ``.gguf`` file) and its head (a directory or Hub id); with
         neither path, the embedded default pair. See :func:`eagle.model.pretrained.load_pretrained` for every
-        argument (tree settings not given come from the head's own tree for this device)."""
+        argument (``drafter``: the default drafter; tree settings not given: the head's own tree for this device)."""
         from eagle.model.pretrained import load_pretrained
 
-        return load_pretrained(cls, use_eagle3=use_eagle3, base_model_path=base_model_path,
+        return load_pretrained(cls, use_eagle3=use_eagle3, drafter=drafter, base_model_path=base_model_path,
                                ea_model_path=ea_model_path, tree={"total_token": total_token, "depth": depth,
                                                                   "top_k": top_k, "lookup_tokens": lookup_tokens},
                                threshold=threshold, pack_cpu_weights=pack_cpu_weights, draft_dtype=draft_dtype,
@@ -131,55 +132,55 @@ class EaModel(nn.Module):
         return outputs, outputs.hidden_states[-1]
 
     # ------------------------------------------------------------------ generation
-    def _request(self, input_ids, attention_mask=None, *, use_eagle=True, **settings):
-        return self.engine.request(input_ids, attention_mask, drafter=_drafter(use_eagle), **settings)
+    def _request(self, input_ids, mask=None, *, use_eagle=None, drafter=None, **kw):
+        return self.engine.request(input_ids, mask, drafter=reference_drafter(drafter, use_eagle=use_eagle), **kw)
 
     def generate_steps(self, input_ids, temperature=0.0, top_p=0.0, top_k=0.0, max_new_tokens=512, max_length=2048,
-                       is_llama3=False, use_eagle=True, generator: torch.Generator | None = None) -> Iterator[Step]:
+                       is_llama3=False, use_eagle=None, generator: torch.Generator | None = None,
+                       drafter: str | None = None) -> Iterator[Step]:
         """One sequence: an iterator of :class:`~eagle.model.engine.steps.RowStep`, one per target forward pass
-        (checked before anything runs). For a batch, :meth:`generate_batch_steps`."""
+        (checked before anything runs). For a batch, :meth:`generate_batch_steps`. ``drafter``: see the module."""
         request = self._request(input_ids, temperature=temperature, top_p=top_p, top_k=top_k, use_eagle=use_eagle,
                                 max_new_tokens=max_new_tokens, max_length=max_length, is_llama3=is_llama3,
-                                generator=generator)
+                                generator=generator, drafter=drafter)
         if request.batch_size != 1:
             raise ValueError(f"generate_steps() generates one sequence; input_ids holds {request.batch_size}. Use "
                              "generate_batch_steps() for a batch.")
         return (step.rows[0] for step in self.engine.run(request))
 
     def generate_batch_steps(self, input_ids, attention_mask=None, temperature=0.0, top_p=0.0, top_k=0,
-                             max_new_tokens=512, max_length=2048, is_llama3=False, use_eagle=True,
-                             generator: torch.Generator | None = None, stop_token_ids=None) -> Iterator[BatchStep]:
+                             max_new_tokens=512, max_length=2048, is_llama3=False, use_eagle=None,
+                             generator: torch.Generator | None = None, stop_token_ids=None,
+                             drafter: str | None = None) -> Iterator[BatchStep]:
         """A batch (what a server's scheduler drives): ``input_ids`` (B, S) left-padded with ``attention_mask``, or
         a list of 1-D prompts. One :class:`~eagle.model.engine.steps.BatchStep` per target forward pass;
         ``stop_token_ids`` replaces the model's stop tokens. Checked before anything runs."""
         return self.engine.run(self._request(
             input_ids, attention_mask, temperature=temperature, top_p=top_p, top_k=top_k, use_eagle=use_eagle,
             max_new_tokens=max_new_tokens, max_length=max_length, is_llama3=is_llama3, generator=generator,
-            stop_ids=stop_token_ids))
+            stop_ids=stop_token_ids, drafter=drafter))
 
     def continuous_batch(self, temperature=0.0, top_p=0.0, top_k=0, max_length=2048, is_llama3=False,
-                         use_eagle=True, generator: torch.Generator | None = None,
-                         stop_token_ids=None) -> ContinuousBatch:
+                         use_eagle=None, generator: torch.Generator | None = None,
+                         stop_token_ids=None, drafter: str | None = None) -> ContinuousBatch:
         """A batch that prompts join and leave between steps (see :class:`~eagle.model.engine.engine.ContinuousBatch`),
-        with one set of sampling settings. The model runs one generation at a time."""
-        return self.engine.open_batch(drafter=_drafter(use_eagle), temperature=temperature, top_p=top_p, top_k=top_k,
-                                      max_length=max_length, is_llama3=is_llama3, generator=generator,
-                                      stop_ids=stop_token_ids)
+        with one set of sampling settings and one drafter. The model runs one generation at a time."""
+        return self.engine.open_batch(drafter=reference_drafter(drafter, use_eagle=use_eagle), temperature=temperature,
+                                      top_p=top_p, top_k=top_k, max_length=max_length, is_llama3=is_llama3,
+                                      generator=generator, stop_ids=stop_token_ids)
 
-    def _reference_request(self, use_eagle, input_ids, attention_mask, temperature, top_p, top_k, max_new_tokens,
-                           max_length, is_llama3):
-        return self._request(input_ids, attention_mask, temperature=temperature, top_p=top_p, top_k=top_k,
-                             max_new_tokens=max_new_tokens, max_length=max_length, is_llama3=is_llama3,
-                             use_eagle=use_eagle)
+    def _reference_request(self, drafter, input_ids, attention_mask, *settings):
+        names = ("temperature", "top_p", "top_k", "max_new_tokens", "max_length", "is_llama3")  # in this order
+        return self._request(input_ids, attention_mask, drafter=drafter, **dict(zip(names, settings, strict=True)))
 
     @torch.no_grad()
     def eagenerate(self, input_ids, temperature=0.0, top_p=0.0, top_k=0.0, max_new_tokens=512, max_length=2048,
-                   log=False, is_llama3=False, attention_mask=None):
+                   log=False, is_llama3=False, attention_mask=None, drafter: str | None = None):
         """Speculative generation: ``input_ids`` (1, S) or (S,), a batch (B, S) left-padded with ``attention_mask``,
         or a list of 1-D prompts. Returns the ids (B, S + T), rows that end early filled with the pad token; with
         ``log=True``, ``(ids, new_tokens, idx)``, ``idx`` the reference's 0-based index of the last draft/verify
-        cycle (plain ints for one sequence, lists of B ints for a batch)."""
-        request = self._reference_request(True, input_ids, attention_mask, temperature, top_p, top_k,
+        cycle (plain ints for one sequence, lists of B ints for a batch). ``drafter`` None: the model's default."""
+        request = self._reference_request(drafter or HEAD, input_ids, attention_mask, temperature, top_p, top_k,
                                           max_new_tokens, max_length, is_llama3)
         return collect(self.engine.run(request), request, log)
 
@@ -187,29 +188,29 @@ class EaModel(nn.Module):
     def naivegenerate(self, input_ids, temperature=0.0, top_p=0.0, top_k=0.0, max_new_tokens=512, max_length=2048,
                       log=False, is_llama3=False, attention_mask=None):
         """Plain decoding with the same loop, for comparison. Same input and returns as :meth:`eagenerate`."""
-        request = self._reference_request(False, input_ids, attention_mask, temperature, top_p, top_k,
+        request = self._reference_request(NONE, input_ids, attention_mask, temperature, top_p, top_k,
                                           max_new_tokens, max_length, is_llama3)
         return collect(self.engine.run(request), request, log)
 
     def ea_generate(self, input_ids, temperature=0.0, top_p=0.0, top_k=0.0, max_new_tokens=512, max_length=2048,
-                    log=False, is_llama3=False, attention_mask=None):
+                    log=False, is_llama3=False, attention_mask=None, drafter: str | None = None):
         """Streaming :meth:`eagenerate`: yields the whole ids (B, S + T so far) after each step."""
-        request = self._reference_request(True, input_ids, attention_mask, temperature, top_p, top_k,
+        request = self._reference_request(drafter or HEAD, input_ids, attention_mask, temperature, top_p, top_k,
                                           max_new_tokens, max_length, is_llama3)
         yield from stream(self.engine.run(request), request)
 
     def naive_generate(self, input_ids, temperature=0.0, top_p=0.0, top_k=0.0, max_new_tokens=512, max_length=2048,
                        log=False, is_llama3=False, attention_mask=None):
         """Streaming :meth:`naivegenerate`: yields the whole ids after each token."""
-        request = self._reference_request(False, input_ids, attention_mask, temperature, top_p, top_k,
+        request = self._reference_request(NONE, input_ids, attention_mask, temperature, top_p, top_k,
                                           max_new_tokens, max_length, is_llama3)
         yield from stream(self.engine.run(request), request)
 
     @torch.no_grad()
     def generate(self, input_ids=None, attention_mask=None, max_new_tokens: int = 20, do_sample: bool = False,
                  temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, max_length: int | None = None,
-                 use_eagle: bool = True, eos_token_id: int | list[int] | None = None, pad_token_id: int | None = None,
-                 **extras):
+                 use_eagle: bool | None = None, eos_token_id: int | list[int] | None = None,
+                 pad_token_id: int | None = None, drafter: str | None = None, **extras):
         """Hugging Face style: ``model.generate(**tokenizer(texts, padding=True, return_tensors="pt"),
         max_new_tokens=...)`` (left padding). Greedy unless ``do_sample``; ``eos_token_id`` replaces the stop
         tokens and ``pad_token_id`` the filler, as in Hugging Face; arguments it cannot honour raise a
@@ -222,6 +223,6 @@ class EaModel(nn.Module):
         request = self._request(input_ids, attention_mask, temperature=temperature if do_sample else 0.0,
                                 top_p=top_p if do_sample else 0.0, top_k=top_k if do_sample else 0,
                                 max_new_tokens=max_new_tokens, max_length=max_length, use_eagle=use_eagle,
-                                stop_ids=None if eos_token_id is None else token_id_set(eos_token_id),
+                                drafter=drafter, stop_ids=None if eos_token_id is None else token_id_set(eos_token_id),
                                 pad_token_id=pad_token_id)
         return collect(self.engine.run(request), request, False)

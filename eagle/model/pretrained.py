@@ -150,9 +150,9 @@ def convert_weights(base_model, ea_layer, base_model_path, pack_cpu_weights, num
                     pack_cpu_weights)
 
 
-def load_pretrained(cls, *, use_eagle3: bool, base_model_path, ea_model_path, tree: dict, threshold: float,
+def load_pretrained(cls, *, use_eagle3: bool | None, base_model_path, ea_model_path, tree: dict, threshold: float,
                     pack_cpu_weights, draft_dtype, thread_policy: bool = True, gguf_kernels="auto", load_head=True,
-                    **kwargs):
+                    drafter=None, **kwargs):
     """An ``EaModel`` (``cls``) for the base model at ``base_model_path`` (a directory, a Hub id, or a ``.gguf``
     file / directory holding one) and the head at ``ea_model_path`` (``config.json`` + ``model.safetensors`` or
     ``pytorch_model.bin``); with neither path, the embedded default pair (nothing is downloaded). Other keyword
@@ -188,9 +188,10 @@ def load_pretrained(cls, *, use_eagle3: bool, base_model_path, ea_model_path, tr
 
     ``load_head=False``: the base model alone (no ``ea_model_path``), for plain decoding on the same engine and
     backends (``naivegenerate``, ``generate(use_eagle=False)``, the benchmark's head-less baselines); EAGLE
-    generation then says the model has no head."""
+    generation then says the model has no head. ``drafter``, ``use_eagle3``: :func:`head_loads_as_eagle3`."""
     del threshold  # the reference's EAGLE-2 drafting never reads it either
     allow_unknown_attention = bool(kwargs.pop("allow_unknown_attention", False))
+    use_eagle3 = head_loads_as_eagle3(drafter, use_eagle3, load_head)
     check_options(pack_cpu_weights, thread_policy, gguf_kernels)
     check_tree_arguments(**tree)  # invalid settings fail before loading
     base_model_path, ea_model_path = model_paths(base_model_path, ea_model_path, kwargs, load_head)
@@ -204,12 +205,28 @@ def load_pretrained(cls, *, use_eagle3: bool, base_model_path, ea_model_path, tr
     model = cls(base_model, ea_layer, tokenizer, settings.total_token, settings.depth, settings.top_k,
                 base_model_name_or_path=base_model_path, use_eagle3=use_eagle3,
                 lookup_tokens=settings.lookup_tokens, ea_model_path=ea_model_path, thread_policy=thread_policy,
-                allow_unknown_attention=allow_unknown_attention)
+                allow_unknown_attention=allow_unknown_attention, drafter=drafter)
     convert_weights(base_model, ea_layer, base_model_path, pack_cpu_weights, numerics, draft_dtype, loaded)
     if numerics is not None:
         model.engine.target.replan()  # its layers are on the kernels now
     finish_tree(model, tree, sources, head_config, device, backend)
     return model
+
+
+def head_loads_as_eagle3(drafter: str | None, use_eagle3: bool | None, load_head: bool) -> bool:
+    """Whether the head loads as EAGLE-3 (``use_eagle3``, the reference's; None: unless ``drafter``, the model's
+    default drafter spec, drafts with an EAGLE-1 head), after checking ``drafter`` as far as it can be before
+    loading (it is checked against the loaded head later): a ``ValueError`` for an unknown name, a boolean that
+    contradicts it, or a drafter needing a head with ``load_head=False``."""
+    from eagle.model.drafting.registry import HEAD_VERSIONS, check_drafter, reference_drafter, spec_parts
+
+    if drafter is None:
+        return True if use_eagle3 is None else use_eagle3
+    reference_drafter(drafter, use_eagle3=use_eagle3)
+    if not load_head:
+        check_drafter(drafter, None)
+    needed = HEAD_VERSIONS.get(spec_parts(drafter)[0])
+    return needed != 1 if use_eagle3 is None else use_eagle3
 
 
 def finish_tree(model, tree: dict, sources: dict, head_config, device, backend) -> None:

@@ -9,7 +9,9 @@ prompt-lookup decoding alone); ``"NAME+suffix"`` likewise merges a suffix-decodi
 row and in the model's store of earlier outputs, scored by frequency) into the inner drafter's tree (``"suffix"`` is
 suffix decoding alone). A new drafter kind is a class with the methods of
 :class:`~eagle.model.drafting.protocol.Drafter` and one :func:`register_drafter` call (a later registration of a
-name replaces the earlier one).
+name replaces the earlier one). :func:`check_drafter` and :func:`runnable_drafters` say which specs a model (its
+head, or none) can run: every place a user names a drafter (``EaModel``, the server, the web UI, the commands, the
+benchmark) checks it there.
 
 This module imports the drafters and :mod:`eagle.model.drafting.protocol`; they import only the protocol, so the
 modules depend one way.
@@ -37,29 +39,93 @@ DRAFTERS: dict[str, DrafterFactory] = {
 #: name -> wrap(context, inner drafter): ``"INNER+name"`` builds ``wrap(context, inner)``.
 COMBINATORS: dict[str, Callable[[DraftContext, Drafter], Drafter]] = {"lookup": LookupDrafter.around,
                                                                       "suffix": SuffixDrafter.around}
+#: drafter name -> the EAGLE version of the head it drafts with (a drafter not named here needs no head).
+HEAD_VERSIONS: dict[str, int] = {"eagle3": 3, "eagle1": 1}
+#: plain decoding's spec.
+NONE = "none"
+#: the spec of the model's own head's drafter (``"eagle3"`` / ``"eagle1"``, see :func:`head_spec`).
+HEAD = "head"
 
 
-def register_drafter(name: str, factory: DrafterFactory) -> None:
-    """Make ``factory(context) -> Drafter`` buildable as ``name`` (see :func:`build_drafter`)."""
+def register_drafter(name: str, factory: DrafterFactory, head_version: int | None = None) -> None:
+    """Make ``factory(context) -> Drafter`` buildable as ``name`` (see :func:`build_drafter`); ``head_version``:
+    the EAGLE version of the head it needs (None: it runs without a head)."""
     if not name or "+" in name:
         raise ValueError(f"A drafter name must be non-empty and without '+', got {name!r}.")
     DRAFTERS[name] = factory
+    HEAD_VERSIONS.pop(name, None)
+    if head_version is not None:
+        HEAD_VERSIONS[name] = head_version
+
+
+def known_drafters() -> str:
+    """The registry's names and combinators in one phrase, for error messages and help texts."""
+    combinators = ", ".join("+" + name for name in sorted(COMBINATORS))
+    return f"{', '.join(sorted(DRAFTERS))} and the combinators {combinators} (\"NAME+COMBINATOR\", or one alone)"
+
+
+def spec_parts(spec: str) -> list[str]:
+    """``spec``'s drafter then its combinators (``"lookup"`` -> ``["none", "lookup"]``); ``ValueError`` listing
+    the known names for an unknown part or a spec that is not a non-empty string."""
+    if not isinstance(spec, str) or not spec.strip():
+        raise ValueError(f"A drafter must be a name such as 'eagle3' or 'none', not {spec!r}; available: "
+                         f"{known_drafters()}.")
+    names = [name.strip() for name in spec.strip().split("+")]
+    if names[0] in COMBINATORS:
+        names.insert(0, NONE)
+    if names[0] not in DRAFTERS:
+        raise ValueError(f"Unknown drafter {names[0]!r} in {spec!r}; available: {known_drafters()}.")
+    for name in names[1:]:
+        if name not in COMBINATORS:
+            raise ValueError(f"Unknown drafter combinator {name!r} in {spec!r}; available: {known_drafters()}.")
+    return names
+
+
+def canonical_spec(parts: list[str]) -> str:
+    """The one spelling of a spec's parts: ``"none+lookup"`` is ``"lookup"``."""
+    return "+".join(parts[1:] if parts[0] == NONE and len(parts) > 1 else parts)
+
+
+def head_version(head) -> int | None:
+    """The EAGLE version of ``head`` (None: no head)."""
+    return None if head is None else int(head.eagle_version)
+
+
+def runnable_drafters(head) -> list[str]:
+    """Every spec a model with ``head`` (None: loaded without one) can run: each drafter it can run, alone and
+    with each combinator (``"none"``'s combinations spelled as the combinator alone), the head's own first."""
+    version = head_version(head)
+    bases = [name for name in DRAFTERS if HEAD_VERSIONS.get(name, version) == version]
+    bases.sort(key=lambda name: name not in HEAD_VERSIONS)  # the head's drafter, then the rest in registry order
+    return [canonical_spec([base, *extra]) for base in bases for extra in ([], *([name] for name in COMBINATORS))]
+
+
+def check_drafter(spec: str, head) -> str:
+    """``spec`` in its one spelling if a model with ``head`` (None: no head) can run it; else a ``ValueError``
+    saying why (an unknown name, with the known ones; a drafter needing an EAGLE head the model lacks or has in
+    the other version) and which drafters it can run."""
+    runnable = ", ".join(runnable_drafters(head))
+    try:
+        parts = spec_parts(spec)
+    except ValueError as err:
+        raise ValueError(f"{str(err)[:-1]}; this model can run: {runnable}.") from None
+    needed, version = HEAD_VERSIONS.get(parts[0]), head_version(head)
+    if needed is not None and version is None:
+        raise ValueError(f"The drafter {spec!r} drafts with an EAGLE-{needed} head, and this model was loaded "
+                         f"without an EAGLE head; it can run: {runnable}.")
+    if needed is not None and needed != version:
+        raise ValueError(f"The drafter {spec!r} needs an EAGLE-{needed} head, but this model's head is EAGLE-"
+                         f"{version} (the two versions read different target features and are not "
+                         f"interchangeable); it can run: {runnable}.")
+    return canonical_spec(parts)
 
 
 def build_drafter(spec: str, context: DraftContext) -> Drafter:
     """The drafter ``spec`` names: a registered drafter, optionally followed by ``+COMBINATOR`` parts
     (``"eagle3+lookup"``); a combinator alone wraps ``"none"`` (``"lookup"`` is prompt-lookup decoding)."""
-    names = spec.split("+")
-    if names[0] in COMBINATORS:
-        names.insert(0, "none")
-    if names[0] not in DRAFTERS:
-        raise ValueError(f"Unknown drafter {names[0]!r} in {spec!r}; available: {', '.join(sorted(DRAFTERS))} "
-                         f"(combine with: {', '.join('+' + name for name in sorted(COMBINATORS))}).")
+    names = spec_parts(spec)
     drafter = DRAFTERS[names[0]](context)
     for name in names[1:]:
-        if name not in COMBINATORS:
-            raise ValueError(f"Unknown drafter combinator {name!r} in {spec!r}; available: "
-                             f"{', '.join(sorted(COMBINATORS))}.")
         drafter = COMBINATORS[name](context, drafter)
     return drafter
 
@@ -75,3 +141,24 @@ def drafter_for_head(head, plan: TreePlan | TreeSettings) -> Drafter:
     :class:`~eagle.model.drafting.settings.TreeSettings` for every batch size)."""
     plan = TreePlan(plan) if isinstance(plan, TreeSettings) else plan
     return build_drafter(head_spec(head, plan), DraftContext(head, plan))
+
+
+def reference_drafter(drafter: str | None = None, *, use_eagle: bool | None = None,
+                      use_eagle3: bool | None = None) -> str | None:
+    """The drafter spec a call names, the reference's booleans read as aliases: ``use_eagle=True`` is the head's own
+    drafter (:data:`HEAD`), ``use_eagle=False`` plain decoding (``"none"``); ``use_eagle3`` (which head version
+    loads) names no drafter but must agree with ``drafter``'s head. None: the model's default. ``ValueError`` when
+    a boolean contradicts ``drafter``."""
+    if use_eagle is not None:
+        alias = HEAD if use_eagle else NONE
+        if drafter is not None and (NONE if drafter == NONE else HEAD) != alias:
+            raise ValueError(f"use_eagle={use_eagle} contradicts drafter={drafter!r}: pass drafter alone "
+                             "(use_eagle=False is drafter='none').")
+        drafter = alias if drafter is None else drafter
+    if use_eagle3 is None or drafter in (None, HEAD):
+        return drafter
+    needed = HEAD_VERSIONS.get(spec_parts(drafter)[0])
+    if needed is not None and (needed == 3) != use_eagle3:
+        raise ValueError(f"use_eagle3={use_eagle3} loads an EAGLE-{3 if use_eagle3 else 1} head, which cannot run "
+                         f"drafter={drafter!r}: pass drafter alone.")
+    return drafter

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 import torch
 
 from eagle.model.drafting.protocol import DraftContext, Drafter
-from eagle.model.drafting.registry import build_drafter, head_spec
+from eagle.model.drafting.registry import HEAD, NONE, build_drafter, check_drafter, head_spec, runnable_drafters
 from eagle.model.drafting.settings import TreePlan
 from eagle.model.drafting.suffix import SuffixStore
 from eagle.model.engine.logprobs import TokenLogprobs, check_top, prompt_logprobs
@@ -27,10 +27,9 @@ from eagle.utils.threads import ThreadPolicy
 
 logger = logging.getLogger(__name__)
 
-#: ``drafter="head"``: the model's own head (EAGLE-3 or EAGLE-1), with prompt lookup where the trees graft it.
-HEAD = "head"
-#: ``drafter="none"``: plain decoding.
-PLAIN = "none"
+#: ``drafter="head"`` (:data:`~eagle.model.drafting.registry.HEAD`): the model's own head (EAGLE-3 or EAGLE-1),
+#: with prompt lookup where the trees graft it; ``drafter="none"``: plain decoding.
+PLAIN = NONE
 
 
 class Engine:
@@ -43,8 +42,9 @@ class Engine:
     the CPU threads do not carry the step, and there is none."""
 
     def __init__(self, base_model, head, tokenizer, plan: TreePlan, feature_layers: list[int] | None,
-                 allow_unknown_attention: bool = False, thread_policy: bool = False):
+                 allow_unknown_attention: bool = False, thread_policy: bool = False, drafter: str | None = None):
         self.base_model, self.head, self.tokenizer = base_model, head, tokenizer
+        self.set_drafter(drafter)  # default_drafter; None: the head's own
         self.target = Target(base_model, feature_layers, allow_unknown_attention)
         self.plan = plan
         self.vocab_size = base_model.get_output_embeddings().weight.shape[0]
@@ -68,6 +68,7 @@ class Engine:
         stop_ids = self.stop_token_ids(is_llama3) if stop_ids is None else token_id_set(stop_ids)
         if pad_token_id is None:
             pad_token_id = self._pad_token_id(stop_ids)
+        settings["drafter"] = self.drafter_spec(settings.get("drafter"))  # checked before anything runs
         return build_request(input_ids, attention_mask, vocab_size=self.vocab_size, device=self.device,
                              stop_token_ids=stop_ids, pad_token_id=pad_token_id, **settings)
 
@@ -75,16 +76,29 @@ class Engine:
         return pad_token_id(self.base_model, self.tokenizer, self.vocab_size, stop_ids)
 
     # ------------------------------------------------------------------------------------------------ drafters
-    def drafter_spec(self, kind: str) -> str:
-        """The registry spec of ``kind``: ``"head"`` is the head's version (``"eagle3"`` / ``"eagle1"``), with
-        ``+lookup`` when some tree of the plan grafts lookup chains; anything else is taken as given."""
+    def drafter_spec(self, kind: str | None) -> str:
+        """The registry spec of ``kind`` in its one spelling, checked against the head (a ``ValueError`` saying
+        why and what would run, see :func:`~eagle.model.drafting.registry.check_drafter`). None: the default,
+        ``default_drafter`` where one is set, else the head's own, else ``"none"``; ``"head"`` (EAGLE): the default
+        where one is set, else the head's own, ``"eagle3"`` / ``"eagle1"`` with ``+lookup`` when some tree of the
+        plan grafts lookup chains."""
+        if kind in (None, HEAD) and self.default_drafter is not None:
+            return self.default_drafter
+        if kind is None:
+            kind = NONE if self.head is None else HEAD
         if kind != HEAD:
-            return kind
+            return check_drafter(kind, self.head)
         if self.head is None:
-            raise ValueError("This model has no draft head: generate with use_eagle=False (plain decoding).")
+            raise ValueError("This model has no draft head (loaded without an EAGLE head), so EAGLE generation "
+                             f"cannot run; it can run: {', '.join(runnable_drafters(None))} (use_eagle=False or "
+                             "drafter='none' is plain decoding).")
         return head_spec(self.head, self.plan)
 
-    def drafter(self, kind: str) -> Drafter:
+    def set_drafter(self, spec: str | None) -> None:
+        """Make ``spec`` the default drafter (checked against the head); None: the head's own again."""
+        self.default_drafter = None if spec is None else check_drafter(spec, self.head)
+
+    def drafter(self, kind: str | None) -> Drafter:
         """A new drafter of ``kind`` (see :meth:`drafter_spec`) for this model."""
         return build_drafter(self.drafter_spec(kind), DraftContext(self.head, self.plan, self.suffix_store))
 
@@ -101,12 +115,12 @@ class Engine:
         running.add(list(request.prompts), list(request.budgets))
         return _batch_steps(running, request.batch_size, request.input_ids.new_zeros(0))
 
-    def open_batch(self, *, drafter: str = HEAD, temperature=0.0, top_p=0.0, top_k=0, max_length=2048,
+    def open_batch(self, *, drafter: str | None = HEAD, temperature=0.0, top_p=0.0, top_k=0, max_length=2048,
                    is_llama3=False, generator: torch.Generator | None = None, stop_ids=None) -> "ContinuousBatch":
         """A running batch that prompts join and leave between steps, with one set of sampling settings."""
         stop_ids = self.stop_token_ids(is_llama3) if stop_ids is None else token_id_set(stop_ids)
-        settings = dict(temperature=temperature, top_p=top_p, top_k=top_k, max_length=max_length, drafter=drafter,
-                        generator=generator)
+        settings = dict(temperature=temperature, top_p=top_p, top_k=top_k, max_length=max_length,
+                        drafter=self.drafter_spec(drafter), generator=generator)
         return ContinuousBatch(self, settings, stop_ids)
 
     def prompt_logprobs(self, prompt, top: int = 0, temperature: float = 0.0) -> TokenLogprobs:

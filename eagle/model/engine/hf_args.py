@@ -20,6 +20,7 @@ def check_generate_extras(extras: dict) -> None:
     if refused:
         raise ValueError(
             f"EaModel.generate() cannot honour {', '.join(refused)}. It supports input_ids, attention_mask (left "
-            "padding), max_new_tokens, max_length, do_sample, temperature, top_p, top_k, eos_token_id and use_eagle; "
+            "padding), max_new_tokens, max_length, do_sample, temperature, top_p, top_k, eos_token_id, pad_token_id, "
+            "drafter and use_eagle; "
             "for streaming use ea_generate(), for anything else the base model's own generate() (model.base_model)."
         )
