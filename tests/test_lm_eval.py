@@ -104,7 +104,7 @@ def test_the_harness_scores_eagle_and_plain_decoding_the_same(model, tmp_path):
     write_tasks(tmp_path)
     model.tokenizer.save_pretrained(tmp_path / "tokenizer")
     eagle = evaluate(model, tmp_path, tmp_path / "tokenizer")
-    plain = evaluate(model, tmp_path, tmp_path / "tokenizer", use_eagle=False)
+    plain = evaluate(model, tmp_path, tmp_path / "tokenizer", drafter="none")
     for task, metric, count in (("eagle_mc", "acc,none", len(CHOICES)), ("eagle_gen", "exact_match,none",
                                                                         len(QUESTIONS))):
         assert len(eagle["samples"][task]) == count  # every example ran to the end

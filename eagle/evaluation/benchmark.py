@@ -75,6 +75,7 @@ from tqdm import tqdm
 
 from eagle.cli import HelpFormatter, add_model_arguments, load_model_from_args, resolve_model_args
 from eagle.model.drafting.registry import HEAD, NONE
+from eagle.model.drafting.suffix import SuffixStore
 from eagle.model.heads.quantized import draft_dtype_name
 from eagle.model.backends.onednn import pack_linear_layers, packed_layer_count, unpack_linear_layers
 from eagle.templates import TEMPLATES, encode_prompt, get_template
@@ -202,6 +203,9 @@ class TimedMethods:
         self.threads = ThreadSettings(model)
         self.need_head = model.ea_layer is not None  # the GGUF methods' models load what this one did
         self.gguf_models: dict[str, object] = {}  # numerics -> EaModel with the GGUF kernels
+        # method -> the store of earlier answers its suffix drafters match: each method's own, so that no method
+        # drafts from another's answer to the same question
+        self.suffix_stores: dict[str, SuffixStore] = {}
         self.hf_configs = {
             "hf_generate": hf_generation_config(
                 max_new_tokens=args.max_new_tokens, stop_ids=stop_ids, temperature=args.temperature),
@@ -233,6 +237,7 @@ class TimedMethods:
         """``method`` on this engine: its drafter, on its model (the GGUF kernels' for ``numerics``), without the
         lookup branch where it says."""
         model = self.model if method.numerics is None else self.gguf_model(method.numerics)
+        model.engine.suffix_store = self.suffix_stores.setdefault(method.name, SuffixStore())
         options = dict(temperature=self.args.temperature, max_new_tokens=self.args.max_new_tokens,
                        is_llama3=self.template.is_llama3)
         generate = {HEAD: eagle_generate, NONE: plain_generate}.get(method.drafter)
