@@ -45,20 +45,22 @@ def _plain(model, prompt=PROMPT, tokens=16):
 
 # ------------------------------------------------------------------------------------------------ the registry
 def test_the_registry_says_what_a_model_can_run():
-    assert runnable_drafters(None) == ["none", "lookup"]
-    assert runnable_drafters(_Head(3)) == ["eagle3", "eagle3+lookup", "none", "lookup"]
-    assert runnable_drafters(_Head(1)) == ["eagle1", "eagle1+lookup", "none", "lookup"]
+    without = ["none", "lookup", "suffix", "suffix+lookup"]
+    assert runnable_drafters(None) == without
+    assert runnable_drafters(_Head(3)) == ["eagle3", "eagle3+lookup", "eagle3+suffix"] + without
+    assert runnable_drafters(_Head(1)) == ["eagle1", "eagle1+lookup", "eagle1+suffix"] + without
     assert check_drafter("none+lookup", None) == "lookup" and check_drafter(" eagle3+lookup ", _Head(3)) == "eagle3+lookup"
 
 
 def test_bad_drafters_say_why_and_what_would_run():
-    with pytest.raises(ValueError, match=r"Unknown drafter 'medusa'.*available: eagle1, eagle3, none and the "
-                                         r"combinators \+lookup.*this model can run: eagle3, eagle3\+lookup, none"):
+    with pytest.raises(ValueError, match=r"Unknown drafter 'medusa'.*available: eagle1, eagle3, none, suffix and "
+                                         r"the combinators \+lookup, \+suffix.*this model can run: eagle3, "
+                                         r"eagle3\+lookup, eagle3\+suffix, none"):
         check_drafter("medusa", _Head(3))
     with pytest.raises(ValueError, match="Unknown drafter combinator 'cache'"):
         check_drafter("eagle3+cache", _Head(3))
     with pytest.raises(ValueError, match="drafts with an EAGLE-3 head, and this model was loaded without an EAGLE "
-                                         "head; it can run: none, lookup"):
+                                         "head; it can run: none, lookup, suffix"):
         check_drafter("eagle3+lookup", None)
     with pytest.raises(ValueError, match="needs an EAGLE-1 head, but this model's head is EAGLE-3"):
         check_drafter("eagle1", _Head(3))

@@ -16,7 +16,7 @@ openai = pytest.importorskip("openai")
 
 from eagle.application.prompts import encode_prompt  # noqa: E402
 from eagle.application.server import BackgroundServer, create_app  # noqa: E402
-from eagle.cli import load_default_model  # noqa: E402
+from eagle.cli import ModelOptions, load_default_model, load_model  # noqa: E402
 
 pytestmark = pytest.mark.e2e  # the embedded SmolLM2 pair behind the HTTP server
 
@@ -29,6 +29,11 @@ PROMPT = "The capital of France is Paris. The capital of Italy is"
 @pytest.fixture(scope="module")
 def model():
     return load_default_model()
+
+
+@pytest.fixture(scope="module")
+def float32_kernels():
+    return load_model(ModelOptions(gguf_kernels="float32"))
 
 
 @contextlib.contextmanager
@@ -83,9 +88,9 @@ def test_chat_logprobs_are_the_engine_s_and_plain_decoding_s(served, model):
     expected = [value for step in batch for part in step.values() for value in part.logprobs.chosen.tolist()]
     assert [entry.logprob for entry in content] == expected
     # plain decoding's answer carries the same logprobs, bit for bit
-    with serve(model, use_eagle=False) as plain:
+    with serve(model, drafter="none") as plain:
         other = chat_logprobs(plain)
-    assert other["eagle"]["mode"] == "plain" and answer.model_extra["eagle"]["mode"] == "eagle"
+    assert other["eagle"]["drafter"] == "none" and answer.model_extra["eagle"]["drafter"] == model.drafter != "none"
     assert other["choices"][0]["logprobs"] == chat_logprobs(served)["choices"][0]["logprobs"]
 
 
@@ -120,11 +125,18 @@ def test_echo_with_no_new_tokens_scores_the_prompt(served, model):
     for token, chosen, top in zip(logprobs.tokens[1:], logprobs.token_logprobs[1:], logprobs.top_logprobs[1:]):
         assert top[token] == chosen and len(top) in (2, 3)  # top 2, and the chosen token where it is not among them
     assert logprobs.text_offset == [sum(len(t) for t in logprobs.tokens[:i]) for i in range(len(ids))]
-    # a plain forward pass over the prompt gives the same numbers (the base model's own call, float tolerance)
+
+
+def test_prompt_logprobs_are_a_plain_forward_s(float32_kernels):
+    """In float32 activations, where the kernels compute transformers' float32 model to float rounding (in int8
+    activations, the default, a rounding difference can move a block's quantization step), the prompt's logprobs
+    are those of the base model's own forward pass over it."""
+    ids = encode_prompt(float32_kernels.tokenizer, PROMPT, False)
+    scored = float32_kernels.engine.prompt_logprobs(ids, 2)
     with torch.no_grad():
-        logits = model.base_model(torch.tensor([ids])).logits[0, :-1].float()
+        logits = float32_kernels.base_model(torch.tensor([ids])).logits[0, :-1].float()
     forward = torch.log_softmax(logits, -1).gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
-    torch.testing.assert_close(torch.tensor(logprobs.token_logprobs[1:]), forward, atol=1e-4, rtol=0)
+    torch.testing.assert_close(scored.chosen, forward, atol=1e-4, rtol=0)
 
 
 def test_echo_then_generation_streamed_and_not(served, model):

@@ -172,9 +172,8 @@ def load_pretrained(cls, *, use_eagle3: bool | None, base_model_path, ea_model_p
     serve a base model whose attention EAGLE's tree masks may not reproduce exactly (a layer type or feature of
     :mod:`eagle.model.base.families`; remote code failing the mask check) instead of refusing it.
     ``thread_policy``: True (default) lets the generation loop of a CPU model choose torch's thread count as the
-    machine is now (fewer threads when other programs take CPUs, see :mod:`eagle.utils.threads`); it stays out
-    whenever the user set the count (``OMP_NUM_THREADS``, ``torch.set_num_threads``); the output never depends on
-    it.
+    machine is now (fewer when other programs take CPUs, :mod:`eagle.utils.threads`), unless the user set the count
+    (``OMP_NUM_THREADS``, ``torch.set_num_threads``); the output never depends on it.
 
     ``gguf_kernels``: for a GGUF base model on the CPU, the linear layers, embedding and LM head compute over the
     file's quantized blocks and attention runs the position-ordered kernel (:mod:`eagle.model.backends.gguf`):

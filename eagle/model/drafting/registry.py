@@ -97,7 +97,9 @@ def runnable_drafters(head) -> list[str]:
     version = head_version(head)
     bases = [name for name in DRAFTERS if HEAD_VERSIONS.get(name, version) == version]
     bases.sort(key=lambda name: name not in HEAD_VERSIONS)  # the head's drafter, then the rest in registry order
-    return [canonical_spec([base, *extra]) for base in bases for extra in ([], *([name] for name in COMBINATORS))]
+    specs = (canonical_spec([base, *extra]) for base in bases for extra in ([], *([name] for name in COMBINATORS))
+             if extra != [base])  # a drafter that is also a combinator ("suffix") does not wrap itself
+    return list(dict.fromkeys(specs))  # "suffix" alone and "none+suffix" are one spec
 
 
 def check_drafter(spec: str, head) -> str:
