@@ -56,7 +56,7 @@ PARTS = [
     (loop, "commit_batch", "commit", 0),
     (loop, "step_result", "next inputs", 0),
     (loop, "stack_trees", "stack trees", 0),
-    (loop, "prefill", "prefill", 0),
+    (loop, "prefill_step", "prefill", 0),
 ]
 TOP_LEVEL = [label for _, _, label, indent in PARTS if indent == 0]
 
