@@ -256,7 +256,7 @@ def oracle_samples(sampling_setup, monkeypatch, verifier=None):
     heads, reference, prompt = sampling_setup
     real = Engine.drafter
     monkeypatch.setattr(Engine, "drafter", lambda self, kind: OracleDrafter(reference, prompt[0, :1], POWER_TEMPERATURE)
-                        if kind == "head" else real(self, kind))
+                        if self.drafter_spec(kind).startswith("eagle") else real(self, kind))  # the head's drafter
     if verifier is not None:
         monkeypatch.setattr(acceptance_module, "accept_sampling", verifier)
     torch.manual_seed(1234)
