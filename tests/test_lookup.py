@@ -126,6 +126,29 @@ def test_lookup_branch_is_lossless_and_accepted(pair, monkeypatch):
     assert long_steps > 0, "no grafted token was ever accepted"
 
 
+def test_lookup_by_name_grafts_where_the_tree_has_no_lookup_branch(pair, monkeypatch):
+    """``drafter="eagle3+lookup"`` on a tree with ``lookup_tokens=0`` grafts chains of GRAFTED_LOOKUP_TOKENS (it is
+    not silently the head alone), and its greedy output is still transformers' generate."""
+    base, head, reference = pair
+    grafted = []
+    real_graft = drafter_module.graft_chain
+
+    def counting_graft(tree, chain):
+        grafted.append(chain.numel())
+        return real_graft(tree, chain)
+
+    monkeypatch.setattr(drafter_module, "graft_chain", counting_graft)
+    model = EaModel.from_pretrained(base_model_path=str(base), ea_model_path=str(head), total_token=3, depth=0,
+                                    top_k=2, lookup_tokens=0)
+    assert model.drafter == "eagle3"
+    ids = torch.tensor([PROMPTS[0]])
+    expected = reference.generate(ids, max_new_tokens=32, do_sample=False)
+    assert torch.equal(model.eagenerate(ids, max_new_tokens=32), expected)
+    assert not grafted, "the head's own drafter grafted a chain with lookup_tokens=0"
+    assert torch.equal(model.eagenerate(ids, max_new_tokens=32, drafter="eagle3+lookup"), expected)
+    assert grafted and max(grafted) == drafter_module.GRAFTED_LOOKUP_TOKENS
+
+
 def test_lookup_tokens_from_pretrained_and_set_tree(pair):
     base, head, _ = pair
     model = EaModel.from_pretrained(base_model_path=str(base), ea_model_path=str(head), total_token=8, depth=2,

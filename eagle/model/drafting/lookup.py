@@ -78,6 +78,10 @@ def graft_chain(tree: DraftTree, chain: torch.Tensor) -> DraftTree:
 # Tokens a prompt-lookup drafter alone (``"lookup"``, no head) grafts per step at most: transformers' default
 # ``prompt_lookup_num_tokens``.
 STANDALONE_LOOKUP_TOKENS = 10
+# Tokens ``+lookup`` grafts onto a drafter's own tree when no tree of the plan names a lookup length (a tree tuned
+# or given with ``lookup_tokens=0``, asked for ``"eagle3+lookup"`` by name): the length the CPU trees tuned with a
+# lookup branch take.
+GRAFTED_LOOKUP_TOKENS = 4
 
 
 class LookupDrafter(StepDrafter):
@@ -95,10 +99,12 @@ class LookupDrafter(StepDrafter):
 
     @classmethod
     def around(cls, context, inner) -> "LookupDrafter":
-        """The registry's ``+lookup``: chains as long as the plan's trees say, or
-        :data:`STANDALONE_LOOKUP_TOKENS` around a drafter that proposes nothing of its own."""
-        if not inner.needs_features and not context.plan.looks_up:
-            return cls(inner, lambda batch_size: STANDALONE_LOOKUP_TOKENS)
+        """The registry's ``+lookup``: chains as long as the plan's trees say; where none of them grafts a chain,
+        :data:`STANDALONE_LOOKUP_TOKENS` around a drafter that proposes nothing of its own and
+        :data:`GRAFTED_LOOKUP_TOKENS` around a head (asked for by name, ``+lookup`` is never a no-op)."""
+        if not context.plan.looks_up:
+            tokens = GRAFTED_LOOKUP_TOKENS if inner.needs_features else STANDALONE_LOOKUP_TOKENS
+            return cls(inner, lambda batch_size: tokens)
         return cls(inner, lambda batch_size: context.plan.for_batch(batch_size).lookup_tokens)
 
     def reset(self, batch_size: int = 1) -> None:
