@@ -88,6 +88,26 @@ def test_the_embedded_head_s_batch_trees_shrink_as_the_batch_grows():
     assert sizes == sorted(sizes, reverse=True) and sizes[-1] < sizes[0]
 
 
+def test_batch_trees_apply_only_from_the_kind_whose_batch_1_tree_was_chosen():
+    """On the int8 GGUF kernels the embedded head's batch-1 tree is its own ``cpu-gguf-int8`` one; the ``cpu`` batch
+    trees (float32 weights' costs) would give a batch of 2 a larger tree than one sequence gets, so none apply; a
+    head with batch trees for the kernels' own kind uses them, and the plain CPU keeps its ``cpu`` ones."""
+    from pathlib import Path
+
+    import eagle
+    from eagle.model.drafting.batch_tree import head_batch_trees
+
+    config = json.loads((Path(eagle.__file__).parent / "default_head" / "config.json").read_text())
+    cpu = torch.device("cpu")
+    int8 = TreeSettings(**config["eagle_tree"]["cpu-gguf-int8"])
+    assert head_batch_trees(config, cpu, int8, "gguf-int8") == {}
+    assert set(head_batch_trees(config, cpu, TreeSettings(**config["eagle_tree"]["cpu"]))) == {2, 5}
+    own = dict(config, eagle_batch_tree={**config["eagle_batch_tree"], "cpu-gguf-int8": {"4": {"total_token": 1}}})
+    assert head_batch_trees(own, cpu, int8, "gguf-int8") == {4: TreeSettings(1, 0, 1, 0)}
+    no_batch_1 = {"eagle_tree": {"cpu": config["eagle_tree"]["cpu"]}, "eagle_batch_tree": config["eagle_batch_tree"]}
+    assert set(head_batch_trees(no_batch_1, cpu, int8, "gguf-int8")) == {2, 5}  # the "cpu" tree is the batch-1 one
+
+
 def test_an_explicit_tree_applies_to_every_batch_size(pair):
     base, head, reference = pair
     given = EaModel.from_pretrained(base_model_path=str(base), ea_model_path=str(head), lookup_tokens=0,

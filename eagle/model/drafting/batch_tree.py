@@ -12,7 +12,9 @@ fastest for batches, per kind of device, in its ``config.json``::
     }
 
 A key is the smallest batch size its tree applies to (up to the next key); batch sizes below every key use the
-batch-1 tree. Each value holds the four settings of :class:`~eagle.model.drafting.settings.TreeSettings` (a missing
+batch-1 tree. Batch trees apply only from the kind whose batch-1 tree was chosen (or a more specific one): the ``"cpu"`` batch
+trees, measured with float32 weights, do not apply on the GGUF kernels where the head has a ``"cpu-gguf-int8"``
+batch-1 tree of its own. Each value holds the four settings of :class:`~eagle.model.drafting.settings.TreeSettings` (a missing
 one takes the batch-1 tree's); every row of the batch drafts that tree. The loop re-chooses the tree each step from
 the rows still generating, so the last rows of a batch get the larger trees of small batches (the
 :class:`~eagle.model.drafting.settings.TreePlan` the drafters read).
@@ -25,7 +27,7 @@ per-batch trees again.
 from __future__ import annotations
 
 from eagle.model.drafting.settings import TreeSettings, largest_tree_size, tree_for_batch
-from eagle.model.tuning.head_tree import TREE_KEYS, check_tree_entry, first_tree, tree_kinds
+from eagle.model.tuning.head_tree import TREE_FIELD, TREE_KEYS, check_tree_entry, first_tree, parse_head_trees, tree_kinds
 
 BATCH_TREE_FIELD = "eagle_batch_tree"
 __all__ = ["BATCH_TREE_FIELD", "parse_batch_trees", "head_batch_trees", "tree_for_batch", "largest_tree_size"]
@@ -58,4 +60,18 @@ def head_batch_trees(config, device, base: TreeSettings, backend: str | None = N
     """The batch trees a head's config (an ``EConfig`` or a dict) gives for ``device``'s kind (with ``backend``: see
     :func:`~eagle.model.tuning.head_tree.tree_kinds`); empty if none."""
     value = config.get(BATCH_TREE_FIELD) if isinstance(config, dict) else getattr(config, BATCH_TREE_FIELD, None)
-    return first_tree(parse_batch_trees(value, base), tree_kinds(device, backend)) or {}
+    return first_tree(parse_batch_trees(value, base), batch_tree_kinds(config, device, backend)) or {}
+
+
+def batch_tree_kinds(config, device, backend: str | None = None) -> list[str]:
+    """The kinds whose batch trees apply on ``device`` / ``backend``: those :func:`tree_kinds` lists, cut at the
+    first kind that has a batch-1 tree (``eagle_tree``): batch trees measured on another kind's costs (the float32
+    ``"cpu"`` ones under the int8 kernels' ``"cpu-gguf-int8"`` tree) would give batches larger trees than the
+    batch-1 tree those costs chose."""
+    value = config.get(TREE_FIELD) if isinstance(config, dict) else getattr(config, TREE_FIELD, None)
+    kinds = tree_kinds(device, backend)
+    if value is None:
+        return kinds
+    trees = parse_head_trees(value)
+    first = next((i for i, kind in enumerate(kinds) if kind in trees), len(kinds) - 1)
+    return kinds[: first + 1]
