@@ -106,19 +106,21 @@ def check_drafter(spec: str, head) -> str:
     """``spec`` in its one spelling if a model with ``head`` (None: no head) can run it; else a ``ValueError``
     saying why (an unknown name, with the known ones; a drafter needing an EAGLE head the model lacks or has in
     the other version) and which drafters it can run."""
-    runnable = ", ".join(runnable_drafters(head))
+    def runnable() -> str:  # only for the error: every call of a generation method checks its spec
+        return ", ".join(runnable_drafters(head))
+
     try:
         parts = spec_parts(spec)
     except ValueError as err:
-        raise ValueError(f"{str(err)[:-1]}; this model can run: {runnable}.") from None
+        raise ValueError(f"{str(err)[:-1]}; this model can run: {runnable()}.") from None
     needed, version = HEAD_VERSIONS.get(parts[0]), head_version(head)
     if needed is not None and version is None:
         raise ValueError(f"The drafter {spec!r} drafts with an EAGLE-{needed} head, and this model was loaded "
-                         f"without an EAGLE head; it can run: {runnable}.")
+                         f"without an EAGLE head; it can run: {runnable()}.")
     if needed is not None and needed != version:
         raise ValueError(f"The drafter {spec!r} needs an EAGLE-{needed} head, but this model's head is EAGLE-"
                          f"{version} (the two versions read different target features and are not "
-                         f"interchangeable); it can run: {runnable}.")
+                         f"interchangeable); it can run: {runnable()}.")
     return canonical_spec(parts)
 
 
