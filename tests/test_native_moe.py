@@ -1,7 +1,8 @@
 """The mixture-of-experts families (Qwen2-MoE with its shared expert, Qwen3-MoE) on the kernels: a tiny random model
 of each, written to a GGUF file (Q8_0 matrices, the experts as llama.cpp's stacked ``ffn_*_exps`` tensors) and
 loaded back as a user's file is, has its router, every expert and the shared expert on the kernels, takes the
-native decoder (its layers through their modules: ``eagle::spec_layers`` computes no expert routing), gives the
+native decoder with its layers in ``eagle::spec_layers`` (routing included: the bits of the layers run through their
+modules with the op's RMSNorm summation order), gives the
 same logits bit for bit whether its tokens come one at a time or as a tree, decodes greedily what transformers'
 float32 model of the same file decodes, and gives two threads what each gets alone.
 
@@ -17,6 +18,7 @@ import torch
 
 from eagle import kernels
 from eagle.kernels.linear import QuantLinear
+from eagle.kernels.reference import lane_rms_norm
 from eagle.model.backends import gguf
 from eagle.model.backends.gguf_experts import KernelExperts, KernelRouter, expert_slice
 from eagle.model.base import native_decoder
@@ -25,6 +27,7 @@ from test_native_families import (PROMPTS, _greedy, _native_calls,  # noqa: F401
                                   test_greedy_equals_transformers_float32_model,
                                   test_plain_and_tree_logits_are_bit_equal,
                                   test_two_threads_give_what_each_gives_alone)
+from test_native_decoder import _decoder_passes
 from tiny_models import target_config, write_gguf_target
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="eagle's native kernels are not built here")
@@ -81,11 +84,39 @@ def test_each_moe_family_takes_the_native_decoder(family_models):
     assert (moe.experts, moe.top_k, moe.routing) == (EXPERTS, TOP_K, "softmax")
     assert moe.norm_topk_prob == reference.config.norm_topk_prob == (family == "qwen3_moe")  # transformers' default
     assert moe.shared_expert == (family == "qwen2_moe") and decoder.spec.qk_norm == (family == "qwen3_moe")
-    assert decoder.arguments is None  # the layers run through their modules, without transformers' forward
+    assert decoder.arguments is not None and decoder.arguments.moe == [
+        EXPERTS, TOP_K, int(moe.norm_topk_prob), int(moe.shared_expert),
+        target.model.model.layers[0].mlp.experts.gate_up[0].out_features // 2]
     with pytest.MonkeyPatch.context() as patch:
         calls = _native_calls(patch)
         _greedy(target, PROMPTS[0], 2)
-    assert len(calls) == 3
+    assert len(calls) == 3 and all(call is not None for call in calls)  # every pass in eagle::spec_layers
+
+
+def _lane_norms(patch, model) -> None:
+    """Every norm inside the decoder layers computed as the native layers compute it (lane_rms_norm)."""
+    for layer in model.model.layers:
+        attention = layer.self_attn
+        for norm in (layer.input_layernorm, layer.post_attention_layernorm, getattr(attention, "q_norm", None),
+                     getattr(attention, "k_norm", None)):
+            if norm is not None:
+                patch.setattr(norm, "forward", lambda x, norm=norm: lane_rms_norm(x, norm.weight,
+                                                                                        norm.variance_epsilon))
+
+
+def test_the_native_layers_route_as_the_modules_do(family_models):
+    """eagle::spec_layers with the experts (router, top-k, each expert over its rows, the shared expert) gives the
+    bits of the layers run through their modules with the op's RMSNorm summation order, over a left-padded
+    prefill and a tree."""
+    _, _, target = family_models
+    native = _decoder_passes(target, native=True)
+    with pytest.MonkeyPatch.context() as patch:
+        _lane_norms(patch, target.model)
+        modules = _decoder_passes(target, native=False)
+    logits = [(mine, reference) for mine, reference in zip(native, modules) if reference is not None]
+    assert len(logits) == 2  # the prefill's and the tree's (this target keeps no features)
+    for mine, reference in logits:
+        assert torch.equal(mine, reference)
 
 
 def test_rows_are_routed_to_different_experts(family_models):
@@ -130,3 +161,21 @@ def test_float_experts_and_unknown_routing_are_refused_by_name():
     for layer in model.model.layers:
         layer.mlp.gate = torch.nn.Linear(64, EXPERTS)
     assert "its router Linear is not a softmax top-k router it knows" in native_decoder.layer_spec(model).problems
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(moe=[EXPERTS, EXPERTS + 1, 0, 0, 8]), "moe must be empty or (experts, top_k <= experts"),
+    (dict(expert_weights=[]), "expert weights and types (the router, gate-up and down per expert"),
+])
+def test_the_native_layers_refuse_expert_lists_that_do_not_fit(family_models, change, message):
+    import dataclasses
+
+    from test_native_decoder import _passes
+
+    _, _, target = family_models
+    decoder = target.forward_plan.native
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(decoder, "arguments", dataclasses.replace(decoder.arguments, **change))
+        with pytest.raises((ValueError, RuntimeError)) as error:
+            _passes(target)
+    assert message in str(error.value)

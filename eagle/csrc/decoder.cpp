@@ -1,6 +1,6 @@
 // eagle::spec_layers: the decoder layers of a model that a LayerSpec describes (eagle/model/base/layer_spec.py:
-// Llama, Mistral, Qwen2, Qwen3, Gemma 3) over the GGUF kernels, in one call. eagle::decoder_layers is the same
-// layers with the Llama options (no q/k or sandwich norms, one rotary table, SiLU), and eagle::eagle3_layer the
+// Llama, Mistral, Qwen2, Qwen3, Gemma 3, Qwen2-MoE, Qwen3-MoE) over the GGUF kernels, in one call.
+// eagle::decoder_layers is the same layers with the Llama options (no q/k or sandwich norms, one rotary table, SiLU), and eagle::eagle3_layer the
 // EAGLE-3 head's layer; all three run one layer body (project_qkv, finish_layer).
 //
 // Per layer, for the M = B * T rows of the call ([...]: where the layer has it):
@@ -16,6 +16,13 @@
 //   x' = h + [rms_norm]((act(n W_gate) * (n W_up)) W_down, w_ffw_out)   act: ATen's silu or tanh-approximated gelu,
 //                                                                   as transformers calls them; gate and up in one
 //                                                                   call
+// or, for a mixture-of-experts MLP (Qwen2-MoE, Qwen3-MoE; `moe` non-empty), x' = h + moe(n):
+//   p = softmax(n W_router) in float32; the top-k of p (at::topk: transformers' order and ties), divided by their
+//   sum where the model renormalises; out = 0; for each expert e chosen by some row, in ascending order:
+//   out[rows] += ((act(n[rows] W_gate_e) * (n[rows] W_up_e)) W_down_e) * p_top[rows, slot] (index_add_)
+//   [+ sigmoid(n W_shared_gate) * (act(n W_gate) * (n W_up)) W_down: the shared expert in the dense slots]
+//   the ATen calls transformers' Qwen2-MoE / Qwen3-MoE blocks make (with eagle/model/backends/gguf_experts.py's
+//   kernel router and experts), in their order: a row's sum is its own experts' terms in ascending expert order.
 // A norm's weight is the factor it multiplies by: Gemma's (1 + w) is computed once by the caller, in float32, as
 // transformers computes it.
 // Every step computes a row from that row alone (and attention from its visible keys) by a sequence of operations
@@ -90,9 +97,20 @@ struct Layer {
   const float *cos, *sin;  // the layer's rotary table, (M, head_dim) each; nullptr: no rotary (NoPE)
   // optional norms (nullptr: none): the sandwich's attention and feedforward outputs, the per-head q and k norms
   const at::Tensor *norm_attn_out = nullptr, *norm_ffw_out = nullptr, *norm_q = nullptr, *norm_k = nullptr;
+  const at::Tensor* experts = nullptr;  // Moe::weights() tensors of a mixture-of-experts layer, and their types
+  const std::string* expert_types = nullptr;
 };
 
 enum class Activation { kSilu, kGeluTanh };
+
+// A mixture-of-experts MLP (experts == 0: a dense MLP). Its weights per layer, in `Layer::experts`: the router
+// (experts x hidden), each expert's gate and up rows (2 inter x hidden), each expert's down (hidden x inter), then
+// the shared expert's gate (1 x hidden) where it has one (its MLP in the dense gate / up / down slots).
+struct Moe {
+  int64_t experts = 0, top_k = 0, inter = 0;
+  bool renormalize = false, shared = false;
+  int64_t weights() const { return experts == 0 ? 0 : 1 + 2 * experts + (shared ? 1 : 0); }
+};
 
 struct Call {
   Shape shape;
@@ -100,6 +118,7 @@ struct Call {
   double scale;
   std::string numerics;
   Activation activation = Activation::kSilu;
+  Moe moe{};
 };
 
 at::Tensor linear(const Layer& L, int w, const at::Tensor& x, int64_t n, int64_t k, const Call& C) {
@@ -153,11 +172,71 @@ std::vector<at::Tensor> project_qkv(const Layer& L, const Call& C, const at::Ten
                {&L.weights[2], &L.types[2], kvn, &L.biases[2]}}, C.numerics);
 }
 
+// (act(x W_gate) * (x W_up)) W_down over the dense slots: gate and up in one call, act and product in place.
+at::Tensor dense_mlp(const Layer& L, const Call& C, const at::Tensor& x) {
+  const Shape& S = C.shape;
+  const std::optional<at::Tensor> none;
+  std::vector<at::Tensor> gate_up = quant_linear_group_call(
+      x, {{&L.weights[4], &L.types[4], S.inter, &none}, {&L.weights[5], &L.types[5], S.inter, &none}}, C.numerics);
+  at::Tensor& gate = gate_up[0];
+  if (C.activation == Activation::kGeluTanh) {
+    at::gelu_(gate, "tanh");
+  } else {
+    at::silu_(gate);
+  }
+  gate.mul_(gate_up[1]);
+  return linear(L, 6, gate, S.hidden, S.inter, C);
+}
+
+at::Tensor expert_linear(const Layer& L, const Call& C, int64_t w, const at::Tensor& x, int64_t n, int64_t k) {
+  return quant_linear_call(x, L.experts[w], L.expert_types[w], n, k, std::nullopt, C.numerics);
+}
+
+// Expert e's gated MLP over the rows x[rows] (as KernelExperts computes it: gate and up in one weight, split).
+at::Tensor expert_mlp(const Layer& L, const Call& C, int64_t e, const at::Tensor& x) {
+  const Moe& E = C.moe;
+  const std::vector<at::Tensor> gate_up = expert_linear(L, C, 1 + e, x, 2 * E.inter, C.shape.hidden).chunk(2, -1);
+  const at::Tensor act = C.activation == Activation::kGeluTanh ? at::gelu(gate_up[0], "tanh") : at::silu(gate_up[0]);
+  return expert_linear(L, C, 1 + E.experts + e, act * gate_up[1], C.shape.hidden, E.inter);
+}
+
+// The routed experts' sum for every row, then the gated shared expert added (see the header comment).
+at::Tensor moe_mlp(const Layer& L, const Call& C, const at::Tensor& x) {
+  const Moe& E = C.moe;
+  const int64_t M = x.size(0);
+  const at::Tensor probs = at::softmax(expert_linear(L, C, 0, x, E.experts, C.shape.hidden), -1, at::kFloat);
+  auto [top, chosen] = at::topk(probs, E.top_k, -1);
+  if (E.renormalize) top.div_(top.sum(-1, true));
+  const at::Tensor experts = chosen.contiguous();
+  const int64_t* ids = experts.data_ptr<int64_t>();
+  std::vector<std::vector<int64_t>> rows(E.experts), slots(E.experts);  // torch.where(chosen == e)'s order
+  for (int64_t r = 0; r < M; ++r)
+    for (int64_t s = 0; s < E.top_k; ++s) {
+      const int64_t e = ids[r * E.top_k + s];
+      if (e >= 0 && e < E.experts) {
+        rows[e].push_back(r);
+        slots[e].push_back(s);
+      }
+    }
+  at::Tensor out = at::zeros_like(x);
+  const auto index = [](const std::vector<int64_t>& v) {
+    return at::from_blob(const_cast<int64_t*>(v.data()), {static_cast<int64_t>(v.size())}, at::kLong).clone();
+  };
+  for (int64_t e = 0; e < E.experts; ++e) {
+    if (rows[e].empty()) continue;
+    const at::Tensor r = index(rows[e]), s = index(slots[e]);
+    const at::Tensor y = expert_mlp(L, C, e, x.index_select(0, r)) * top.index({r, s}).unsqueeze(1);
+    out.index_add_(0, r, y);
+  }
+  if (!E.shared) return out;
+  const at::Tensor gate = at::sigmoid(expert_linear(L, C, 1 + 2 * E.experts, x, 1, C.shape.hidden));
+  return out + gate * dense_mlp(L, C, x);
+}
+
 // After q/k/v: rotary, cache write, attention, o_proj added to `residual`, then the MLP block.
 at::Tensor finish_layer(const Layer& L, const Call& C, const at::Tensor& residual, std::vector<at::Tensor>& qkv) {
   const Shape& S = C.shape;
   const int64_t H = S.hidden, D = S.head_dim, qn = S.q_heads * D;
-  const std::optional<at::Tensor> none;
   if (L.norm_q != nullptr) qkv[0] = head_norm(qkv[0], *L.norm_q, C);
   if (L.norm_k != nullptr) qkv[1] = head_norm(qkv[1], *L.norm_k, C);
   rotate_and_cache(L, C, qkv[0], qkv[1], qkv[2]);
@@ -168,18 +247,8 @@ at::Tensor finish_layer(const Layer& L, const Call& C, const at::Tensor& residua
                                             *L.offsets, *L.indices, C.scale);
   at::Tensor h = at::add(residual, maybe_norm(linear(L, 3, attended.view({S.rows(), qn}), H, qn, C),
                                               L.norm_attn_out, C));
-  at::Tensor normed = rms_norm(h, *L.norm_post, C.eps);
-  std::vector<at::Tensor> gate_up = quant_linear_group_call(
-      normed, {{&L.weights[4], &L.types[4], S.inter, &none}, {&L.weights[5], &L.types[5], S.inter, &none}},
-      C.numerics);
-  at::Tensor& gate = gate_up[0];
-  if (C.activation == Activation::kGeluTanh) {
-    at::gelu_(gate, "tanh");
-  } else {
-    at::silu_(gate);
-  }
-  gate.mul_(gate_up[1]);
-  h.add_(maybe_norm(linear(L, 6, gate, H, S.inter, C), L.norm_ffw_out, C));
+  const at::Tensor normed = rms_norm(h, *L.norm_post, C.eps);
+  h.add_(maybe_norm(C.moe.experts > 0 ? moe_mlp(L, C, normed) : dense_mlp(L, C, normed), L.norm_ffw_out, C));
   return h;
 }
 
@@ -226,9 +295,11 @@ struct LayerLists {
   at::IntArrayRef layer_rotary;
   at::TensorList keys, values, offsets, indices;
   at::IntArrayRef layer_masks;
+  at::TensorList experts = {};  // Moe::weights() per layer of a mixture-of-experts model, and their types
+  const std::vector<std::string>* expert_types = nullptr;
 };
 
-void check_lists(const LayerLists& A, int64_t layers, const char* op) {
+void check_lists(const LayerLists& A, int64_t layers, const Moe& moe, const char* op) {
   TORCH_CHECK_VALUE(layers >= 1 && static_cast<int64_t>(A.weights.size()) == kWeights * layers &&
                         static_cast<int64_t>(A.types.size()) == kWeights * layers &&
                         static_cast<int64_t>(A.biases.size()) == kBiases * layers &&
@@ -242,6 +313,11 @@ void check_lists(const LayerLists& A, int64_t layers, const char* op) {
                     A.values.size());
   TORCH_CHECK_VALUE(!A.offsets.empty() && A.offsets.size() == A.indices.size(), op,
                     ": offsets and indices must be lists of the same length >= 1");
+  const int64_t expert_types = A.expert_types ? static_cast<int64_t>(A.expert_types->size()) : 0;
+  TORCH_CHECK_VALUE(static_cast<int64_t>(A.experts.size()) == moe.weights() * layers && expert_types ==
+                        moe.weights() * layers, op, ": per layer ", moe.weights(), " expert weights and types (the "
+                    "router, gate-up and down per expert, the shared expert's gate), got ", A.experts.size(), " and ",
+                    expert_types, " for ", layers, " layers");
   TORCH_CHECK_VALUE(A.cos.size() == A.sin.size(), op, ": cos and sin must be lists of the same length");
 }
 
@@ -296,6 +372,10 @@ std::vector<at::Tensor> run_layers(const at::Tensor& hidden, const LayerLists& A
     bind_norms(L, A, i, S, held, op);
     bind_rotary(L, A, i, S, op);
     for (int64_t j = 0; j < kBiases; ++j) L.biases[j] = A.biases.get(kBiases * i + j);
+    if (C.moe.experts > 0) {
+      L.experts = &A.experts[C.moe.weights() * i];
+      L.expert_types = &(*A.expert_types)[C.moe.weights() * i];
+    }
     if (keep_states) out.push_back(x.view(hidden.sizes()));
     x = run_layer(L, C, x);
   }
@@ -309,6 +389,16 @@ Activation activation_named(const std::string& name) {
   return name == "silu" ? Activation::kSilu : Activation::kGeluTanh;
 }
 
+// moe: empty (dense MLPs) or (experts, top_k, renormalize, shared expert, expert intermediate size).
+Moe moe_named(at::IntArrayRef moe) {
+  if (moe.empty()) return {};
+  TORCH_CHECK_VALUE(moe.size() == 5 && moe[0] >= 1 && moe[1] >= 1 && moe[1] <= moe[0] && moe[4] >= 1 &&
+                        (moe[2] == 0 || moe[2] == 1) && (moe[3] == 0 || moe[3] == 1),
+                    kSpecOp, ": moe must be empty or (experts, top_k <= experts, renormalize 0/1, shared expert 0/1, "
+                    "expert intermediate size), got ", moe);
+  return Moe{moe[0], moe[1], moe[4], moe[2] == 1, moe[3] == 1};
+}
+
 std::vector<at::Tensor> spec_layers(const at::Tensor& hidden, at::TensorList weights,
                                     const std::vector<std::string>& types,
                                     const c10::List<std::optional<at::Tensor>>& biases,
@@ -317,12 +407,14 @@ std::vector<at::Tensor> spec_layers(const at::Tensor& hidden, at::TensorList wei
                                     at::TensorList sin, at::IntArrayRef layer_rotary, at::TensorList keys,
                                     at::TensorList values, int64_t start, at::TensorList offsets,
                                     at::TensorList indices, at::IntArrayRef layer_masks, const std::string& numerics,
-                                    bool keep_states) {
+                                    bool keep_states, at::TensorList expert_weights,
+                                    const std::vector<std::string>& expert_types, at::IntArrayRef moe) {
   const LayerLists A{weights, types, biases, norms, cos, sin, layer_rotary, keys, values, offsets, indices,
-                     layer_masks};
-  check_lists(A, static_cast<int64_t>(layer_masks.size()), kSpecOp);
+                     layer_masks, expert_weights, &expert_types};
+  const Moe experts = moe_named(moe);
+  check_lists(A, static_cast<int64_t>(layer_masks.size()), experts, kSpecOp);
   const Shape S = check_shape(hidden, dims, keys, start, kSpecOp);
-  const Call C{S, static_cast<float>(eps), scale, numerics, activation_named(activation)};
+  const Call C{S, static_cast<float>(eps), scale, numerics, activation_named(activation), experts};
   return run_layers(hidden, A, S, C, keep_states, kSpecOp);
 }
 
@@ -354,7 +446,7 @@ std::vector<at::Tensor> decoder_layers(const at::Tensor& hidden, at::TensorList 
   const std::vector<int64_t> rotary(layers, 0);
   const LayerLists A{weights, types, biases, spec_norms, tables_cos, tables_sin, rotary, keys, values, offsets,
                      indices, layer_masks};
-  check_lists(A, layers, kOp);
+  check_lists(A, layers, Moe{}, kOp);
   const Shape S = check_shape(hidden, dims, keys, start, kOp);
   check_float(cos, "cos", {S.batch, S.queries, S.head_dim});
   check_float(sin, "sin", {S.batch, S.queries, S.head_dim});
@@ -447,5 +539,5 @@ TORCH_LIBRARY_FRAGMENT(eagle, m) {
   m.def("spec_layers(Tensor hidden, Tensor[] weights, str[] types, Tensor?[] biases, Tensor?[] norms, int[] dims, "
         "float eps, float scale, str activation, Tensor[] cos, Tensor[] sin, int[] layer_rotary, Tensor[] keys, "
         "Tensor[] values, int start, Tensor[] offsets, Tensor[] indices, int[] layer_masks, str numerics, "
-        "bool keep_states) -> Tensor[]", &eagle::spec_layers);
+        "bool keep_states, Tensor[] expert_weights, str[] expert_types, int[] moe) -> Tensor[]", &eagle::spec_layers);
 }

@@ -25,8 +25,9 @@ rows still computed independently of each other (row-invariant). Every step roun
 except the RMSNorm, whose sum of squares runs in a fixed order of its own (16 lanes, then the lanes in order;
 :func:`eagle.kernels.reference.lane_rms_norm` is the PyTorch form ``tests/test_native_decoder.py`` checks the op's
 bits against), so logits agree with transformers' forward to float32 rounding, not bit for bit. Without that
-cache, with a mask it cannot read, where the op is missing, or for a mixture-of-experts MLP (the op has no expert
-routing), the layers run through the modules as above.
+cache, with a mask it cannot read, or where the op is missing, the layers run through the modules as above. A
+mixture-of-experts MLP runs in the op too (router, top-k, each chosen expert over its rows, the shared expert: the
+ATen calls of transformers' block over the kernel router and experts, in their order).
 """
 
 from __future__ import annotations
@@ -103,6 +104,11 @@ class LayerArguments:
     scale: float
     activation: str
     numerics: str
+    #: a mixture of experts' weights per layer (router, each expert's gate-up, each expert's down, the shared
+    #: expert's gate) and types, and ``(experts, top_k, renormalise, shared expert, expert width)``; empty: dense
+    expert_weights: list = None
+    expert_types: list = None
+    moe: list = None
 
 
 def _same(values, what: str):
@@ -128,50 +134,88 @@ def _layer_norms(layer, spec: LayerSpec) -> list:
     return blocks + heads
 
 
+def _dense_mlp(mlp):
+    """The gated MLP in the op's dense slots: the layer's own, a mixture of experts' shared expert, or None."""
+    if not hasattr(mlp, "experts"):
+        return mlp
+    return getattr(mlp, "shared_expert", None)
+
+
+# What the dense slots hold for a mixture of experts without a shared expert (never read: the op checks `moe`).
+_NO_WEIGHT = torch.empty(0, dtype=torch.uint8)
+
+
+def _expert_linears(mlp) -> list:
+    experts = mlp.experts
+    shared_gate = [mlp.shared_expert_gate] if hasattr(mlp, "shared_expert") else []
+    return [mlp.gate.linear, *experts.gate_up, *experts.down, *shared_gate]
+
+
 def _gather_weights(layers, spec: LayerSpec):
-    weights, types, biases, norms, numerics = [], [], [], [], set()
+    weights, types, biases, norms, numerics, experts = [], [], [], [], set(), []
     for layer in layers:
-        attention, mlp = layer.self_attn, layer.mlp
-        linears = (attention.q_proj, attention.k_proj, attention.v_proj, attention.o_proj, mlp.gate_proj,
-                   mlp.up_proj, mlp.down_proj)
+        attention, mlp = layer.self_attn, _dense_mlp(layer.mlp)
+        dense = (mlp.gate_proj, mlp.up_proj, mlp.down_proj) if mlp is not None else ()
+        linears = (attention.q_proj, attention.k_proj, attention.v_proj, attention.o_proj, *dense)
         if any(m.bias is not None for m in linears[3:]):
             raise _NoArguments("an output or MLP projection has a bias")
-        weights += [m.weight.packed for m in linears]
-        types += [m.type_name for m in linears]
+        weights += [m.weight.packed for m in linears] + [_NO_WEIGHT] * (7 - len(linears))
+        types += [m.type_name for m in linears] + [""] * (7 - len(linears))
         biases += [m.bias for m in linears[:3]]
         norms += _layer_norms(layer, spec)
         numerics.update(m.numerics for m in linears)
+        if spec.moe is not None:
+            experts += _expert_linears(layer.mlp)
+    if any(m.bias is not None for m in experts):
+        raise _NoArguments("a router or expert projection has a bias")
+    numerics.update(m.numerics for m in experts)
     if any(norm.weight.dtype != torch.float32 for norm in norms if norm is not None):
         raise _NoArguments("a norm weight is not float32")
     eps = _same((norm_eps(norm) for norm in norms if norm is not None), "norm epsilon")
     spec_norms = [norm_factor(norm) if norm is not None else None for norm in norms]
-    return weights, types, biases, spec_norms, float(eps), _same(numerics, "numerics")
+    return weights, types, biases, spec_norms, float(eps), _same(numerics, "numerics"), experts
+
+
+def _mlp_width(layer) -> int:
+    mlp = _dense_mlp(layer.mlp)
+    return mlp.gate_proj.out_features if mlp is not None else 1
+
+
+def _moe_arguments(layers, spec: LayerSpec, experts: list) -> dict:
+    """The op's ``expert_weights``, ``expert_types`` and ``moe`` for ``experts`` (:func:`_expert_linears` of
+    every layer, in order); empty for dense layers."""
+    if spec.moe is None:
+        return dict(expert_weights=[], expert_types=[], moe=[])
+    width = _same((gate_up.out_features // 2 for layer in layers for gate_up in layer.mlp.experts.gate_up),
+                  "expert width")
+    moe = spec.moe
+    return dict(expert_weights=[m.weight.packed for m in experts], expert_types=[m.type_name for m in experts],
+                moe=[moe.experts, moe.top_k, int(moe.norm_topk_prob), int(moe.shared_expert), width])
 
 
 def _gather_layers(layers, spec: LayerSpec) -> LayerArguments:
-    weights, types, biases, spec_norms, eps, numerics = _gather_weights(layers, spec)
+    weights, types, biases, spec_norms, eps, numerics, experts = _gather_weights(layers, spec)
     head_dim = _same((layer.self_attn.head_dim for layer in layers), "head size")
     first = layers[0]
     dims = [first.self_attn.q_proj.out_features // head_dim, first.self_attn.k_proj.out_features // head_dim,
-            head_dim, first.mlp.gate_proj.out_features]
+            head_dim, _mlp_width(first)]
     _same(((layer.self_attn.q_proj.out_features, layer.self_attn.k_proj.out_features,
             layer.self_attn.v_proj.out_features, layer.self_attn.o_proj.in_features,
-            layer.mlp.gate_proj.out_features) for layer in layers), "shapes")
+            _mlp_width(layer)) for layer in layers), "shapes")
     if (dims[0] * head_dim, dims[1] * head_dim, dims[1] * head_dim) != (
             first.self_attn.q_proj.out_features, first.self_attn.k_proj.out_features,
             first.self_attn.v_proj.out_features) or first.self_attn.o_proj.in_features != dims[0] * head_dim:
         raise _NoArguments("its projections are not whole heads")
     scale = _same((attention_scale(layer.self_attn) for layer in layers), "attention scale")
     norms = [norm for index, norm in enumerate(spec_norms) if index % 6 in (0, 2)]
-    return LayerArguments(weights, types, biases, norms, spec_norms, dims, eps, scale, spec.activation, numerics)
+    return LayerArguments(weights, types, biases, norms, spec_norms, dims, eps, scale, spec.activation, numerics,
+                          **_moe_arguments(layers, spec, experts))
 
 
 def layer_arguments(layers, spec: LayerSpec) -> tuple[LayerArguments | None, str | None]:
     """What the native layers take of ``layers`` (described by ``spec``), or (None, why not)."""
     if not kernels.available() or not hasattr(torch.ops.eagle, "spec_layers"):
         return None, "the compiled extension has no eagle::spec_layers"
-    if spec.moe is not None:
-        return None, "eagle::spec_layers computes no mixture-of-experts MLP"
     try:
         return _gather_layers(layers, spec), None
     except _NoArguments as reason:
@@ -278,7 +322,7 @@ class NativeDecoder:
             hidden.contiguous(), arguments.weights, arguments.types, arguments.biases, arguments.spec_norms,
             arguments.dims, arguments.eps, arguments.scale, arguments.activation, cos, sin, self.layer_rotary,
             [layer.keys for layer in layers], [layer.values for layer in layers], start, lists[0], lists[1], lists[2],
-            arguments.numerics, keep_states)
+            arguments.numerics, keep_states, arguments.expert_weights, arguments.expert_types, arguments.moe)
         for layer in layers:
             layer.length = start + queries
         return out[0], out[1:]
