@@ -1,7 +1,7 @@
 // eagle::spec_layers: the decoder layers of a model that a LayerSpec describes (eagle/model/base/layer_spec.py:
 // Llama, Mistral, Qwen2, Qwen3, Gemma 3, Qwen2-MoE, Qwen3-MoE) over the GGUF kernels, in one call.
-// eagle::decoder_layers is the same layers with the Llama options (no q/k or sandwich norms, one rotary table, SiLU), and eagle::eagle3_layer the
-// EAGLE-3 head's layer; all three run one layer body (project_qkv, finish_layer).
+// eagle::decoder_layers is the same layers with the Llama options (no q/k or sandwich norms, one rotary table,
+// SiLU), and eagle::eagle3_layer the EAGLE-3 head's layer; all three run one layer body (project_qkv, finish_layer).
 //
 // Per layer, for the M = B * T rows of the call ([...]: where the layer has it):
 //   n = rms_norm(x, w_in)                     one fixed summation order per row (rms_norm_row)
