@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from eagle.evaluation.scale.convert import conversion_problem, convert_pair, converted_files
+from eagle.evaluation.scale.convert import conversion_problem, convert_pair, converted_files, find_llama_tool
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMPT = [{"role": "user", "content": "What is the capital of France?"}]
@@ -152,6 +152,11 @@ def test_a_widened_family_converts_and_loads_natively(tiny_source, tmp_path, fam
     build_pair(shape, out, str(root / "base"), str(root / "head"), dtype=torch.float32, family=family)
     convert_pair(out, "f16", "Q8_0", keep_intermediate=True)
     assert TargetGGUF(str(out / "model-f16.gguf")).value("tokenizer.ggml.pre") == "smollm"
+    llama_bench = find_llama_tool("llama-batched-bench")
+    if llama_bench is not None:  # llama.cpp loads and runs it (its qwen2moe needs an output matrix of its own)
+        command = [str(llama_bench), "-m", str(out / "model-Q8_0.gguf"), "-c", "256", "-npp", "16", "-ntg", "4",
+                   "-npl", "1", "-t", "1"]
+        assert subprocess.run(command, capture_output=True, timeout=300).returncode == 0
     rounded = AutoModelForCausalLM.from_pretrained(root / "base", dtype=torch.float32).eval()
     with torch.no_grad():
         for parameter in rounded.parameters():

@@ -145,12 +145,14 @@ WIDER_MOE = Shape("wider-moe", 192, 12, 3, 200, 8, head_dim=16, experts=6, exper
 
 @pytest.mark.parametrize("family, shape", [("qwen2", WIDER), ("qwen2_moe", WIDER_MOE)])
 def test_widened_family_gives_the_same_logits_and_greedy_tokens(tmp_path, family, shape):
-    source = make_target(tmp_path / "base", "llama", layers=6)
+    """Tied source embeddings: Qwen2 keeps them tied, Qwen2-MoE (llama.cpp's needs an output matrix) unties them."""
+    source = make_target(tmp_path / "base", "llama", layers=6, tie_word_embeddings=True)
     make_head(tmp_path / "head", source)
     model_dir, _ = build_pair(shape, tmp_path / "wide", str(tmp_path / "base"), str(tmp_path / "head"),
                               dtype=torch.float32, family=family)
     wide = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     assert wide.config.model_type == family and wide.config.num_hidden_layers == 8
+    assert wide.config.tie_word_embeddings == (family == "qwen2")
     attention = wide.model.layers[0].self_attn
     real_q = torch.cat([torch.arange(p * 16, p * 16 + 16) for p in query_head_positions(Shape.of_config(
         source.config), shape)])

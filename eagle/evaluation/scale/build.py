@@ -17,7 +17,8 @@ import torch
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from eagle.evaluation.scale.widen import Shape, Widener, check_family, widened_head_tensors, widened_model_tensors
+from eagle.evaluation.scale.widen import (UNTIED_FAMILIES, Shape, Widener, check_family, widened_head_tensors,
+                                          widened_model_tensors)
 
 logger = logging.getLogger(__name__)
 
@@ -92,6 +93,8 @@ def family_fields(shape: Shape, family: str) -> dict:
     """The config fields of ``family`` beyond a Llama config's: full attention everywhere, and for ``qwen2_moe``
     every layer sparse with the shape's experts, routing without renormalisation (as llama.cpp's qwen2moe)."""
     fields = {"use_sliding_window": False}
+    if family in UNTIED_FAMILIES:
+        fields["tie_word_embeddings"] = False
     if family == "qwen2_moe":
         fields.update(num_experts=shape.experts, num_experts_per_tok=shape.experts_per_token,
                       moe_intermediate_size=shape.expert_size, shared_expert_intermediate_size=shape.intermediate_size,
@@ -114,7 +117,7 @@ def widened_config(config, shape: Shape, widener: Widener, dtype: torch.dtype):
             setattr(out, field, value)
     else:
         shared = {field: fields[field] for field in SHARED_FIELDS if field in fields}
-        out = AutoConfig.for_model(widener.family, **shared, **sizes, **family_fields(shape, widener.family))
+        out = AutoConfig.for_model(widener.family, **{**shared, **sizes, **family_fields(shape, widener.family)})
     out.rms_norm_eps = widener.eps(config.rms_norm_eps)
     out.architectures = [ARCHITECTURES[widener.family]]
     out.dtype = dtype
@@ -129,7 +132,8 @@ def build_model(model, tokenizer, shape: Shape, directory: Path, dtype: torch.dt
     directory.mkdir(parents=True, exist_ok=True)
     tied = bool(getattr(model.config, "tie_word_embeddings", False))
     state = {name: tensor.detach() for name, tensor in model.state_dict().items()}
-    count = 2 + widener.tensors_per_layer() * shape.num_hidden_layers + (0 if tied else 1)
+    count = 2 + widener.tensors_per_layer() * shape.num_hidden_layers + (0 if tied and family not in UNTIED_FAMILIES
+                                                                         else 1)
     write_tensors(widened_model_tensors(state, widener, tied), directory, count, shard_bytes, f"model {shape.name}")
     widened_config(model.config, shape, widener, dtype).save_pretrained(directory)
     if model.generation_config is not None:

@@ -23,7 +23,8 @@ the bigger shape. The rules, for a source of hidden size ``h`` widened to ``H`` 
 - Extra layers are appended after the source's, so the layers an EAGLE-3 head reads keep their indices (the
   widened head's config names them, as the default ``[2, L // 2, L - 3]`` would move): random readers, zero
   ``o_proj`` and ``down_proj``, unit norms; each adds nothing to the residual.
-- A tied LM head stays tied (it reads the final normed state, zero in the extra dims).
+- A tied LM head stays tied (it reads the final normed state, zero in the extra dims), except in a family whose
+  llama.cpp architecture needs its own (``qwen2_moe``): a copy of the embedding, a reader like an untied head.
 
 The EAGLE-3 head is widened to the target's new shape with the same rules (a real head of a big model has its
 target's width): its residual is ``fc``'s output, so ``fc`` has zero rows in the extra dims and the source's
@@ -66,6 +67,9 @@ import torch
 
 #: the architectures a widened model is written as (see Families in the module docstring)
 FAMILIES = ("llama", "qwen2", "qwen2_moe")
+#: families whose llama.cpp architecture requires an LM head of its own (``output.weight``): a tied source's is
+#: written as a copy of the widened embedding's real columns
+UNTIED_FAMILIES = ("qwen2_moe",)
 
 
 @dataclass(frozen=True)
@@ -295,8 +299,8 @@ def widened_model_tensors(state: Mapping[str, torch.Tensor], widener: Widener, t
         yield from widener.attention(f"{prefix}self_attn.", view, widener.real, extra=extra)
         yield from (widener.moe if shape.experts else widener.mlp)(f"{prefix}mlp.", view, extra=extra)
     yield "model.norm.weight", widener.norm(state["model.norm.weight"])
-    if not tied:
-        head = state["lm_head.weight"]
+    if not tied or widener.family in UNTIED_FAMILIES:
+        head = state["lm_head.weight"] if "lm_head.weight" in state else embedding
         yield "lm_head.weight", widener.matrix("lm_head.weight", head, (head.shape[0], shape.hidden_size),
                                                torch.arange(head.shape[0]), widener.real, reader=True)
 
