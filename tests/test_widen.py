@@ -39,6 +39,18 @@ def load_pair(base, head):
                                    dtype=torch.float32, draft_dtype=torch.float32, gguf_kernels=False)
 
 
+def assert_same_function(source, wide):
+    """``wide`` gives ``source``'s logits (to float32 rounding) and greedy tokens on random prompts."""
+    generator = torch.Generator().manual_seed(0)
+    for length in (1, 7, 23):
+        ids = torch.randint(6, 128, (1, length), generator=generator)
+        with torch.no_grad():
+            expected, got = source(ids).logits, wide(ids).logits
+            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5 * float(expected.abs().max()))
+            greedy = dict(max_new_tokens=12, do_sample=False, pad_token_id=0)
+            assert wide.generate(ids, **greedy).tolist() == source.generate(ids, **greedy).tolist()
+
+
 @pytest.mark.parametrize("tied", [False, True])
 def test_widened_tiny_llama_gives_the_same_logits_and_greedy_tokens(tmp_path, tied):
     source = make_target(tmp_path / "base", "llama", layers=6, tie_word_embeddings=tied)
@@ -53,14 +65,7 @@ def test_widened_tiny_llama_gives_the_same_logits_and_greedy_tokens(tmp_path, ti
     assert (wide.model.embed_tokens.weight[:, 64:] == 0).all() and (layer.self_attn.o_proj.weight[64:] == 0).all()
     assert (layer.mlp.down_proj.weight[:, 128:] == 0).all() and (extra.mlp.down_proj.weight == 0).all()
     assert (layer.self_attn.q_proj.weight[:, 64:] != 0).all() and (layer.mlp.up_proj.weight[128:] != 0).all()
-    generator = torch.Generator().manual_seed(0)
-    for length in (1, 7, 23):
-        ids = torch.randint(6, 128, (1, length), generator=generator)
-        with torch.no_grad():
-            expected, got = source(ids).logits, wide(ids).logits
-            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5 * float(expected.abs().max()))
-            greedy = dict(max_new_tokens=12, do_sample=False, pad_token_id=0)
-            assert wide.generate(ids, **greedy).tolist() == source.generate(ids, **greedy).tolist()
+    assert_same_function(source, wide)
 
 
 def test_widened_tiny_pair_drafts_and_accepts_as_the_source_pair(tmp_path):
@@ -158,14 +163,7 @@ def test_widened_family_gives_the_same_logits_and_greedy_tokens(tmp_path, family
         source.config), shape)])
     assert (attention.q_proj.bias[real_q] == 0).all() and (attention.k_proj.bias[:32] == 0).all()
     assert (attention.v_proj.bias[:32] == 0).all() and (attention.q_proj.bias != 0).sum() == 192 - 64
-    generator = torch.Generator().manual_seed(0)
-    for length in (1, 7, 23):
-        ids = torch.randint(6, 128, (1, length), generator=generator)
-        with torch.no_grad():
-            expected, got = source(ids).logits, wide(ids).logits
-            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5 * float(expected.abs().max()))
-            greedy = dict(max_new_tokens=12, do_sample=False, pad_token_id=0)
-            assert wide.generate(ids, **greedy).tolist() == source.generate(ids, **greedy).tolist()
+    assert_same_function(source, wide)
 
 
 def test_widened_moe_routes_tokens_to_different_experts(tmp_path):
