@@ -127,7 +127,7 @@ def check_family(shape: Shape, family: str) -> None:
         kind = "a mixture-of-experts shape (experts > 0)" if family == "qwen2_moe" else "a dense shape (experts 0)"
         raise ValueError(f"The shape {shape.name!r} has {shape.experts} experts, but the family {family!r} needs "
                          f"{kind}.")
-    if shape.experts and not 0 < shape.experts_per_token <= shape.experts or shape.experts and shape.expert_size < 1:
+    if shape.experts and not (0 < shape.experts_per_token <= shape.experts and shape.expert_size > 0):
         raise ValueError(f"The shape {shape.name!r} chooses {shape.experts_per_token} of {shape.experts} experts of "
                          f"{shape.expert_size} units; expected 1..experts chosen and at least one unit.")
 
