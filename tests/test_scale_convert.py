@@ -175,3 +175,13 @@ def test_a_widened_family_converts_and_loads_natively(tiny_source, tmp_path, fam
             assert plain == expected
         else:
             assert model.eagenerate(ids, max_new_tokens=16)[0, 8:].tolist() == plain
+
+
+def test_bench_leaves_out_llama_cpp_eagle3_where_its_graph_cannot_feed_a_draft():
+    """The pinned llama.cpp's qwen2 / qwen2moe graphs record no layer inputs for an EAGLE-3 draft (llama-server
+    aborts), so a widened Qwen2 or Qwen2-MoE pair is benchmarked without that method; a Llama pair with all four."""
+    from eagle.evaluation.scale.bench import METHODS, bench_methods
+
+    assert bench_methods("llama") == METHODS
+    for family in ("qwen2", "qwen2_moe"):
+        assert bench_methods(family) == ("eagle", "plain", "llamacpp")
