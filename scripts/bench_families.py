@@ -123,8 +123,8 @@ def build_target(family: str, args):
 
 
 @dataclasses.dataclass
-class Path:
-    """One way to run the target's passes: its plan, its cache after the prompt, its timings."""
+class Route:
+    """One way to run the target's passes: its plan, its cache after the prompt, its timings (seconds per pass)."""
 
     plan: object
     cache: object
@@ -143,7 +143,7 @@ def tree_inputs(length: int) -> tuple[torch.Tensor, torch.Tensor]:
     return (length + depth).view(1, TREE), mask
 
 
-def timed_passes(target, path: Path, prompt_length: int, clock) -> torch.Tensor:
+def timed_passes(target, path: Route, prompt_length: int, clock) -> torch.Tensor:
     """Time one decode and one tree verification on ``path``, each after the prompt alone (the cache is cropped back
     to it); returns the decode's logits."""
     target.forward_plan = path.plan
@@ -172,10 +172,10 @@ def bench_family(family: str, args) -> dict:
             target.forward_plan = plan
             cache = target.new_cache(args.context + 2 * TREE)
             target.prefill(prompt, cache, features=False)
-            paths[name] = Path(plan, cache)
+            paths[name] = Route(plan, cache)
         logits = {name: timed_passes(target, path, args.context, CLOCKS[args.clock]) for name, path in paths.items()}
         for path in paths.values():  # the warm-up round is not counted
-            path.times = Path(None, None).times
+            path.times = {shape: [] for shape in path.times}
         for round_ in range(args.repeats):
             for name in (("native", "before") if round_ % 2 == 0 else ("before", "native")):
                 timed_passes(target, paths[name], args.context, CLOCKS[args.clock])
@@ -201,8 +201,7 @@ def table(results: dict) -> list[str]:
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] + " See the module docstring for the method.",
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--families", default=",".join(FAMILIES),
                    help=f"comma-separated families to time (default: all of {', '.join(FAMILIES)})")
     p.add_argument("--hidden", type=int, default=768, help="hidden size, a multiple of 64 (default 768)")
