@@ -52,7 +52,8 @@ Families (``FAMILIES``): the widened model can be written as another architectur
 - Qwen3 cannot carry the source's function: its per-head q/k RMSNorms read ``rms_norm_eps`` too, and with the
   residual's epsilon scaled by ``h / H`` (above) they cannot be made the identity on every input, so a Qwen3 shape
   would compute a different function and an EAGLE head trained on the source would not keep its acceptance. No
-  ``qwen3`` family is offered.
+  ``qwen3`` family is offered, not even as a shape for costs alone: transformers reads no head size from a Qwen3
+  GGUF (it keeps Qwen3's 128), so a shape with the source's heads of 64 would not load from its GGUF here.
 """
 
 from __future__ import annotations
@@ -111,9 +112,10 @@ SHAPES = {
     # Llama 3.1 8B's shape (hidden 4096, 32 layers, intermediate 14336) with heads of 64: 64 query / 16 KV heads;
     # ~7.2B parameters with SmolLM2's 49152-token tied vocabulary
     "8b": Shape("8b", 4096, 64, 16, 14336, 32),
-    # Qwen2-MoE (family qwen2_moe), ~2.0B parameters of which ~0.86B active per token: hidden 768, 12 query / 3 KV
-    # heads of 64, 30 layers (the source's), each 16 routed experts of 1408 units (top-4) and a shared expert of
-    # 5632 (Qwen1.5-MoE-A2.7B's expert widths, which transformers assumes for a qwen2moe GGUF)
+    # Qwen2-MoE (family qwen2_moe), ~2.07B parameters (1.99B in the layers) of which ~0.90B are read per token:
+    # hidden 768, 12 query / 3 KV heads of 64, 30 layers (the source's), each 16 routed experts of 1408 units
+    # (top-4) and a shared expert of 5632 (Qwen1.5-MoE-A2.7B's expert widths, which transformers assumes for a
+    # qwen2moe GGUF), an untied LM head
     "moe-2b": Shape("moe-2b", 768, 12, 3, 5632, 30, experts=16, experts_per_token=4, expert_size=1408),
 }
 
