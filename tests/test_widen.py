@@ -39,6 +39,18 @@ def load_pair(base, head):
                                    dtype=torch.float32, draft_dtype=torch.float32, gguf_kernels=False)
 
 
+def assert_same_function(source, wide):
+    """``wide`` gives ``source``'s logits (to float32 rounding) and greedy tokens on random prompts."""
+    generator = torch.Generator().manual_seed(0)
+    for length in (1, 7, 23):
+        ids = torch.randint(6, 128, (1, length), generator=generator)
+        with torch.no_grad():
+            expected, got = source(ids).logits, wide(ids).logits
+            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5 * float(expected.abs().max()))
+            greedy = dict(max_new_tokens=12, do_sample=False, pad_token_id=0)
+            assert wide.generate(ids, **greedy).tolist() == source.generate(ids, **greedy).tolist()
+
+
 @pytest.mark.parametrize("tied", [False, True])
 def test_widened_tiny_llama_gives_the_same_logits_and_greedy_tokens(tmp_path, tied):
     source = make_target(tmp_path / "base", "llama", layers=6, tie_word_embeddings=tied)
@@ -53,14 +65,7 @@ def test_widened_tiny_llama_gives_the_same_logits_and_greedy_tokens(tmp_path, ti
     assert (wide.model.embed_tokens.weight[:, 64:] == 0).all() and (layer.self_attn.o_proj.weight[64:] == 0).all()
     assert (layer.mlp.down_proj.weight[:, 128:] == 0).all() and (extra.mlp.down_proj.weight == 0).all()
     assert (layer.self_attn.q_proj.weight[:, 64:] != 0).all() and (layer.mlp.up_proj.weight[128:] != 0).all()
-    generator = torch.Generator().manual_seed(0)
-    for length in (1, 7, 23):
-        ids = torch.randint(6, 128, (1, length), generator=generator)
-        with torch.no_grad():
-            expected, got = source(ids).logits, wide(ids).logits
-            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5 * float(expected.abs().max()))
-            greedy = dict(max_new_tokens=12, do_sample=False, pad_token_id=0)
-            assert wide.generate(ids, **greedy).tolist() == source.generate(ids, **greedy).tolist()
+    assert_same_function(source, wide)
 
 
 def test_widened_tiny_pair_drafts_and_accepts_as_the_source_pair(tmp_path):
@@ -137,3 +142,57 @@ def test_a_head_that_does_not_match_its_config_is_refused(tmp_path):
     with pytest.raises(ValueError, match=r"HEAD_DIR has tensors a widening does not handle "
                                          r"\(midlayer.self_attn.q_proj.bias\)"):
         dict(widened_head_tensors(bias, widener))
+
+
+# The tiny Llama widened as Qwen2-MoE: 6 routed experts of 48 units (top-2) and a shared expert of 200 units.
+WIDER_MOE = Shape("wider-moe", 192, 12, 3, 200, 8, head_dim=16, experts=6, experts_per_token=2, expert_size=48)
+
+
+@pytest.mark.parametrize("family, shape", [("qwen2", WIDER), ("qwen2_moe", WIDER_MOE)])
+def test_widened_family_gives_the_same_logits_and_greedy_tokens(tmp_path, family, shape):
+    """Tied source embeddings: Qwen2 keeps them tied, Qwen2-MoE (llama.cpp's needs an output matrix) unties them."""
+    source = make_target(tmp_path / "base", "llama", layers=6, tie_word_embeddings=True)
+    make_head(tmp_path / "head", source)
+    model_dir, _ = build_pair(shape, tmp_path / "wide", str(tmp_path / "base"), str(tmp_path / "head"),
+                              dtype=torch.float32, family=family)
+    wide = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    assert wide.config.model_type == family and wide.config.num_hidden_layers == 8
+    assert wide.config.tie_word_embeddings == (family == "qwen2")
+    attention = wide.model.layers[0].self_attn
+    real_q = torch.cat([torch.arange(p * 16, p * 16 + 16) for p in query_head_positions(Shape.of_config(
+        source.config), shape)])
+    assert (attention.q_proj.bias[real_q] == 0).all() and (attention.k_proj.bias[:32] == 0).all()
+    assert (attention.v_proj.bias[:32] == 0).all() and (attention.q_proj.bias != 0).sum() == 192 - 64
+    assert_same_function(source, wide)
+
+
+def test_widened_moe_routes_tokens_to_different_experts(tmp_path):
+    """The routed experts are real work: every layer's router sends a prompt's tokens to more experts than one token
+    chooses, and the experts' matrices are read although they add nothing."""
+    source = make_target(tmp_path / "base", "llama", layers=6)
+    make_head(tmp_path / "head", source)
+    model_dir, _ = build_pair(WIDER_MOE, tmp_path / "wide", str(tmp_path / "base"), str(tmp_path / "head"),
+                              dtype=torch.float32, family="qwen2_moe")
+    wide = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    assert wide.config.norm_topk_prob is False and wide.config.num_experts == 6
+    chosen = [set() for _ in wide.model.layers]
+    hooks = [layer.mlp.gate.register_forward_hook(lambda _m, _i, out, seen=seen: seen.update(out[2].flatten().tolist()))
+             for layer, seen in zip(wide.model.layers, chosen)]
+    with torch.no_grad():
+        wide(torch.randint(6, 128, (1, 16), generator=torch.Generator().manual_seed(1)))
+    for hook in hooks:
+        hook.remove()
+    assert all(len(seen) > WIDER_MOE.experts_per_token for seen in chosen), chosen
+    mlp = wide.model.layers[0].mlp
+    assert (mlp.experts.gate_up_proj != 0).all() and (mlp.experts.down_proj == 0).all()
+    assert (mlp.shared_expert_gate.weight == 0).all()
+
+
+@pytest.mark.parametrize("family, shape, message", [
+    ("qwen2_moe", WIDER, "needs a mixture-of-experts shape"),
+    ("llama", WIDER_MOE, "needs a dense shape"),
+    ("qwen3", WIDER, "Unknown family 'qwen3'"),
+])
+def test_a_family_that_does_not_fit_the_shape_is_refused(tmp_path, family, shape, message):
+    with pytest.raises(ValueError, match=message):
+        build_pair(shape, tmp_path / "wide", str(tmp_path / "base"), str(tmp_path / "head"), family=family)

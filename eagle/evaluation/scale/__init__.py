@@ -8,6 +8,9 @@ Llama directory: config.json, generation_config.json, tokenizer files, safetenso
 llama.cpp's ``convert_hf_to_gguf.py`` turns the model directory into a GGUF file (f16) and ``llama-quantize``
 makes its Q4_K_M; the head directory loads with ``EaModel.from_pretrained(ea_model_path=...)``.
 
-:mod:`eagle.evaluation.scale.widen` holds the widening (the rules and the shapes, ``SHAPES``);
+``--family qwen2`` / ``--family qwen2_moe --shape moe-2b`` write the same function as a Qwen2 or a Qwen2-MoE model
+(``~/.cache/eagle/scale/<family>-<shape>``).
+
+:mod:`eagle.evaluation.scale.widen` holds the widening (the rules, the families and the shapes, ``SHAPES``);
 :mod:`eagle.evaluation.scale.build` writes the directories tensor by tensor.
 """

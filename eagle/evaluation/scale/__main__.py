@@ -7,7 +7,7 @@ import argparse
 import logging
 from pathlib import Path
 
-from eagle.evaluation.scale.widen import SHAPES
+from eagle.evaluation.scale.widen import FAMILIES, SHAPES
 
 CACHE = Path("~/.cache/eagle/scale")
 NUMERICS = ("auto", "float32", "int8")
@@ -15,7 +15,19 @@ NUMERICS = ("auto", "float32", "int8")
 
 def add_out(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shape", choices=sorted(SHAPES), required=True, help="the shape")
-    p.add_argument("--out", type=Path, default=None, help=f"the pair's directory (default: {CACHE}/<shape>)")
+    p.add_argument("--family", choices=FAMILIES, default="llama",
+                   help="architecture of the widened model (default llama; qwen2 adds q/k/v biases; qwen2_moe "
+                        "needs a mixture-of-experts shape such as moe-2b)")
+    p.add_argument("--out", type=Path, default=None,
+                   help=f"the pair's directory (default: {CACHE}/<shape>, {CACHE}/<family>-<shape> for another "
+                        "family than llama)")
+
+
+def default_out(args) -> Path:
+    """The pair's directory: ``--out``, or the cache's directory of the shape (and family)."""
+    if args.out is not None:
+        return args.out.expanduser()
+    return (CACHE / (args.shape if args.family == "llama" else f"{args.family}-{args.shape}")).expanduser()
 
 
 def add_conversion(p: argparse.ArgumentParser) -> None:
@@ -51,13 +63,16 @@ def add_bench(sub) -> None:
 
 def parser() -> argparse.ArgumentParser:
     shapes = "; ".join(f"{name}: hidden {s.hidden_size}, {s.num_attention_heads} query / {s.num_key_value_heads} "
-                       f"KV heads of {s.head_dim}, intermediate {s.intermediate_size}, {s.num_hidden_layers} layers"
-                       for name, s in SHAPES.items())
+                       f"KV heads of {s.head_dim}, " + (
+                           f"{s.experts} experts of {s.expert_size} (top-{s.experts_per_token}) and a shared expert "
+                           f"of {s.intermediate_size}" if s.experts else f"intermediate {s.intermediate_size}") +
+                       f", {s.num_hidden_layers} layers" for name, s in SHAPES.items())
     p = argparse.ArgumentParser(
         prog="python -m eagle.evaluation.scale",
-        description="Widen the embedded SmolLM2-135M-Instruct and its EAGLE-3 head into a bigger Llama shape that "
-                    "computes the same function (the same greedy tokens, the same acceptance) at the big shape's "
-                    "cost. The model directory is the input of llama.cpp's convert_hf_to_gguf.py.")
+        description="Widen the embedded SmolLM2-135M-Instruct and its EAGLE-3 head into a bigger Llama, Qwen2 or "
+                    "Qwen2-MoE shape (--family) that computes the same function (the same greedy tokens, the same "
+                    "acceptance) at the big shape's cost. The model directory is the input of llama.cpp's "
+                    "convert_hf_to_gguf.py.")
     sub = p.add_subparsers(dest="command", required=True)
     build = sub.add_parser("build", help="write the widened pair: DIR/model (Hugging Face) and DIR/head (EAGLE-3)",
                            description="Write the widened pair tensor by tensor: DIR/model, a Hugging Face Llama "
@@ -118,7 +133,7 @@ def bench(args, out: Path) -> None:
 def main(argv: list[str] | None = None) -> None:
     args = parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    out = (args.out if args.out is not None else CACHE / args.shape).expanduser()
+    out = default_out(args)
     try:
         if args.command == "build":
             build(args, out)
@@ -138,7 +153,8 @@ def build(args, out: Path) -> None:
     from eagle.evaluation.scale.build import DTYPES, build_pair
 
     model_dir, head_dir = build_pair(SHAPES[args.shape], out, args.base_model_path, args.ea_model_path,
-                                     DTYPES[args.dtype], args.seed, int(args.shard_gb * 2**30), args.force)
+                                     DTYPES[args.dtype], args.seed, int(args.shard_gb * 2**30), args.force,
+                                     args.family)
     print(f"model: {model_dir}\nhead: {head_dir}")
     if args.convert:
         convert(args, out)

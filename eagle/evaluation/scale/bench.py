@@ -39,6 +39,18 @@ KS = (1, 2, 4, 8, 16, 32)
 CONTEXT = 256
 BANDWIDTH_BYTES = 1 << 30  # larger than any last-level cache of a CPU this runs on
 METHODS = ("eagle", "plain", "llamacpp", "llamacpp_eagle3")
+#: the widening families whose graph in the pinned llama.cpp records the layer inputs an EAGLE-3 draft reads (its
+#: qwen2 and qwen2moe graphs do not: llama-server aborts on "layer input tensor is null"); the others run without
+#: ``llamacpp_eagle3``
+LLAMACPP_EAGLE3_FAMILIES = ("llama",)
+
+
+def bench_methods(family: str = "llama") -> tuple[str, ...]:
+    """The generation methods ``bench`` runs on a pair of ``family``."""
+    if family in LLAMACPP_EAGLE3_FAMILIES:
+        return METHODS
+    logger.warning("llama.cpp's %s graph gives an EAGLE-3 draft no layer inputs: llamacpp_eagle3 is left out.", family)
+    return tuple(method for method in METHODS if method != "llamacpp_eagle3")
 
 
 def read_bandwidth(threads: int, nbytes: int = BANDWIDTH_BYTES, repeats: int = 3) -> dict:
@@ -127,11 +139,12 @@ def llama_cost(model_gguf: Path, threads: int, ks=KS, steps: int = 4) -> dict | 
 
 
 def run_benchmark(model_gguf: Path, head_dir: Path, args) -> dict:
-    """The four generation methods through :func:`eagle.evaluation.benchmark.run`."""
+    """The generation methods (:func:`bench_methods`) through :func:`eagle.evaluation.benchmark.run`."""
     from eagle.evaluation import benchmark
 
     argv = ["--base-model-path", str(model_gguf), "--ea-model-path", str(head_dir), "--use-eagle3",
-            "--gguf-kernels", args.numerics, "--methods", ",".join(METHODS), "--num-questions",
+            "--gguf-kernels", args.numerics, "--methods", ",".join(bench_methods(getattr(args, "family", "llama"))),
+            "--num-questions",
             str(args.num_questions), "--max-new-tokens", str(args.max_new_tokens), "--llamacpp-threads",
             str(args.threads), "--output-dir", str(args.output_dir / "benchmark")]
     return benchmark.run(benchmark.build_parser().parse_args(argv))
@@ -170,7 +183,8 @@ def bench(args) -> dict:
     files = converted_files(args.out, args.quant)
     torch.set_num_threads(args.threads)
     args.output_dir.mkdir(parents=True, exist_ok=True)
-    result = {"shape": args.shape, "quant": args.quant, "numerics": args.numerics, "threads": args.threads,
+    result = {"shape": args.shape, "family": getattr(args, "family", "llama"), "quant": args.quant,
+              "numerics": args.numerics, "threads": args.threads,
               "model_file": files["model"].name, "model_file_bytes": files["model"].stat().st_size}
     result["ours"] = ours(files["model"], files["head_dir"], args.numerics)  # first: the process's peak is the load's
     logger.info("Measuring the read bandwidth")

@@ -17,7 +17,8 @@ import torch
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from eagle.evaluation.scale.widen import Shape, Widener, widened_head_tensors, widened_model_tensors
+from eagle.evaluation.scale.widen import (UNTIED_FAMILIES, Shape, Widener, check_family, widened_head_tensors,
+                                          widened_model_tensors)
 
 logger = logging.getLogger(__name__)
 
@@ -81,28 +82,58 @@ def load_source(base_model_path: str):
     return model, tokenizer
 
 
+#: each family's transformers class
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM"}
+#: what a Llama config and the other families' configs share
+SHARED_FIELDS = ("vocab_size", "hidden_act", "max_position_embeddings", "initializer_range", "rope_parameters",
+                 "tie_word_embeddings", "bos_token_id", "eos_token_id", "pad_token_id", "attention_dropout")
+
+
+def family_fields(shape: Shape, family: str) -> dict:
+    """The config fields of ``family`` beyond a Llama config's: full attention everywhere, and for ``qwen2_moe``
+    every layer sparse with the shape's experts, routing without renormalisation (as llama.cpp's qwen2moe)."""
+    fields = {"use_sliding_window": False}
+    if family in UNTIED_FAMILIES:
+        fields["tie_word_embeddings"] = False
+    if family == "qwen2_moe":
+        fields.update(num_experts=shape.experts, num_experts_per_tok=shape.experts_per_token,
+                      moe_intermediate_size=shape.expert_size, shared_expert_intermediate_size=shape.intermediate_size,
+                      norm_topk_prob=False, decoder_sparse_step=1, mlp_only_layers=[], qkv_bias=True)
+    return fields
+
+
 def widened_config(config, shape: Shape, widener: Widener, dtype: torch.dtype):
-    """A copy of the source's transformers config with the widened sizes and RMSNorm epsilon."""
+    """The widened model's transformers config: the source's (a copy, or for another family its shared fields) with
+    the widened sizes and RMSNorm epsilon."""
+    from transformers import AutoConfig
+
     fields = config.to_dict()
     fields.pop("quantization_config", None)  # transformers' record of a GGUF source: the weights are plain here
-    out = config.__class__.from_dict(fields)
-    for field in ("hidden_size", "num_attention_heads", "num_key_value_heads", "intermediate_size",
-                  "num_hidden_layers", "head_dim"):
-        setattr(out, field, getattr(shape, field))
+    sizes = {field: getattr(shape, field) for field in ("hidden_size", "num_attention_heads", "num_key_value_heads",
+                                                         "intermediate_size", "num_hidden_layers", "head_dim")}
+    if widener.family == "llama":
+        out = config.__class__.from_dict(fields)
+        for field, value in sizes.items():
+            setattr(out, field, value)
+    else:
+        shared = {field: fields[field] for field in SHARED_FIELDS if field in fields}
+        out = AutoConfig.for_model(widener.family, **{**shared, **sizes, **family_fields(shape, widener.family)})
     out.rms_norm_eps = widener.eps(config.rms_norm_eps)
-    out.architectures = ["LlamaForCausalLM"]
+    out.architectures = [ARCHITECTURES[widener.family]]
     out.dtype = dtype
     return out
 
 
 def build_model(model, tokenizer, shape: Shape, directory: Path, dtype: torch.dtype, seed: int,
-                shard_bytes: int) -> Widener:
-    """Write the widened model, its config, generation config and tokenizer to ``directory``."""
-    widener = Widener(Shape.of_config(model.config), shape, seed, dtype, str(model.config.name_or_path))
+                shard_bytes: int, family: str = "llama") -> Widener:
+    """Write the widened model (an architecture of ``family``), its config, generation config and tokenizer to
+    ``directory``."""
+    widener = Widener(Shape.of_config(model.config), shape, seed, dtype, str(model.config.name_or_path), family)
     directory.mkdir(parents=True, exist_ok=True)
     tied = bool(getattr(model.config, "tie_word_embeddings", False))
     state = {name: tensor.detach() for name, tensor in model.state_dict().items()}
-    count = 2 + 9 * shape.num_hidden_layers + (0 if tied else 1)
+    count = 2 + widener.tensors_per_layer() * shape.num_hidden_layers + (0 if tied and family not in UNTIED_FAMILIES
+                                                                         else 1)
     write_tensors(widened_model_tensors(state, widener, tied), directory, count, shard_bytes, f"model {shape.name}")
     widened_config(model.config, shape, widener, dtype).save_pretrained(directory)
     if model.generation_config is not None:
@@ -145,13 +176,15 @@ def widened_head_config(config: dict, shape: Shape, widener: Widener, target: Sh
 def build_head(ea_model_path: str, target: Shape, shape: Shape, directory: Path, dtype: torch.dtype, seed: int
                ) -> None:
     """Write the widened EAGLE-3 head (config.json and model.safetensors) to ``directory``; ``target``: the source
-    model's shape, ``shape``: the widened one (the head takes its width, heads and intermediate size)."""
+    model's shape, ``shape``: the widened one (the head takes its width, heads and intermediate size: a mixture of
+    experts' shared expert width)."""
     from eagle.model.heads.checkpoint import load_head_state_dict
     from eagle.model.heads.loading import load_raw_head_config
 
     config = load_raw_head_config(ea_model_path)
     source = head_source_shape(config, ea_model_path, target)
-    widener = Widener(source, dataclasses.replace(shape, num_hidden_layers=1), seed + 1, dtype, ea_model_path)
+    layer = dataclasses.replace(shape, num_hidden_layers=1, experts=0, experts_per_token=0, expert_size=0)
+    widener = Widener(source, layer, seed + 1, dtype, ea_model_path)  # a Llama layer, dense, without biases
     state = {name: tensor.float() if tensor.is_floating_point() else tensor
              for name, tensor in load_head_state_dict(ea_model_path).items()}
     directory.mkdir(parents=True, exist_ok=True)
@@ -161,18 +194,28 @@ def build_head(ea_model_path: str, target: Shape, shape: Shape, directory: Path,
     (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 
+def build_record(shape: Shape, family: str, base_model_path, ea_model_path, dtype: torch.dtype, seed: int) -> dict:
+    """What ``widening.json`` records of a build (a Llama pair's record names no family and no experts)."""
+    fields = {k: v for k, v in dataclasses.asdict(shape).items()
+              if v or k not in ("experts", "experts_per_token", "expert_size")}
+    record = {"shape": fields, "base_model_path": str(base_model_path), "ea_model_path": str(ea_model_path),
+              "dtype": str(dtype).removeprefix("torch."), "seed": seed}
+    return record if family == "llama" else {**record, "family": family}
+
+
 def build_pair(shape: Shape, out: str | os.PathLike, base_model_path: str | None = None,
                ea_model_path: str | None = None, dtype: torch.dtype = torch.float16, seed: int = 0,
-               shard_bytes: int = 2 * 2**30, force: bool = False) -> tuple[Path, Path]:
-    """Build the widened pair under ``out`` (``out/model``: a Hugging Face model directory; ``out/head``: its
-    EAGLE-3 head) from a Llama model and its head (default: the embedded pair). A pair already built there with the
-    same settings (its ``widening.json``) is kept unless ``force``. Returns ``(model_dir, head_dir)``."""
+               shard_bytes: int = 2 * 2**30, force: bool = False, family: str = "llama") -> tuple[Path, Path]:
+    """Build the widened pair under ``out`` (``out/model``: a Hugging Face model directory of ``family``'s
+    architecture; ``out/head``: its EAGLE-3 head) from a Llama model and its head (default: the embedded pair). A
+    pair already built there with the same settings (its ``widening.json``) is kept unless ``force``. Returns
+    ``(model_dir, head_dir)``."""
     from eagle.defaults import resolve_model_paths
 
+    check_family(shape, family)
     base_model_path, ea_model_path = resolve_model_paths(base_model_path, ea_model_path)
     out = Path(out).expanduser()
-    record = {"shape": dataclasses.asdict(shape), "base_model_path": str(base_model_path),
-              "ea_model_path": str(ea_model_path), "dtype": str(dtype).removeprefix("torch."), "seed": seed}
+    record = build_record(shape, family, base_model_path, ea_model_path, dtype, seed)
     model_dir, head_dir = out / "model", out / "head"
     if not force and (out / RECORD).is_file() and json.loads((out / RECORD).read_text()) == record:
         logger.info("The widened pair %s is already built in %s", shape.name, out)
@@ -185,7 +228,7 @@ def build_pair(shape: Shape, out: str | os.PathLike, base_model_path: str | None
     logger.info("Loading the source model %s", base_model_path)
     model, tokenizer = load_source(base_model_path)
     source = Shape.of_config(model.config)
-    build_model(model, tokenizer, shape, model_dir, dtype, seed, shard_bytes)
+    build_model(model, tokenizer, shape, model_dir, dtype, seed, shard_bytes, family)
     del model
     build_head(ea_model_path, source, shape, head_dir, dtype, seed)
     (out / RECORD).write_text(json.dumps(record, indent=2) + "\n")

@@ -27,6 +27,28 @@ CONVERTER_MODULES = ("sentencepiece", "yaml")  # what convert_hf_to_gguf.py impo
 OUTTYPES = ("f16", "bf16")
 RECORD = "conversion.json"
 INSTALL_HINT = "pip install -r requirements-scale.txt"
+# Runs convert_hf_to_gguf.py (argv[1], its arguments after it) with two changes for a widened Qwen2 / Qwen2-MoE:
+# - transformers' AutoTokenizer reads the directory's tokenizer.json as written. For a Qwen2 or Qwen2-MoE model type
+#   transformers 5 builds Qwen2's own tokenizer (Qwen2's pre-tokenizer over the vocabulary) instead, whose
+#   pre-tokenizer the converter does not recognise for SmolLM2's vocabulary; as written it is SmolLM2's ("smollm").
+# - the shared expert's gate, (1, hidden) in transformers, is written as a vector, the shape llama.cpp's qwen2moe
+#   reads ({n_embd}) and the one transformers' GGUF loader expects (it adds the leading 1; a (1, hidden) tensor
+#   becomes (1, 1, hidden) there and the model does not load).
+CONVERTER_SHIM = """
+import os, runpy, sys, transformers
+from transformers.tokenization_utils_tokenizers import TokenizersBackend
+transformers.AutoTokenizer.from_pretrained = TokenizersBackend.from_pretrained
+sys.argv = sys.argv[1:]
+sys.path.insert(0, os.path.dirname(sys.argv[0]))
+from conversion import qwen
+modify = qwen.Qwen2MoeModel.modify_tensors
+def modify_tensors(self, data, name, bid):
+    if name.endswith("shared_expert_gate.weight"):
+        data = data.reshape(-1)
+    return modify(self, data, name, bid)
+qwen.Qwen2MoeModel.modify_tensors = modify_tensors
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
 
 
 def llama_cpp_cache() -> Path:
@@ -128,8 +150,9 @@ def convert_pair(out: str | os.PathLike, outtype: str = "f16", quant: str = "Q4_
     done.unlink(missing_ok=True)
     peaks = {}
     if force or previous.get("pair") != record["pair"] or not paths["intermediate"].is_file():  # none of this pair
-        peaks["convert"] = run_step([sys.executable, str(find_converter()), str(out / "model"), "--outtype", outtype,
-                                     "--outfile", str(paths["intermediate"])], "convert_hf_to_gguf.py")
+        shim = [] if record["pair"].get("family", "llama") == "llama" else ["-c", CONVERTER_SHIM]
+        peaks["convert"] = run_step([sys.executable, *shim, str(find_converter()), str(out / "model"), "--outtype",
+                                     outtype, "--outfile", str(paths["intermediate"])], "convert_hf_to_gguf.py")
     peaks["quantize"] = run_step([str(find_llama_tool("llama-quantize")), str(paths["intermediate"]),
                                   str(paths["model"]), quant, str(threads or os.cpu_count() or 1)], "llama-quantize")
     if not keep_intermediate:

@@ -1,4 +1,5 @@
-"""Function-preserving widening of a Llama-architecture model and of its EAGLE-3 head into a bigger Llama shape.
+"""Function-preserving widening of a Llama-architecture model and of its EAGLE-3 head into a bigger shape of the
+Llama, Qwen2 or Qwen2-MoE architecture (see Families below).
 
 The widened model computes exactly the function of the source model (up to float rounding): its greedy tokens are
 the source's, so an EAGLE head keeps its acceptance while every forward pass reads and multiplies the weights of
@@ -22,7 +23,8 @@ the bigger shape. The rules, for a source of hidden size ``h`` widened to ``H`` 
 - Extra layers are appended after the source's, so the layers an EAGLE-3 head reads keep their indices (the
   widened head's config names them, as the default ``[2, L // 2, L - 3]`` would move): random readers, zero
   ``o_proj`` and ``down_proj``, unit norms; each adds nothing to the residual.
-- A tied LM head stays tied (it reads the final normed state, zero in the extra dims).
+- A tied LM head stays tied (it reads the final normed state, zero in the extra dims), except in a family whose
+  llama.cpp architecture needs its own (``qwen2_moe``): a copy of the embedding, a reader like an untied head.
 
 The EAGLE-3 head is widened to the target's new shape with the same rules (a real head of a big model has its
 target's width): its residual is ``fc``'s output, so ``fc`` has zero rows in the extra dims and the source's
@@ -30,6 +32,28 @@ columns of each of the three target features at ``k * H .. k * H + h``; the deco
 ``cat(embedding, hidden)`` of ``2 H`` dims, the source's columns at ``0..h`` and ``H..H + h``. Its hidden size then
 equals the target's, so it ships no embedding and uses the widened target's (zero extra columns), as the source head
 does. ``d2t``/``t2d`` are unchanged.
+
+Families (``FAMILIES``): the widened model can be written as another architecture that holds the same function.
+
+- ``llama``: ``LlamaForCausalLM`` (the source's own).
+- ``qwen2``: ``Qwen2ForCausalLM``, which adds ``q/k/v`` biases. Rows a real query head computes or a real KV head
+  holds (a real KV head is shared by real and extra query heads) get zero bias; the extra heads' rows, whose outputs
+  ``o_proj`` drops, get small random biases, so a bias is read and added as in a real Qwen2.
+- ``qwen2_moe``: ``Qwen2MoeForCausalLM``, every layer a mixture of experts (softmax top-k routing without
+  renormalisation, ``norm_topk_prob`` false as llama.cpp's ``qwen2moe`` computes it, plus a shared expert under a
+  sigmoid gate). The source's MLP becomes the shared expert widened to ``intermediate_size`` with its ``down_proj``
+  doubled, and ``shared_expert_gate`` is zero: ``sigmoid(0) * 2 = 1`` exactly (a power of two). Routed experts have
+  random ``gate/up`` rows and an all-zero ``down_proj`` (rows in the real dims would change the output, rows in the
+  extra dims would break the residual's zero extra dims that the RMSNorm rule needs), so they add nothing yet are
+  read as a real MoE's are; the router is random over every dim, so the experts chosen depend on the token and
+  ``k`` verified tokens touch different experts. transformers reads no expert widths from a ``qwen2moe`` GGUF (it
+  keeps ``moe_intermediate_size`` 1408 and ``shared_expert_intermediate_size`` 5632), so the shapes meant for a GGUF
+  use those widths.
+- Qwen3 cannot carry the source's function: its per-head q/k RMSNorms read ``rms_norm_eps`` too, and with the
+  residual's epsilon scaled by ``h / H`` (above) they cannot be made the identity on every input, so a Qwen3 shape
+  would compute a different function and an EAGLE head trained on the source would not keep its acceptance. No
+  ``qwen3`` family is offered, not even as a shape for costs alone: transformers reads no head size from a Qwen3
+  GGUF (it keeps Qwen3's 128), so a shape with the source's heads of 64 would not load from its GGUF here.
 """
 
 from __future__ import annotations
@@ -42,9 +66,18 @@ from typing import Iterator, Mapping
 import torch
 
 
+#: the architectures a widened model is written as (see Families in the module docstring)
+FAMILIES = ("llama", "qwen2", "qwen2_moe")
+#: families whose llama.cpp architecture requires an LM head of its own (``output.weight``): a tied source's is
+#: written as a copy of the widened embedding's real columns
+UNTIED_FAMILIES = ("qwen2_moe",)
+
+
 @dataclass(frozen=True)
 class Shape:
-    """A Llama shape to widen into (``head_dim`` must be the source's)."""
+    """A shape to widen into (``head_dim`` must be the source's). ``experts`` > 0: a mixture of experts (family
+    ``qwen2_moe``) of ``experts`` routed experts of ``expert_size`` units, ``experts_per_token`` chosen per token, and
+    a shared expert of ``intermediate_size`` units."""
 
     name: str
     hidden_size: int
@@ -53,6 +86,9 @@ class Shape:
     intermediate_size: int
     num_hidden_layers: int
     head_dim: int = 64
+    experts: int = 0
+    experts_per_token: int = 0
+    expert_size: int = 0
 
     @classmethod
     def of_config(cls, config, name: str = "source") -> "Shape":
@@ -76,7 +112,26 @@ SHAPES = {
     # Llama 3.1 8B's shape (hidden 4096, 32 layers, intermediate 14336) with heads of 64: 64 query / 16 KV heads;
     # ~7.2B parameters with SmolLM2's 49152-token tied vocabulary
     "8b": Shape("8b", 4096, 64, 16, 14336, 32),
+    # Qwen2-MoE (family qwen2_moe), ~2.07B parameters (1.99B in the layers) of which ~0.90B are read per token:
+    # hidden 768, 12 query / 3 KV heads of 64, 30 layers (the source's), each 16 routed experts of 1408 units
+    # (top-4) and a shared expert of 5632 (Qwen1.5-MoE-A2.7B's expert widths, which transformers assumes for a
+    # qwen2moe GGUF), an untied LM head
+    "moe-2b": Shape("moe-2b", 768, 12, 3, 5632, 30, experts=16, experts_per_token=4, expert_size=1408),
 }
+
+
+def check_family(shape: Shape, family: str) -> None:
+    """Raise a ValueError unless ``family`` is one of :data:`FAMILIES` and ``shape`` is of its kind (a mixture of
+    experts exactly for ``qwen2_moe``)."""
+    if family not in FAMILIES:
+        raise ValueError(f"Unknown family {family!r}; expected one of {', '.join(FAMILIES)}.")
+    if (family == "qwen2_moe") != (shape.experts > 0):
+        kind = "a mixture-of-experts shape (experts > 0)" if family == "qwen2_moe" else "a dense shape (experts 0)"
+        raise ValueError(f"The shape {shape.name!r} has {shape.experts} experts, but the family {family!r} needs "
+                         f"{kind}.")
+    if shape.experts and not (0 < shape.experts_per_token <= shape.experts and shape.expert_size > 0):
+        raise ValueError(f"The shape {shape.name!r} chooses {shape.experts_per_token} of {shape.experts} experts of "
+                         f"{shape.expert_size} units; expected 1..experts chosen and at least one unit.")
 
 
 def check_widening(source: Shape, shape: Shape) -> None:
@@ -114,9 +169,11 @@ class Widener:
     """Builds widened tensors one at a time from source tensors (float32), deterministic for a seed."""
 
     def __init__(self, source: Shape, shape: Shape, seed: int = 0, dtype: torch.dtype = torch.float32,
-                 origin: str = "the source"):
+                 origin: str = "the source", family: str = "llama"):
         check_widening(source, shape)
-        self.source, self.shape, self.seed, self.dtype = source, shape, seed, dtype
+        check_family(shape, family)
+        self.source, self.shape, self.seed, self.dtype, self.family = source, shape, seed, dtype, family
+        self.biases = family in ("qwen2", "qwen2_moe")  # q/k/v biases
         self.origin = origin  # named in errors: the file or directory the source tensors come from
         hd = source.head_dim
         self.q_rows = unit_index(query_head_positions(source, shape), hd)
@@ -174,9 +231,42 @@ class Widener:
             name, weight = f"{prefix}{proj}.weight", src[f"{prefix}{proj}.weight"]
             yield name, (self.random(name, sizes[proj], weight).to(self.dtype) if extra
                          else self.matrix(name, weight, sizes[proj], rows, input_cols, reader=True))
+        if self.biases:
+            for proj, rows in (("q_proj", self.q_rows), ("k_proj", self.kv_rows), ("v_proj", self.kv_rows)):
+                yield f"{prefix}{proj}.bias", self.bias(f"{prefix}{proj}.bias", sizes[proj][0],
+                                                        torch.arange(0) if extra else rows)
         name = f"{prefix}o_proj.weight"
         yield name, (torch.zeros(sizes["o_proj"], dtype=self.dtype) if extra
                      else self.matrix(name, src[name], sizes["o_proj"], self.real, self.q_rows, reader=False))
+
+    def bias(self, name: str, size: int, real_rows: torch.Tensor) -> torch.Tensor:
+        """A q/k/v bias: zero on ``real_rows`` (what real query heads compute or read), small random values on the
+        extra heads' rows (their outputs are dropped by ``o_proj``)."""
+        out = self.random(name, (1, size), torch.zeros(0))[0]
+        out[real_rows] = 0
+        return out.to(self.dtype)
+
+    def tensors_per_layer(self) -> int:
+        """How many tensors :func:`widened_model_tensors` writes per decoder layer."""
+        mlp = 7 if self.shape.experts else 3  # router, 2 stacked expert tensors, shared expert (3), its gate
+        return 2 + 4 + (3 if self.biases else 0) + mlp
+
+    def moe(self, prefix: str, src: Mapping[str, torch.Tensor], extra: bool = False
+            ) -> Iterator[tuple[str, torch.Tensor]]:
+        """A Qwen2-MoE layer's MLP (``prefix`` ends with ``mlp.``) from the source's dense MLP ``src`` (names
+        ``{prefix}gate_proj.weight`` ...): the shared expert holds it with ``down_proj`` doubled under a zero gate;
+        the routed experts and the router are random readers, the experts' ``down_proj`` zero."""
+        s, like = self.shape, src[f"{prefix}gate_proj.weight"]
+        name = f"{prefix}gate.weight"
+        yield name, self.random(name, (s.experts, s.hidden_size), like).to(self.dtype)
+        name = f"{prefix}experts.gate_up_proj"
+        yield name, self.random(name, (s.experts * 2 * s.expert_size, s.hidden_size), like).view(
+            s.experts, 2 * s.expert_size, s.hidden_size).to(self.dtype)
+        yield f"{prefix}experts.down_proj", torch.zeros((s.experts, s.hidden_size, s.expert_size), dtype=self.dtype)
+        shared = {name.replace(prefix, f"{prefix}shared_expert."): tensor for name, tensor in src.items()}
+        for name, tensor in self.mlp(f"{prefix}shared_expert.", shared, extra=extra):
+            yield name, tensor * 2 if name.endswith("down_proj.weight") else tensor
+        yield f"{prefix}shared_expert_gate.weight", torch.zeros((1, s.hidden_size), dtype=self.dtype)
 
     def mlp(self, prefix: str, src: Mapping[str, torch.Tensor], extra: bool = False
             ) -> Iterator[tuple[str, torch.Tensor]]:
@@ -193,7 +283,8 @@ class Widener:
 
 def widened_model_tensors(state: Mapping[str, torch.Tensor], widener: Widener, tied: bool
                           ) -> Iterator[tuple[str, torch.Tensor]]:
-    """The widened model's tensors (transformers' Llama names), one at a time, from the source's ``state``."""
+    """The widened model's tensors (transformers' names of the widener's family), one at a time, from the source's
+    ``state``."""
     src, shape = widener.source, widener.shape
     embedding = state["model.embed_tokens.weight"]
     yield "model.embed_tokens.weight", widener.matrix(
@@ -208,10 +299,10 @@ def widened_model_tensors(state: Mapping[str, torch.Tensor], widener: Widener, t
         for norm in ("input_layernorm", "post_attention_layernorm"):
             yield f"{prefix}{norm}.weight", widener.norm(None if extra else view[f"{prefix}{norm}.weight"])
         yield from widener.attention(f"{prefix}self_attn.", view, widener.real, extra=extra)
-        yield from widener.mlp(f"{prefix}mlp.", view, extra=extra)
+        yield from (widener.moe if shape.experts else widener.mlp)(f"{prefix}mlp.", view, extra=extra)
     yield "model.norm.weight", widener.norm(state["model.norm.weight"])
-    if not tied:
-        head = state["lm_head.weight"]
+    if not tied or widener.family in UNTIED_FAMILIES:
+        head = state["lm_head.weight"] if "lm_head.weight" in state else embedding
         yield "lm_head.weight", widener.matrix("lm_head.weight", head, (head.shape[0], shape.hidden_size),
                                                torch.arange(head.shape[0]), widener.real, reader=True)
 
