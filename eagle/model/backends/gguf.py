@@ -294,11 +294,16 @@ def convert_gguf_model(model: nn.Module, gguf_path: str, numerics: str = "float3
 
 # ------------------------------------------------------------------------------------------------ direct loading
 # transformers' per-tensor GGUF processors that read one tensor alone (no other tensor, no state across tensors):
-# the float parameters of a model built without float weights go through them one at a time.
-_PER_TENSOR_PROCESSORS = ("TensorProcessor", "LlamaTensorProcessor", "Gemma2TensorProcessor", "NemotronTensorProcessor")
+# the float parameters of a model built without float weights go through them one at a time. Qwen2-MoE's merges a
+# layer's stacked gate and up experts into one parameter, but only those: a direct load puts the experts on the
+# kernels from the file's blocks (:mod:`eagle.model.backends.gguf_experts`) and never builds that parameter; every
+# other tensor it processes alone.
+_PER_TENSOR_PROCESSORS = ("TensorProcessor", "LlamaTensorProcessor", "Gemma2TensorProcessor", "NemotronTensorProcessor",
+                          "Qwen2MoeTensorProcessor")
 # The GGUF architectures whose direct load is tested bit for bit against the float32-then-convert path (the embedded
-# SmolLM2 file, Gemma 3 270M Q4_K_M); other architectures load through the float32 model until a test covers them.
-DIRECT_ARCHITECTURES = ("llama", "gemma3")
+# SmolLM2 file, Gemma 3 270M Q4_K_M, tiny random Qwen2, Qwen3, Qwen2-MoE and Qwen3-MoE files); other architectures
+# load through the float32 model until a test covers them. A Mistral GGUF says ``llama``.
+DIRECT_ARCHITECTURES = ("llama", "gemma3", "qwen2", "qwen3", "qwen2moe", "qwen3moe")
 
 
 def direct_processor(architecture: str, config):
