@@ -91,11 +91,14 @@ def load_base(base_model_path, gguf_kernels, kwargs: dict):
     return model, tokenizer, resolve_gguf_kernels(gguf_kernels, base_model_path, model), None
 
 
-def load_draft_head(ea_model_path, base_model, use_eagle3: bool, head_dtype, count: int | None,
-                    keep_linear_dtype: bool = False):
-    """``(head or None, loaded)``: the draft head at ``ea_model_path`` (None: no head) and, for a base model loaded
-    straight into the kernels (``count`` modules on them), the ``loaded`` of :func:`apply_gguf_kernels`.
-    ``keep_linear_dtype``: a head quantized next (:func:`eagle.model.heads.loading.load_ea_layer`)."""
+def load_draft_head(ea_model_path, base_model, use_eagle3: bool, draft_dtype, numerics, count: int | None):
+    """``(head or None, loaded)``: the draft head at ``ea_model_path`` (None: no head), in the dtype
+    ``draft_dtype`` loads it in with the target on the kernels in ``numerics`` (None: not on them), its linear
+    weights in the checkpoint's dtype where it is quantized next (:func:`eagle.model.heads.loading.load_ea_layer`);
+    and, for a base model loaded straight into the kernels (``count`` modules on them), the ``loaded`` of
+    :func:`apply_gguf_kernels`."""
+    head_dtype = draft_load_dtype(draft_dtype, numerics is not None)
+    keep_linear_dtype = quantized_at_load(draft_dtype, numerics is not None)
     if ea_model_path is None:
         return None, None if count is None else (count, None)
     if count is None:
@@ -197,9 +200,8 @@ def load_pretrained(cls, *, use_eagle3: bool | None, base_model_path, ea_model_p
     check_tree_arguments(**tree)  # invalid settings fail before loading
     base_model_path, ea_model_path = model_paths(base_model_path, ea_model_path, kwargs, load_head)
     base_model, tokenizer, numerics, count = load_base(base_model_path, gguf_kernels, kwargs)
-    head_dtype = draft_load_dtype(draft_dtype, numerics is not None)
-    ea_layer, loaded = load_draft_head(ea_model_path if load_head else None, base_model, use_eagle3, head_dtype, count,
-                                       quantized_at_load(draft_dtype, numerics is not None))
+    ea_layer, loaded = load_draft_head(ea_model_path if load_head else None, base_model, use_eagle3, draft_dtype,
+                                       numerics, count)
     head_config = {} if ea_layer is None else ea_layer.config
     device = base_model.get_input_embeddings().weight.device
     backend = kernel_backend(numerics)  # the kernels' costs call for a tree of their own
