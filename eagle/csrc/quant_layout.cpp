@@ -33,7 +33,8 @@ void unpack_k4_scales(const uint8_t* s, uint8_t* sc, uint8_t* mn) {
 }
 
 // One native block (unit) -> codes and raw parameters of unit index `b` of the column.
-void native_unit(const TypeInfo& t, const uint8_t* p, int64_t b, Column& c) {
+// Inlined into the per-type loops below, where `t` is a compile-time constant and its branches fold away.
+[[gnu::always_inline]] inline void native_unit(const TypeInfo& t, const uint8_t* p, int64_t b, Column& c) {
   uint8_t* u = c.u + b * t.unit;
   switch (t.type) {
     case Q4_0:
@@ -169,9 +170,19 @@ float half_to_float(uint16_t h) {
   return bits_to_float(sign | (static_cast<uint32_t>(e) << 23) | ((mantissa & 0x3FF) << 13));
 }
 
-void native_to_column(const TypeInfo& t, const uint8_t* row, int64_t k, Column& c) {
+namespace {
+
+template <int TYPE>
+void native_to_column_of(const uint8_t* row, int64_t k, Column& c) {
+  constexpr const TypeInfo& t = TypeTraits<TYPE>::kInfo;
   const int64_t units = k / t.unit;
   for (int64_t b = 0; b < units; ++b) native_unit(t, row + b * t.native_bytes, b, c);
+}
+
+}  // namespace
+
+void native_to_column(const TypeInfo& t, const uint8_t* row, int64_t k, Column& c) {
+  with_quant_type(t.type, [&](auto type) { native_to_column_of<decltype(type)::value>(row, k, c); });
 }
 
 void column_to_k(const TypeInfo& t, const Column& c, int64_t k, uint8_t* out) {
@@ -221,7 +232,8 @@ namespace {
 // the low (i % 8 < 4) or high nibble of byte 64 * (i / 8) + 4 * j + i % 4 with its fifth / sixth bits at bit
 // 4 * j + i % 4 of the 8-byte word 8 * (i / 4) of each plane. Every code byte is written whole; the plane bytes
 // are shared by two columns, so a column ORs its four bits into them (the record starts zeroed).
-void unit_codes_to_n(const TypeInfo& t, const uint8_t* u, int j, uint8_t* rec, const Offsets& o) {
+[[gnu::always_inline]] inline void unit_codes_to_n(const TypeInfo& t, const uint8_t* u, int j, uint8_t* rec,
+                                                  const Offsets& o) {
   uint8_t* codes = rec + o.codes + 4 * j;
   if (t.code_bits == 8) {
     for (int q = 0; q < t.unit / 4; ++q) {
@@ -248,9 +260,9 @@ void unit_codes_to_n(const TypeInfo& t, const uint8_t* u, int j, uint8_t* rec, c
   }
 }
 
-}  // namespace
-
-void columns_to_n(const TypeInfo& t, const Column* const* cols, int64_t k, uint8_t* out) {
+template <int TYPE>
+void columns_to_n_of(const Column* const* cols, int64_t k, uint8_t* out) {
+  constexpr const TypeInfo& t = TypeTraits<TYPE>::kInfo;
   const Offsets o = offsets(t, LAYOUT_N, k);
   const int gpu = t.groups_per_unit();
   const int64_t units = k / t.unit;
@@ -267,6 +279,12 @@ void columns_to_n(const TypeInfo& t, const Column* const* cols, int64_t k, uint8
       unit_codes_to_n(t, c ? c->u + b * t.unit : nullptr, j, rec, o);
     }
   }
+}
+
+}  // namespace
+
+void columns_to_n(const TypeInfo& t, const Column* const* cols, int64_t k, uint8_t* out) {
+  with_quant_type(t.type, [&](auto type) { columns_to_n_of<decltype(type)::value>(cols, k, out); });
 }
 
 void n_to_column(const TypeInfo& t, const uint8_t* group_base, int j, int64_t k, Column& c) {
