@@ -278,7 +278,10 @@ def convert_gguf_model(model: nn.Module, gguf_path: str, numerics: str = "float3
     """Replace ``model``'s linear layers, embedding and tied LM head by kernels over the GGUF file's blocks (module
     docstring), in place; returns how many modules changed. Raises ValueError naming a tensor whose blocks do not
     give transformers' float32 weight. ``weights``: the file's tensors by name (default: every tensor, viewed
-    through a memory map; a :class:`~eagle.kernels.gguf_weights.GGUFTensorFile` reads them one at a time)."""
+    through a memory map; a :class:`~eagle.kernels.gguf_weights.GGUFTensorFile` reads them one at a time).
+    Freed memory is handed back to the system after converting a model whose layers had float weights (not one
+    built on the meta device, whose linear layers and embedding held none)."""
+    had_floats = any(isinstance(m, (nn.Linear, nn.Embedding)) and not m.weight.is_meta for m in model.modules())
     weights = read_gguf_weights(gguf_path) if weights is None else weights
     architecture = gguf_architecture(gguf_path)
     names, permuted = hf_to_gguf_names(model, architecture), llama_permuted(architecture)
@@ -287,7 +290,8 @@ def convert_gguf_model(model: nn.Module, gguf_path: str, numerics: str = "float3
         count += _convert_linears(model, weights, names, numerics, permuted, skip)
         count += convert_gguf_experts(model, weights, names, numerics, _check_equal)
     del weights
-    release_freed_memory()
+    if had_floats:
+        release_freed_memory()
     logger.info("GGUF kernels (%s numerics): %d modules compute over the blocks of %s", numerics, count, gguf_path)
     return count
 
