@@ -159,3 +159,48 @@ def test_the_native_head_layer_computes_what_the_head_modules_compute(tiny_pair)
             plan.weights, plan.types, plan.norms, plan.dims, plan.eps, plan.scale, torch.zeros(2, 7, plan.dims[2]),
             torch.zeros(2, 7, plan.dims[2]), torch.zeros(3), torch.zeros(3), torch.zeros(1, dtype=torch.long),
             torch.zeros(0, dtype=torch.int32), plan.numerics, False)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_q8_0_blocks_are_gguf_py_s_byte_for_byte(dtype):
+    """quantize_q8_0, chunk by chunk from the weight's own dtype, gives gguf-py's Q8_0 blocks of its float32 values:
+    zero blocks, halves that round away from zero, a chunk boundary inside the matrix."""
+    import gguf
+
+    torch.manual_seed(0)
+    weight = torch.randn(70, 96) * 0.05
+    weight[3, :32] = 0
+    weight[9, 32:64] = torch.tensor([127.0, 63.5, -63.5, 0.5, -0.5, 1.5] + [0.0] * 26)
+    weight = weight.to(dtype)
+    expected = gguf.quants.quantize(weight.to(torch.float32).numpy(), gguf.GGMLQuantizationType.Q8_0)
+    blocks = quantized.quantize_q8_0(weight, chunk_values=96 * 16)
+    assert blocks.dtype == torch.uint8 and torch.equal(blocks, torch.from_numpy(expected))
+    with pytest.raises(ValueError, match="multiple of 32"):
+        quantized.quantize_q8_0(torch.zeros(4, 40))
+
+
+@needs_kernels
+def test_a_float16_head_is_quantized_from_its_checkpoint_as_from_its_float32_copy(tiny_pair, tmp_path):
+    """A float16 checkpoint quantized at load (its linear weights never made float32 whole) gives the blocks of the
+    float32 head quantized afterwards, and what it leaves float is float32."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    base_dir, head_dir = tiny_pair
+    half_dir = tmp_path / "head16"
+    shutil.copytree(head_dir, half_dir)
+    state = load_file(str(half_dir / "model.safetensors"))
+    save_file({k: v.half() if v.is_floating_point() else v for k, v in state.items()},
+              str(half_dir / "model.safetensors"))
+    model = _load((base_dir, half_dir), draft_dtype="q8_0")
+    expected = _load((base_dir, half_dir), draft_dtype="float32")
+    assert quantized.quantize_head(expected.ea_layer, shared=expected.base_model) > 0
+    mine, theirs = dict(model.ea_layer.named_modules()), dict(expected.ea_layer.named_modules())
+    assert mine.keys() == theirs.keys()
+    for name, module in mine.items():
+        assert type(module) is type(theirs[name]), name
+        if isinstance(module, QuantLinear):
+            assert torch.equal(module.weight.packed, theirs[name].weight.packed), name
+    floats = [p for p in model.ea_layer.parameters() if p.is_floating_point()]
+    assert floats and all(p.dtype == torch.float32 for p in floats)

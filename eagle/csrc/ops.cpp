@@ -149,7 +149,8 @@ at::Tensor repack(const at::Tensor& raw, const std::string& type, int64_t n, int
   TORCH_CHECK_VALUE(raw.numel() == n * native, op, ": ", t.name, " blocks of N=", n, ", K=", k, " take ", n * native,
               " bytes (", native, " per row), the tensor holds ", raw.numel());
   const int64_t payload = quant::payload_bytes(t, layout, n, k);
-  at::Tensor out = at::zeros({quant::kHeaderBytes + payload}, at::kByte);
+  // not zeroed here: each work chunk zeroes the bytes it writes, so the pages are first touched on every thread
+  at::Tensor out = at::empty({quant::kHeaderBytes + payload}, at::kByte);
   Header h{};
   h.magic = quant::kMagic;
   h.version = quant::kVersion;
@@ -159,6 +160,7 @@ at::Tensor repack(const at::Tensor& raw, const std::string& type, int64_t n, int
   h.k = k;
   h.payload_bytes = payload;
   uint8_t* dst = out.data_ptr<uint8_t>();
+  std::memset(dst, 0, quant::kHeaderBytes);
   std::memcpy(dst, &h, sizeof(h));
   dst += quant::kHeaderBytes;
   const uint8_t* src = raw.data_ptr<uint8_t>();
@@ -169,22 +171,28 @@ at::Tensor repack(const at::Tensor& raw, const std::string& type, int64_t n, int
   const int64_t row_bytes = quant::packed_row_bytes(t, k);
   const int64_t lanes = layout == quant::LAYOUT_N ? quant::kColumnsPerGroup : 1;
   const int64_t groups = (n + lanes - 1) / lanes;
-  for_chunks(groups, n * k, [&](int64_t g) {
-    // canonical columns of this group: codes (k), fp16 d / m (k / 32 each), scales / mins (k / 16 each)
+  // groups per work chunk: about 1 MiB of packed bytes, so that a chunk's scratch is reused and few chunks are claimed
+  const int64_t per_chunk = std::max<int64_t>(1, (int64_t{1} << 20) / (lanes * row_bytes));
+  for_chunks((groups + per_chunk - 1) / per_chunk, n * k, [&](int64_t chunk) {
+    // canonical columns of a group: codes (k), fp16 d / m (k / 32 each), scales / mins (k / 16 each)
     std::vector<uint8_t> codes(lanes * k), sc(lanes * k / 16 + 1), mn(lanes * k / 16 + 1);
     std::vector<uint16_t> d(lanes * (k / 32 + 1)), m(lanes * (k / 32 + 1));
     std::vector<quant::Column> cols(lanes);
-    std::vector<const quant::Column*> ptrs(lanes, nullptr);
-    for (int64_t j = 0; j < lanes && g * lanes + j < n; ++j) {
-      cols[j] = {codes.data() + j * k, d.data() + j * (k / 32 + 1), m.data() + j * (k / 32 + 1),
-                 sc.data() + j * (k / 16), mn.data() + j * (k / 16)};
-      quant::native_to_column(t, src + (g * lanes + j) * native, k, cols[j]);
-      ptrs[j] = &cols[j];
-    }
-    if (layout == quant::LAYOUT_K) {
-      quant::column_to_k(t, cols[0], k, dst + g * row_bytes);
-    } else {
-      quant::columns_to_n(t, ptrs.data(), k, dst + g * lanes * row_bytes);
+    for (int64_t g = chunk * per_chunk; g < std::min(groups, (chunk + 1) * per_chunk); ++g) {
+      std::vector<const quant::Column*> ptrs(lanes, nullptr);
+      for (int64_t j = 0; j < lanes && g * lanes + j < n; ++j) {
+        cols[j] = {codes.data() + j * k, d.data() + j * (k / 32 + 1), m.data() + j * (k / 32 + 1),
+                   sc.data() + j * (k / 16), mn.data() + j * (k / 16)};
+        quant::native_to_column(t, src + (g * lanes + j) * native, k, cols[j]);
+        ptrs[j] = &cols[j];
+      }
+      uint8_t* group_out = dst + g * lanes * row_bytes;
+      std::memset(group_out, 0, lanes * row_bytes);
+      if (layout == quant::LAYOUT_K) {
+        quant::column_to_k(t, cols[0], k, group_out);
+      } else {
+        quant::columns_to_n(t, ptrs.data(), k, group_out);
+      }
     }
   });
   return out;

@@ -33,7 +33,8 @@ void unpack_k4_scales(const uint8_t* s, uint8_t* sc, uint8_t* mn) {
 }
 
 // One native block (unit) -> codes and raw parameters of unit index `b` of the column.
-void native_unit(const TypeInfo& t, const uint8_t* p, int64_t b, Column& c) {
+// Inlined into the per-type loops below, where `t` is a compile-time constant and its branches fold away.
+[[gnu::always_inline]] inline void native_unit(const TypeInfo& t, const uint8_t* p, int64_t b, Column& c) {
   uint8_t* u = c.u + b * t.unit;
   switch (t.type) {
     case Q4_0:
@@ -169,9 +170,19 @@ float half_to_float(uint16_t h) {
   return bits_to_float(sign | (static_cast<uint32_t>(e) << 23) | ((mantissa & 0x3FF) << 13));
 }
 
-void native_to_column(const TypeInfo& t, const uint8_t* row, int64_t k, Column& c) {
+namespace {
+
+template <int TYPE>
+void native_to_column_of(const uint8_t* row, int64_t k, Column& c) {
+  constexpr const TypeInfo& t = TypeTraits<TYPE>::kInfo;
   const int64_t units = k / t.unit;
   for (int64_t b = 0; b < units; ++b) native_unit(t, row + b * t.native_bytes, b, c);
+}
+
+}  // namespace
+
+void native_to_column(const TypeInfo& t, const uint8_t* row, int64_t k, Column& c) {
+  with_quant_type(t.type, [&](auto type) { native_to_column_of<decltype(type)::value>(row, k, c); });
 }
 
 void column_to_k(const TypeInfo& t, const Column& c, int64_t k, uint8_t* out) {
@@ -215,7 +226,43 @@ void k_to_column(const TypeInfo& t, const uint8_t* in, int64_t k, Column& c) {
   }
 }
 
-void columns_to_n(const TypeInfo& t, const Column* const* cols, int64_t k, uint8_t* out) {
+namespace {
+
+// One column's codes of one unit into a LAYOUT_N record: code i at byte 64 * (i / 4) + 4 * j + i % 4 (8-bit), or as
+// the low (i % 8 < 4) or high nibble of byte 64 * (i / 8) + 4 * j + i % 4 with its fifth / sixth bits at bit
+// 4 * j + i % 4 of the 8-byte word 8 * (i / 4) of each plane. Every code byte is written whole; the plane bytes
+// are shared by two columns, so a column ORs its four bits into them (the record starts zeroed).
+[[gnu::always_inline]] inline void unit_codes_to_n(const TypeInfo& t, const uint8_t* u, int j, uint8_t* rec,
+                                                  const Offsets& o) {
+  uint8_t* codes = rec + o.codes + 4 * j;
+  if (t.code_bits == 8) {
+    for (int q = 0; q < t.unit / 4; ++q) {
+      if (u) {
+        std::memcpy(codes + 64 * q, u + 4 * q, 4);
+      } else {
+        std::memset(codes + 64 * q, 0x80, 4);
+      }
+    }
+    return;
+  }
+  if (!u) return;  // a padding column: zero codes, zero bits
+  for (int q = 0; q < t.unit / 8; ++q)
+    for (int r = 0; r < 4; ++r)
+      codes[64 * q + r] = static_cast<uint8_t>((u[8 * q + r] & 0xF) | ((u[8 * q + 4 + r] & 0xF) << 4));
+  const int shift = 4 * (j % 2);
+  for (int plane = 0; plane < t.planes(); ++plane) {
+    uint8_t* bits = rec + (plane ? o.plane2 : o.plane) + j / 2;
+    for (int v = 0; v < t.unit / 4; ++v) {
+      int nibble = 0;
+      for (int r = 0; r < 4; ++r) nibble |= ((u[4 * v + r] >> (4 + plane)) & 1) << r;
+      bits[8 * v] = static_cast<uint8_t>(bits[8 * v] | (nibble << shift));
+    }
+  }
+}
+
+template <int TYPE>
+void columns_to_n_of(const Column* const* cols, int64_t k, uint8_t* out) {
+  constexpr const TypeInfo& t = TypeTraits<TYPE>::kInfo;
   const Offsets o = offsets(t, LAYOUT_N, k);
   const int gpu = t.groups_per_unit();
   const int64_t units = k / t.unit;
@@ -229,24 +276,15 @@ void columns_to_n(const TypeInfo& t, const Column* const* cols, int64_t k, uint8
         rec[o.sc + 16 * g + j] = c ? c->sc[b * gpu + g] : 0;
         if (t.has_m) rec[o.mn + 16 * g + j] = c ? c->mn[b * gpu + g] : 0;
       }
-      const uint8_t* u = c ? c->u + b * t.unit : nullptr;
-      auto code = [&](int i) -> uint8_t { return u ? u[i] : (t.code_bits == 8 ? 0x80 : 0); };
-      if (t.code_bits == 8) {
-        for (int i = 0; i < t.unit; ++i) rec[o.codes + 64 * (i / 4) + 4 * j + i % 4] = code(i);
-      } else {
-        for (int i = 0; i < t.unit; ++i) {
-          uint8_t& byte = rec[o.codes + 64 * (i / 8) + 4 * j + i % 4];
-          byte = static_cast<uint8_t>(byte | ((code(i) & 0xF) << (i % 8 >= 4 ? 4 : 0)));
-        }
-        for (int plane = 0; plane < t.planes(); ++plane)
-          for (int i = 0; i < t.unit; ++i) {
-            uint8_t* bits = rec + (plane ? o.plane2 : o.plane) + 8 * (i / 4);
-            const int bit = 4 * j + i % 4;
-            bits[bit / 8] = static_cast<uint8_t>(bits[bit / 8] | (((code(i) >> (4 + plane)) & 1) << (bit % 8)));
-          }
-      }
+      unit_codes_to_n(t, c ? c->u + b * t.unit : nullptr, j, rec, o);
     }
   }
+}
+
+}  // namespace
+
+void columns_to_n(const TypeInfo& t, const Column* const* cols, int64_t k, uint8_t* out) {
+  with_quant_type(t.type, [&](auto type) { columns_to_n_of<decltype(type)::value>(cols, k, out); });
 }
 
 void n_to_column(const TypeInfo& t, const uint8_t* group_base, int j, int64_t k, Column& c) {

@@ -459,8 +459,10 @@ def _check_methods_fit(methods: list[str], model) -> None:
                          "or a head other than the embedded one): pass --lookup-tokens N.")
 
 
-def run(args: argparse.Namespace) -> dict:
-    """Run the benchmark as ``args`` say; returns the results (also written to ``--output-dir``)."""
+def run(args: argparse.Namespace, model=None) -> dict:
+    """Run the benchmark as ``args`` say; returns the results (also written to ``--output-dir``). ``model``: the
+    ``EaModel`` the model flags of ``args`` describe, already loaded (:func:`eagle.cli.load_model_from_args`), or
+    None to load it here."""
     methods = parse_methods(args.methods)
     thread_settings = parse_thread_settings(args.threads)
     questions = _checked_questions(args)
@@ -469,7 +471,7 @@ def run(args: argparse.Namespace) -> dict:
     # of its own, e.g. plain decoding on the GGUF kernels beside llama.cpp plain).
     need_head = any(method_named(m).needs_head for m in methods)
     resolve_model_args(args, need_head)  # the report records the paths and tree that were used
-    model = load_model_from_args(args, need_head)
+    model = load_model_from_args(args, need_head) if model is None else model
     device = model_device(model)
     dtype = model.base_model.dtype
     _check_methods_fit(methods, model)

@@ -12,7 +12,7 @@ import logging
 
 from eagle.model.drafting.batch_tree import head_batch_trees
 from eagle.model.heads.loading import load_ea_layer
-from eagle.model.heads.quantized import apply_draft_quantization, draft_load_dtype
+from eagle.model.heads.quantized import apply_draft_quantization, draft_load_dtype, quantized_at_load
 from eagle.model.backends.gguf import GGUF_KERNEL_VALUES, gguf_file_of, requested_numerics, resolve_gguf_kernels
 from eagle.model.backends.registry import linear_backend, switch_backend
 from eagle.model.backends.onednn import should_auto_pack
@@ -91,18 +91,23 @@ def load_base(base_model_path, gguf_kernels, kwargs: dict):
     return model, tokenizer, resolve_gguf_kernels(gguf_kernels, base_model_path, model), None
 
 
-def load_draft_head(ea_model_path, base_model, use_eagle3: bool, head_dtype, count: int | None):
-    """``(head or None, loaded)``: the draft head at ``ea_model_path`` (None: no head) and, for a base model loaded
-    straight into the kernels (``count`` modules on them), the ``loaded`` of :func:`apply_gguf_kernels`."""
+def load_draft_head(ea_model_path, base_model, use_eagle3: bool, draft_dtype, numerics, count: int | None):
+    """``(head or None, loaded)``: the draft head at ``ea_model_path`` (None: no head), in the dtype
+    ``draft_dtype`` loads it in with the target on the kernels in ``numerics`` (None: not on them), its linear
+    weights in the checkpoint's dtype where it is quantized next (:func:`eagle.model.heads.loading.load_ea_layer`);
+    and, for a base model loaded straight into the kernels (``count`` modules on them), the ``loaded`` of
+    :func:`apply_gguf_kernels`."""
+    head_dtype = draft_load_dtype(draft_dtype, numerics is not None)
+    keep_linear_dtype = quantized_at_load(draft_dtype, numerics is not None)
     if ea_model_path is None:
         return None, None if count is None else (count, None)
     if count is None:
-        return load_ea_layer(ea_model_path, base_model, use_eagle3, head_dtype), None
-    head, stand_in = load_head_over_kernels(ea_model_path, base_model, use_eagle3, head_dtype)
+        return load_ea_layer(ea_model_path, base_model, use_eagle3, head_dtype, keep_linear_dtype), None
+    head, stand_in = load_head_over_kernels(ea_model_path, base_model, use_eagle3, head_dtype, keep_linear_dtype)
     return head, (count, stand_in)
 
 
-def load_head_over_kernels(ea_model_path, base_model, use_eagle3: bool, head_dtype):
+def load_head_over_kernels(ea_model_path, base_model, use_eagle3: bool, head_dtype, keep_linear_dtype=False):
     """``(head, stand_in)``: the draft head of a model whose embedding is already on the kernels. The head is built
     against a stand-in float embedding of the same shape that takes no memory (one zero, broadcast), which
     :func:`apply_gguf_kernels` then swaps for the quantized embedding (the head reads the same rows as the
@@ -116,7 +121,7 @@ def load_head_over_kernels(ea_model_path, base_model, use_eagle3: bool, head_dty
                                    requires_grad=False)
     base_model.set_input_embeddings(stand_in)
     try:
-        head = load_ea_layer(ea_model_path, base_model, use_eagle3, head_dtype)
+        head = load_ea_layer(ea_model_path, base_model, use_eagle3, head_dtype, keep_linear_dtype)
     finally:
         base_model.set_input_embeddings(quantized)
     return head, stand_in.weight
@@ -195,8 +200,8 @@ def load_pretrained(cls, *, use_eagle3: bool | None, base_model_path, ea_model_p
     check_tree_arguments(**tree)  # invalid settings fail before loading
     base_model_path, ea_model_path = model_paths(base_model_path, ea_model_path, kwargs, load_head)
     base_model, tokenizer, numerics, count = load_base(base_model_path, gguf_kernels, kwargs)
-    head_dtype = draft_load_dtype(draft_dtype, numerics is not None)
-    ea_layer, loaded = load_draft_head(ea_model_path if load_head else None, base_model, use_eagle3, head_dtype, count)
+    ea_layer, loaded = load_draft_head(ea_model_path if load_head else None, base_model, use_eagle3, draft_dtype,
+                                       numerics, count)
     head_config = {} if ea_layer is None else ea_layer.config
     device = base_model.get_input_embeddings().weight.device
     backend = kernel_backend(numerics)  # the kernels' costs call for a tree of their own

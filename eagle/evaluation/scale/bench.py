@@ -4,9 +4,10 @@
 - The generation methods run through :mod:`eagle.evaluation.benchmark` (interleaved question by question, the same
   prompts): ``eagle`` and ``plain`` on the GGUF kernels, ``llamacpp`` (llama-server plain) and ``llamacpp_eagle3``
   (llama-server with the widened head as its EAGLE-3 draft): tokens/s, tau, resident memory.
-- Load: ours is the wall time of ``EaModel.from_pretrained`` (and the process's peak resident memory, loaded before
-  anything else in this process); llama.cpp's the time until llama-server answers ``/health`` (and its resident
-  memory after one short completion).
+- Load: ours is the wall time of ``EaModel.from_pretrained`` as the benchmark's flags load it (and the process's peak
+  resident memory, loaded before anything else in this process; the benchmark then runs that model, so the pair
+  is loaded once); llama.cpp's the time until llama-server answers ``/health`` (and its resident memory after one
+  short completion).
 - The cost of one target forward over k tokens after a 256-token context, as a multiple of k = 1: ours times a
   k-node tree's verification as a step of the loop does (:func:`eagle.model.tuning.autotune.verification_run`:
   ``Target.verify``, the logits read, the cache compaction); llama.cpp's comes from ``llama-batched-bench`` (one
@@ -78,15 +79,16 @@ def cost_curve(seconds: dict[int, float]) -> dict:
             "multiple_of_k1": {str(k): s / seconds[1] for k, s in seconds.items()}}
 
 
-def ours(model_gguf: Path, head_dir: Path, numerics: str, ks=KS) -> dict:
-    """Load time and memory of this project's pair on the GGUF kernels, and its verification cost curve."""
+def ours(benchmark_args, ks=KS) -> tuple[dict, object]:
+    """Load time and memory of this project's pair on the GGUF kernels (loaded as the benchmark's flags
+    ``benchmark_args`` describe), and its verification cost curve; returns them and the model, which the benchmark
+    then runs (the pair is loaded once)."""
+    from eagle.cli import load_model_from_args
     from eagle.evaluation.benchmark_memory import process_rss_bytes, weight_bytes
-    from eagle.model.ea_model import EaModel
     from eagle.model.tuning.autotune import REPEATS, best_seconds, verification_run
 
     start = time.perf_counter()
-    model = EaModel.from_pretrained(base_model_path=str(model_gguf), ea_model_path=str(head_dir), use_eagle3=True,
-                                    gguf_kernels=numerics)
+    model = load_model_from_args(benchmark_args)
     load_s = time.perf_counter() - start
     record = {"load_s": load_s, "peak_rss_bytes_during_load": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
               "rss_bytes_after_load": process_rss_bytes(),
@@ -95,8 +97,8 @@ def ours(model_gguf: Path, head_dir: Path, numerics: str, ks=KS) -> dict:
     runs = {k: verification_run(model, k, prefix=CONTEXT) for k in ks}
     with tqdm(total=REPEATS + 1, desc="our cost of k tokens", unit="round") as progress:
         record["cost"] = cost_curve(best_seconds(runs, REPEATS, model.device, progress))
-    del model, runs
-    return record
+    del runs
+    return record, model
 
 
 def llama_load(model_gguf: Path, threads: int) -> dict:
@@ -138,8 +140,9 @@ def llama_cost(model_gguf: Path, threads: int, ks=KS, steps: int = 4) -> dict | 
     return cost_curve({int(row["pl"]): float(row["t_tg"]) / int(row["tg"]) for row in rows})
 
 
-def run_benchmark(model_gguf: Path, head_dir: Path, args) -> dict:
-    """The generation methods (:func:`bench_methods`) through :func:`eagle.evaluation.benchmark.run`."""
+def benchmark_arguments(model_gguf: Path, head_dir: Path, args):
+    """The parsed flags of :mod:`eagle.evaluation.benchmark` for the generation methods (:func:`bench_methods`)
+    on the pair."""
     from eagle.evaluation import benchmark
 
     argv = ["--base-model-path", str(model_gguf), "--ea-model-path", str(head_dir), "--use-eagle3",
@@ -147,7 +150,14 @@ def run_benchmark(model_gguf: Path, head_dir: Path, args) -> dict:
             "--num-questions",
             str(args.num_questions), "--max-new-tokens", str(args.max_new_tokens), "--llamacpp-threads",
             str(args.threads), "--output-dir", str(args.output_dir / "benchmark")]
-    return benchmark.run(benchmark.build_parser().parse_args(argv))
+    return benchmark.build_parser().parse_args(argv)
+
+
+def run_benchmark(benchmark_args, model) -> dict:
+    """The generation methods through :func:`eagle.evaluation.benchmark.run`, on ``model`` as loaded."""
+    from eagle.evaluation import benchmark
+
+    return benchmark.run(benchmark_args, model)
 
 
 def method_rows(results: dict) -> dict:
@@ -186,13 +196,15 @@ def bench(args) -> dict:
     result = {"shape": args.shape, "family": getattr(args, "family", "llama"), "quant": args.quant,
               "numerics": args.numerics, "threads": args.threads,
               "model_file": files["model"].name, "model_file_bytes": files["model"].stat().st_size}
-    result["ours"] = ours(files["model"], files["head_dir"], args.numerics)  # first: the process's peak is the load's
+    benchmark_args = benchmark_arguments(files["model"], files["head_dir"], args)
+    result["ours"], model = ours(benchmark_args)  # first: the process's peak is the load's
     logger.info("Measuring the read bandwidth")
     result["read_bandwidth"] = read_bandwidth(args.threads)
     logger.info("llama.cpp: server load and its cost curve")
     result["llamacpp"] = {**llama_load(files["model"], args.threads),
                           "cost": None if args.skip_llamacpp_curve else llama_cost(files["model"], args.threads)}
-    results = run_benchmark(files["model"], files["head_dir"], args)
+    results = run_benchmark(benchmark_args, model)
+    del model
     result["methods"] = method_rows(results)
     result["benchmark"] = {"settings": results["settings"], "acceptance": results["acceptance"],
                            "llamacpp": results["llamacpp"], "greedy_check": results["greedy_check"]}

@@ -278,7 +278,10 @@ def convert_gguf_model(model: nn.Module, gguf_path: str, numerics: str = "float3
     """Replace ``model``'s linear layers, embedding and tied LM head by kernels over the GGUF file's blocks (module
     docstring), in place; returns how many modules changed. Raises ValueError naming a tensor whose blocks do not
     give transformers' float32 weight. ``weights``: the file's tensors by name (default: every tensor, viewed
-    through a memory map; a :class:`~eagle.kernels.gguf_weights.GGUFTensorFile` reads them one at a time)."""
+    through a memory map; a :class:`~eagle.kernels.gguf_weights.GGUFTensorFile` reads them one at a time).
+    Freed memory is handed back to the system after converting a model whose layers had float weights (not one
+    built on the meta device, whose linear layers and embedding held none)."""
+    had_floats = any(isinstance(m, (nn.Linear, nn.Embedding)) and not m.weight.is_meta for m in model.modules())
     weights = read_gguf_weights(gguf_path) if weights is None else weights
     architecture = gguf_architecture(gguf_path)
     names, permuted = hf_to_gguf_names(model, architecture), llama_permuted(architecture)
@@ -287,18 +290,24 @@ def convert_gguf_model(model: nn.Module, gguf_path: str, numerics: str = "float3
         count += _convert_linears(model, weights, names, numerics, permuted, skip)
         count += convert_gguf_experts(model, weights, names, numerics, _check_equal)
     del weights
-    release_freed_memory()
+    if had_floats:
+        release_freed_memory()
     logger.info("GGUF kernels (%s numerics): %d modules compute over the blocks of %s", numerics, count, gguf_path)
     return count
 
 
 # ------------------------------------------------------------------------------------------------ direct loading
 # transformers' per-tensor GGUF processors that read one tensor alone (no other tensor, no state across tensors):
-# the float parameters of a model built without float weights go through them one at a time.
-_PER_TENSOR_PROCESSORS = ("TensorProcessor", "LlamaTensorProcessor", "Gemma2TensorProcessor", "NemotronTensorProcessor")
+# the float parameters of a model built without float weights go through them one at a time. Qwen2-MoE's merges a
+# layer's stacked gate and up experts into one parameter, but only those: a direct load puts the experts on the
+# kernels from the file's blocks (:mod:`eagle.model.backends.gguf_experts`) and never builds that parameter; every
+# other tensor it processes alone.
+_PER_TENSOR_PROCESSORS = ("TensorProcessor", "LlamaTensorProcessor", "Gemma2TensorProcessor", "NemotronTensorProcessor",
+                          "Qwen2MoeTensorProcessor")
 # The GGUF architectures whose direct load is tested bit for bit against the float32-then-convert path (the embedded
-# SmolLM2 file, Gemma 3 270M Q4_K_M); other architectures load through the float32 model until a test covers them.
-DIRECT_ARCHITECTURES = ("llama", "gemma3")
+# SmolLM2 file, Gemma 3 270M Q4_K_M, tiny random Qwen2, Qwen3, Qwen2-MoE and Qwen3-MoE files); other architectures
+# load through the float32 model until a test covers them. A Mistral GGUF says ``llama``.
+DIRECT_ARCHITECTURES = ("llama", "gemma3", "qwen2", "qwen3", "qwen2moe", "qwen3moe")
 
 
 def direct_processor(architecture: str, config):

@@ -104,9 +104,9 @@ def load_gguf_direct(base_model_path: str, numerics: str = "float32", **kwargs):
     (:func:`eagle.model.backends.gguf.fill_from_gguf`). The result equals :func:`load_base_model` followed by
     :func:`eagle.model.backends.gguf.convert_gguf_model` (the same modules, blocks and float norms), at about the
     file's size in memory. ``kwargs``: those of :data:`DIRECT_LOAD_ARGUMENTS`."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoTokenizer
 
-    from eagle.model.backends.gguf import fill_from_gguf, release_freed_memory
+    from eagle.model.backends.gguf import release_freed_memory
 
     started = time.perf_counter()
     _check_attention_argument(kwargs)
@@ -122,10 +122,21 @@ def load_gguf_direct(base_model_path: str, numerics: str = "float32", **kwargs):
         # The tokenizer first: the metadata it parses is freed before the blocks are packed, so peaks do not add up.
         tokenizer = AutoTokenizer.from_pretrained(location, trust_remote_code=trust, gguf_file=gguf_file)
     release_freed_memory()
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, **kwargs)
-    count = fill_from_gguf(model, checked_gguf_file(os.path.join(location, gguf_file)), numerics)
-    model.eval()
+    model, count = build_gguf_model(os.path.join(location, gguf_file), config, numerics, **kwargs)
     logger.info("Loaded %s straight into the kernels in %.1f s: %d modules on the kernels (%s activations)",
                 base_model_path, time.perf_counter() - started, count, numerics)
     return model, tokenizer
+
+
+def build_gguf_model(gguf_path: str, config, numerics: str = "float32", **kwargs):
+    """``(model, count)``: the model ``config`` describes, built on the meta device and filled from the GGUF file
+    at ``gguf_path`` (:func:`eagle.model.backends.gguf.fill_from_gguf`, ``count`` modules on the kernels), in eval
+    mode. ``kwargs``: ``AutoModelForCausalLM.from_config``'s (the attention implementation, remote code)."""
+    from transformers import AutoModelForCausalLM
+
+    from eagle.model.backends.gguf import fill_from_gguf
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, **kwargs)
+    count = fill_from_gguf(model, checked_gguf_file(gguf_path), numerics)
+    return model.eval(), count

@@ -80,9 +80,17 @@ def optional_keys(head) -> set[str]:
     return keys
 
 
-def load_head_weights(head, state_dict: dict[str, torch.Tensor], source: str) -> bool:
+def linear_weight_names(head) -> set[str]:
+    """The state-dict names of ``head``'s ``nn.Linear`` weights."""
+    return {f"{name}.weight" for name, module in head.named_modules() if isinstance(module, torch.nn.Linear)}
+
+
+def load_head_weights(head, state_dict: dict[str, torch.Tensor], source: str, keep_linear_dtype: bool = False) -> bool:
     """Strict load: a missing (non-optional) or unexpected tensor, or a wrong shape, is an error naming it.
-    Returns whether the checkpoint carried its own embedding."""
+    Returns whether the checkpoint carried its own embedding. The tensors are taken out of ``state_dict`` one at a
+    time as they are copied into the head, so each is freed once copied (the checkpoint and the head, in its own
+    dtype, are never both whole in memory). ``keep_linear_dtype``: the linear layers' weights become the
+    checkpoint's tensors themselves, in the checkpoint's dtype (for a head quantized next, read from them)."""
     expected = head.state_dict()
     optional = optional_keys(head)
     missing = sorted(k for k in expected if k not in state_dict and k not in optional)
@@ -103,8 +111,11 @@ def load_head_weights(head, state_dict: dict[str, torch.Tensor], source: str) ->
                 f"Tensor {key} in {source} has shape {tuple(tensor.shape)}, but the head's config.json implies "
                 f"{tuple(expected[key].shape)}."
             )
-    head.load_state_dict(state_dict, strict=False)  # completeness was checked above
-    return "embed_tokens.weight" in state_dict
+    has_embedding = "embed_tokens.weight" in state_dict
+    kept = linear_weight_names(head) if keep_linear_dtype else set()
+    for key in list(state_dict):  # completeness was checked above
+        head.load_state_dict({key: state_dict.pop(key)}, strict=False, assign=key in kept)
+    return has_embedding
 
 
 # The dtype names the library and its CLIs accept (draft_dtype here; --dtype/--draft-dtype of the evaluation scripts).
@@ -136,18 +147,24 @@ def resolve_draft_dtype(draft_dtype, base_dtype: torch.dtype, device: torch.devi
     return draft_dtype
 
 
-def load_ea_layer(ea_model_path: str, base_model, use_eagle3: bool, draft_dtype="auto"):
+def load_ea_layer(ea_model_path: str, base_model, use_eagle3: bool, draft_dtype="auto", keep_linear_dtype=False):
     """Build the draft head for ``base_model`` from a head directory / Hub id, strictly, on the base's device,
-    in the dtype :func:`resolve_draft_dtype` gives."""
+    in the dtype :func:`resolve_draft_dtype` gives; with ``keep_linear_dtype`` its linear layers' weights stay in
+    the checkpoint's dtype (:func:`load_head_weights`; a head quantized next,
+    :func:`eagle.model.heads.quantized.apply_draft_quantization`, which casts what it leaves)."""
+    from transformers.initialization import no_init_weights
+
     raw = load_raw_head_config(ea_model_path)
     if use_eagle3 and not is_eagle3_config(raw):
         raise ValueError("use_eagle3=True but the head's config.json has no `draft_vocab_size`: this looks like an "
                          "EAGLE-1/2 head; pass use_eagle3=False.")
     config, layout = read_head_config(raw, use_eagle3)
     state_dict = read_head_state(config, load_head_state_dict(head_dir_of(ea_model_path)), layout)
-    head = build_head(config, use_eagle3)
+    with no_init_weights():  # every weight is the checkpoint's or the target's: no random values to draw
+        head = build_head(config, use_eagle3)
     check_head_matches_base(head, base_model)
-    has_embedding = load_head_weights(head, state_dict, f"{ea_model_path} ({layout} layout)")
+    has_embedding = load_head_weights(head, state_dict, f"{ea_model_path} ({layout} layout)", keep_linear_dtype)
+    kept = linear_weight_names(head) if keep_linear_dtype else set()
     embedding = base_model.get_input_embeddings()
     device = embedding.weight.device
     dtype = resolve_draft_dtype(draft_dtype, embedding.weight.dtype, device, head.eagle_version)
@@ -155,9 +172,9 @@ def load_ea_layer(ea_model_path: str, base_model, use_eagle3: bool, draft_dtype=
         logger.info("The draft head runs in %s, the base model in %s (draft_dtype=%r).", dtype,
                     embedding.weight.dtype, draft_dtype)
     head.to(device=device)
-    for module in head.modules():  # cast floating weights only; d2t/t2d keep their integer/bool dtypes
+    for module_name, module in head.named_modules():  # floating weights only; d2t/t2d keep their dtypes
         for name, param in list(module.named_parameters(recurse=False)):
-            if param.is_floating_point():
+            if param.is_floating_point() and f"{module_name}.{name}" not in kept:
                 param.data = param.data.to(dtype)
     if not has_embedding:
         head.tie_embedding(embedding)

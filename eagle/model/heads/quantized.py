@@ -5,7 +5,8 @@ A draft pass of a small head is bound by reading its weights (and, between targe
 target's weights, they are no longer in the cache): Q8_0 reads 1.06 bytes per weight against bfloat16's 2, and the
 kernels' int8 activations (``numerics="int8"``, as llama.cpp computes) cost about one row's time for the few rows a
 draft pass has. The head's proposals change slightly; the output never does, since the target verifies every token.
-The layers are quantized at load (gguf-py's Q8_0 quantizer: per 32 weights a float16 scale and 32 int8 codes), the
+The layers are quantized at load (:func:`quantize_q8_0`, gguf-py's Q8_0 quantizer bit for bit: per 32 weights a
+float16 scale and 32 int8 codes), the
 RMSNorms run on the kernels' row norm (:class:`KernelRMSNorm`), the rest of the head
 (embedding, rotary, attention) in float32.
 """
@@ -45,8 +46,6 @@ def quantize_head(head: nn.Module, shared: nn.Module | None = None) -> int:
     """Replace ``head``'s own ``nn.Linear`` layers (not those of ``shared``, e.g. a target LM head the head
     borrows) by kernel layers over Q8_0 blocks of their weights with int8 activations; returns how many. A layer
     whose input size is not a multiple of 32 stays float32. The head must be float32 on the CPU."""
-    import gguf
-
     from eagle.kernels.gguf_weights import GGUFWeight
     from eagle.kernels.linear import QuantLinear
     from eagle.model.backends.gguf import set_module
@@ -60,9 +59,8 @@ def quantize_head(head: nn.Module, shared: nn.Module | None = None) -> int:
             logger.info("The draft head's %s (%d inputs, not a multiple of %d) stays float32.", name,
                         layer.in_features, BLOCK)
             continue
-        weight = layer.weight.detach().to(torch.float32).numpy()
-        blocks = gguf.quants.quantize(weight, gguf.GGMLQuantizationType.Q8_0)
-        packed = GGUFWeight(name, QUANT_TYPE, tuple(weight.shape), torch.from_numpy(np.ascontiguousarray(blocks)))
+        weight = layer.weight.detach()
+        packed = GGUFWeight(name, QUANT_TYPE, tuple(weight.shape), quantize_q8_0(weight))
         bias = layer.bias.detach().to(torch.float32) if layer.bias is not None else None
         set_module(head, name, QuantLinear(packed, bias, "int8"))
         count += 1
@@ -72,6 +70,30 @@ def quantize_head(head: nn.Module, shared: nn.Module | None = None) -> int:
 
         head.native_layer = head_layer_plan(head)
     return count
+
+
+def quantize_q8_0(weight: torch.Tensor, chunk_values: int = 1 << 20) -> torch.Tensor:
+    """The Q8_0 blocks of a 2-D ``weight`` (rows of a multiple of 32 values, any float dtype) as a (rows, K / 32 * 34)
+    uint8 tensor: gguf-py's ``quants.quantize`` of its float32 values (per block ``d = max|w| / 127``, codes
+    rounded half away from zero, ``d`` stored as float16), which quantizes each row alone, applied to whole rows of
+    about ``chunk_values`` values at a time: the float32 copy of a float16 weight is one chunk's, never the whole
+    matrix's (a bfloat16 weight, which NumPy cannot hold, is made float32 whole first)."""
+    import gguf
+
+    if weight.dim() != 2 or weight.shape[1] % BLOCK or not weight.is_floating_point():
+        raise ValueError(f"quantize_q8_0 takes a 2-D float weight whose rows are a multiple of {BLOCK} values, got "
+                         f"shape {tuple(weight.shape)} ({weight.dtype}).")
+    rows, k = weight.shape
+    rows_per_chunk = max(1, chunk_values // k)
+    out = np.empty((rows, k // BLOCK * (2 + BLOCK)), dtype=np.uint8)
+    source = weight.detach()
+    if source.dtype not in (torch.float32, torch.float16):  # numpy has no bfloat16: float32 rows, one chunk at a time
+        source = source.to(torch.float32)
+    source = source.numpy()
+    for start in range(0, rows, rows_per_chunk):
+        values = source[start:start + rows_per_chunk].astype(np.float32)
+        out[start:start + rows_per_chunk] = gguf.quants.quantize(values, gguf.GGMLQuantizationType.Q8_0)
+    return torch.from_numpy(out)
 
 
 class KernelRMSNorm(RMSNorm):
@@ -104,31 +126,46 @@ def _norms_on_kernels(head: nn.Module, borrowed: set[int]) -> None:
             set_module(head, name, KernelRMSNorm.from_norm(norm))
 
 
+def quantized_at_load(draft_dtype, target_on_kernels: bool) -> bool:
+    """Whether the head is to be quantized once loaded (``"q8_0"``, or ``"auto"`` with the target on the GGUF
+    kernels): its linear weights are then loaded in the checkpoint's dtype and quantized from it, never made
+    float32 whole (:func:`apply_draft_quantization` casts those it leaves float)."""
+    return draft_dtype == QUANTIZED_DRAFT or (draft_dtype in (None, "auto") and target_on_kernels)
+
+
 def draft_load_dtype(draft_dtype, target_on_kernels: bool):
-    """The ``draft_dtype`` to load the head in: float32 where it is then quantized (``"q8_0"``, or ``"auto"`` with
-    the target on the GGUF kernels), else ``draft_dtype`` itself."""
-    if draft_dtype == QUANTIZED_DRAFT or (draft_dtype in (None, "auto") and target_on_kernels):
-        return "float32"
-    return draft_dtype
+    """The ``draft_dtype`` to load the head in: float32 where it is then quantized (:func:`quantized_at_load`),
+    else ``draft_dtype`` itself."""
+    return "float32" if quantized_at_load(draft_dtype, target_on_kernels) else draft_dtype
 
 
 def apply_draft_quantization(head, base_model, draft_dtype, target_on_kernels: bool) -> bool:
     """Quantize ``head`` (loaded by :func:`draft_load_dtype`'s dtype) where ``draft_dtype`` asks for it: ``"q8_0"``
     (refused, with the reason, where the kernels cannot run it) or ``"auto"`` with the target on the GGUF kernels
     (where possible; else the head stays float32, logged). Returns whether it did."""
-    wanted = draft_dtype == QUANTIZED_DRAFT
-    if not wanted and not (draft_dtype in (None, "auto") and target_on_kernels):
+    if not quantized_at_load(draft_dtype, target_on_kernels):
         return False
     problem = head_quantization_problem(head)
     if problem is not None:
-        if wanted:
+        if draft_dtype == QUANTIZED_DRAFT:
             raise ValueError(f"draft_dtype='{QUANTIZED_DRAFT}' is not possible here: {problem}.")
         logger.info("The draft head stays float32: %s.", problem)
+        _float32_linears(head, base_model)
         return False
     count = quantize_head(head, shared=base_model)
+    _float32_linears(head, base_model)
     logger.info("The draft head's %d linear layers compute over Q8_0 blocks with int8 activations (draft_dtype=%r).",
                 count, draft_dtype)
     return count > 0
+
+
+def _float32_linears(head: nn.Module, shared: nn.Module | None) -> None:
+    """The head's own ``nn.Linear`` weights still in another dtype (loaded in the checkpoint's, left unquantized)
+    made float32, as the rest of the head is."""
+    borrowed = {id(module) for module in shared.modules()} if shared is not None else set()
+    for layer in head.modules():
+        if isinstance(layer, nn.Linear) and id(layer) not in borrowed and layer.weight.dtype != torch.float32:
+            layer.weight.data = layer.weight.data.to(torch.float32)
 
 
 def draft_dtype_name(head) -> str:
