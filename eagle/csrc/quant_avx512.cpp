@@ -518,10 +518,10 @@ __attribute__((always_inline)) inline void n_codes(const uint8_t* rec, const Off
 // units ahead of the one being computed that n_tile prefetches (may point past the weights: prefetches never fault)
 constexpr int64_t kPrefetchUnits = 4;
 
-// Rows per 1-group tile: 16 for the symmetric types, 8 for the asymmetric ones (whose second accumulators take the
-// other 8 of the 32 vector registers)
-template <int TYPE>
-constexpr int kNTileRows = NTraits<TYPE>::kAsym ? 8 : 16;
+// Rows per 1-group tile: each group's a (and b) and code vectors are decoded once for up to 16 rows. The 16
+// accumulators (and, for the asymmetric types, the 16 second accumulators, which the compiler keeps partly in memory:
+// loads and stores, not the multiply pipes that bound these tiles) are what a tile holds across the groups.
+constexpr int kNTileRows = 16;
 
 // A call's activations rearranged for its row tiles (tiles of kNTileRows rows from row 0, the last one shorter):
 // inside a tile of R rows, the values of group g (G inputs) of its row r lie at fixed offsets from one pointer per
@@ -553,8 +553,8 @@ void n_interleave(const QuantizedRows& xq, int64_t m, int64_t k, uint8_t* buf) {
   using T = NTraits<TYPE>;
   constexpr int G = T::kGroup;
   const int64_t groups = k / G, blocks = k / 32;
-  for (int64_t row0 = 0; row0 < m; row0 += kNTileRows<TYPE>) {
-    const int64_t rows = std::min<int64_t>(kNTileRows<TYPE>, m - row0);
+  for (int64_t row0 = 0; row0 < m; row0 += kNTileRows) {
+    const int64_t rows = std::min<int64_t>(kNTileRows, m - row0);
     uint8_t* q = buf + row0 * n_row_bytes(k);
     uint8_t* corr = q + rows * k;
     uint8_t* ds = corr + 4 * rows * groups;
@@ -688,17 +688,18 @@ void n_columns(const LinearArgs& args, const uint8_t* xbuf, int64_t n0) {
   const uint8_t* groups[CG];
   for (int c = 0; c < CG; ++c) groups[c] = args.payload + (n0 / kColumnsPerGroup + c) * group_bytes;
   if constexpr (CG == 1) {  // tiles of kNTileRows rows, then one tile of the rest: each weight decoded once per tile
-    constexpr int R = kNTileRows<TYPE>;
+    constexpr int R = kNTileRows;
     for (int64_t r = 0; r < args.m; r += R) n_rows<TYPE, R, 1>(args, xbuf, groups, r, std::min<int64_t>(R, args.m - r), n0);
-  } else {  // one tile of all the rows: 1 or 2 (CG = 4), 3 or 4 (CG = 2)
-    n_rows<TYPE, CG == 4 ? 2 : 4, CG>(args, xbuf, groups, 0, args.m, n0);
+  } else {  // one tile of all the rows (1 or 2)
+    n_rows<TYPE, 2, CG>(args, xbuf, groups, 0, args.m, n0);
   }
 }
 
-// Columns [n_begin, n_end) for every row, in tiles as wide as the rows allow: 4 groups of 16 columns for 1 or 2 rows
-// (the weights stream; more independent work in flight), 2 groups for 3 or 4 rows, else 1 group with tiles of
-// kNTileRows rows and one of the rest (a tile's rows share each decoded code vector); a chunk's columns beyond its last wide tile run in
-// 1-group tiles (the same bits: the tile shape never changes what an output computes).
+// Columns [n_begin, n_end) for every row: tiles of 4 groups of 16 columns for 1 or 2 rows (the weights stream; more
+// independent work in flight), else 1 group with tiles of kNTileRows rows and one of the rest (a tile's rows share
+// each decoded code vector; at 3 and 4 rows, 2-group tiles ran slower: their accumulators, parameters and codes
+// overflowed the registers); a chunk's columns beyond its last wide tile run in 1-group tiles (the same bits: the
+// tile shape never changes what an output computes).
 template <int TYPE>
 void n_run(const LinearArgs& args, int64_t n_begin, int64_t n_end) {
   uint8_t* xbuf = n_buffer(args.m * n_row_bytes(args.k));  // the rows interleaved for the tiles (NRows)
@@ -706,8 +707,6 @@ void n_run(const LinearArgs& args, int64_t n_begin, int64_t n_end) {
   int64_t n = n_begin;
   if (args.m <= 2) {
     for (; n + 64 <= n_end; n += 64) n_columns<TYPE, 4>(args, xbuf, n);
-  } else if (args.m <= 4) {
-    for (; n + 32 <= n_end; n += 32) n_columns<TYPE, 2>(args, xbuf, n);
   }
   for (; n < n_end; n += 16) n_columns<TYPE, 1>(args, xbuf, n);
 }
