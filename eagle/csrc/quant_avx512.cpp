@@ -546,8 +546,8 @@ inline NRows n_tile_rows(const uint8_t* buf, int64_t k, int64_t row0, int64_t ro
           reinterpret_cast<const float*>(base + rows * k + 4 * rows * groups)};
 }
 
-// writes the activations of every row tile of a call (rows m, inputs k) into buf (m n_row_bytes(k) bytes) as NRows
-// reads them
+// writes the activations of every row tile of a call (m rows of k inputs) into buf (m n_row_bytes(k) bytes), laid out
+// as n_tile_rows reads them
 template <int TYPE>
 void n_interleave(const QuantizedRows& xq, int64_t m, int64_t k, uint8_t* buf) {
   using T = NTraits<TYPE>;
@@ -575,12 +575,24 @@ void n_interleave(const QuantizedRows& xq, int64_t m, int64_t k, uint8_t* buf) {
   }
 }
 
-// a buffer of at least `bytes` bytes for n_interleave, one per thread, kept from call to call
-inline uint8_t* n_buffer(int64_t bytes) {
-  thread_local std::vector<uint8_t> storage;
-  if (static_cast<int64_t>(storage.size()) < bytes) storage.resize(bytes);
-  return storage.data();
-}
+// The buffer of n_interleave: one per thread, kept from call to call up to kKeptBufferBytes (a call of a few rows
+// allocates nothing); a larger one (a long prefill) is the call's own and freed when it returns.
+constexpr int64_t kKeptBufferBytes = int64_t{4} << 20;
+
+class NBuffer {
+ public:
+  explicit NBuffer(int64_t bytes) {
+    thread_local std::vector<uint8_t> kept;
+    std::vector<uint8_t>& storage = bytes <= kKeptBufferBytes ? kept : own_;
+    if (static_cast<int64_t>(storage.size()) < bytes) storage.resize(bytes);
+    data_ = storage.data();
+  }
+  uint8_t* data() const { return data_; }
+
+ private:
+  std::vector<uint8_t> own_;
+  uint8_t* data_;
+};
 
 // The exact integer sum of row r's G products with the 16 columns' codes of group g (the symmetric types' offset
 // correction included; integer sums are exact, so their order is free): two chains of vpdpbusd, then their sum.
@@ -689,7 +701,8 @@ void n_columns(const LinearArgs& args, const uint8_t* xbuf, int64_t n0) {
   for (int c = 0; c < CG; ++c) groups[c] = args.payload + (n0 / kColumnsPerGroup + c) * group_bytes;
   if constexpr (CG == 1) {  // tiles of kNTileRows rows, then one tile of the rest: each weight decoded once per tile
     constexpr int R = kNTileRows;
-    for (int64_t r = 0; r < args.m; r += R) n_rows<TYPE, R, 1>(args, xbuf, groups, r, std::min<int64_t>(R, args.m - r), n0);
+    for (int64_t r = 0; r < args.m; r += R)
+      n_rows<TYPE, R, 1>(args, xbuf, groups, r, std::min<int64_t>(R, args.m - r), n0);
   } else {  // one tile of all the rows (1 or 2)
     n_rows<TYPE, 2, CG>(args, xbuf, groups, 0, args.m, n0);
   }
@@ -702,8 +715,9 @@ void n_columns(const LinearArgs& args, const uint8_t* xbuf, int64_t n0) {
 // tile shape never changes what an output computes).
 template <int TYPE>
 void n_run(const LinearArgs& args, int64_t n_begin, int64_t n_end) {
-  uint8_t* xbuf = n_buffer(args.m * n_row_bytes(args.k));  // the rows interleaved for the tiles (NRows)
-  n_interleave<TYPE>(*args.xq, args.m, args.k, xbuf);
+  const NBuffer buffer(args.m * n_row_bytes(args.k));  // the rows interleaved for the tiles (NRows)
+  const uint8_t* xbuf = buffer.data();
+  n_interleave<TYPE>(*args.xq, args.m, args.k, buffer.data());
   int64_t n = n_begin;
   if (args.m <= 2) {
     for (; n + 64 <= n_end; n += 64) n_columns<TYPE, 4>(args, xbuf, n);
