@@ -703,16 +703,17 @@ void n_columns(const LinearArgs& args, const uint8_t* xbuf, int64_t n0) {
     constexpr int R = kNTileRows;
     for (int64_t r = 0; r < args.m; r += R)
       n_rows<TYPE, R, 1>(args, xbuf, groups, r, std::min<int64_t>(R, args.m - r), n0);
-  } else {  // one tile of all the rows (1 or 2)
-    n_rows<TYPE, 2, CG>(args, xbuf, groups, 0, args.m, n0);
+  } else {  // one tile of all the rows: 1 or 2 (CG = 4), 3 or 4 (CG = 2)
+    n_rows<TYPE, CG == 4 ? 2 : 4, CG>(args, xbuf, groups, 0, args.m, n0);
   }
 }
 
 // Columns [n_begin, n_end) for every row: tiles of 4 groups of 16 columns for 1 or 2 rows (the weights stream; more
-// independent work in flight), else 1 group with tiles of kNTileRows rows and one of the rest (a tile's rows share
-// each decoded code vector; at 3 and 4 rows, 2-group tiles ran slower: their accumulators, parameters and codes
-// overflowed the registers); a chunk's columns beyond its last wide tile run in 1-group tiles (the same bits: the
-// tile shape never changes what an output computes).
+// independent work in flight), 2 groups for 3 or 4 rows of 8-bit codes (twice the bytes per multiply-add of the
+// others: streaming bounds them), else 1 group with tiles of kNTileRows rows and one of the rest (a tile's rows share
+// each decoded code vector; at 3 and 4 rows of the other types, 2-group tiles ran slower: their accumulators,
+// parameters and codes overflowed the registers); a chunk's columns beyond its last wide tile run in 1-group tiles
+// (the same bits: the tile shape never changes what an output computes).
 template <int TYPE>
 void n_run(const LinearArgs& args, int64_t n_begin, int64_t n_end) {
   const NBuffer buffer(args.m * n_row_bytes(args.k));  // the rows interleaved for the tiles (NRows)
@@ -721,6 +722,8 @@ void n_run(const LinearArgs& args, int64_t n_begin, int64_t n_end) {
   int64_t n = n_begin;
   if (args.m <= 2) {
     for (; n + 64 <= n_end; n += 64) n_columns<TYPE, 4>(args, xbuf, n);
+  } else if (NTraits<TYPE>::kBits == 8 && args.m <= 4) {
+    for (; n + 32 <= n_end; n += 32) n_columns<TYPE, 2>(args, xbuf, n);
   }
   for (; n < n_end; n += 16) n_columns<TYPE, 1>(args, xbuf, n);
 }
