@@ -24,6 +24,7 @@
 #include <algorithm>
 #include <cstring>
 #include <type_traits>
+#include <vector>
 
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,fma,f16c,bmi,bmi2,lzcnt,popcnt")
@@ -444,23 +445,39 @@ void k_run(const LinearArgs& args, int64_t n_begin, int64_t n_end, float* scratc
 template <int TYPE>
 using NTraits = TypeTraits<TYPE>;
 
-// a (and b) of the 16 columns for group gi of a unit record
+inline __m512 load_halves16(const uint8_t* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// the fp16 numbers of a unit record's 16 columns, the same for all its groups: d, and m (Q4_1, Q5_1) or dmin
+// (Q4_K, Q5_K)
+struct NUnit {
+  __m512 d, m;
+};
+
 template <int TYPE>
-__attribute__((always_inline)) inline void n_params(const uint8_t* rec, const Offsets& o, int gi, __m512& a, __m512& b) {
-  const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + o.d)));
+__attribute__((always_inline)) inline NUnit n_unit(const uint8_t* rec, const Offsets& o) {
+  NUnit u{load_halves16(rec + o.d), _mm512_setzero_ps()};
+  if constexpr (NTraits<TYPE>::kAsym) u.m = load_halves16(rec + o.m);
+  return u;
+}
+
+// a (and b) of the 16 columns for group gi of a unit record whose fp16 numbers are u
+template <int TYPE>
+__attribute__((always_inline)) inline void n_params(const uint8_t* rec, const Offsets& o, const NUnit& u, int gi,
+                                                    __m512& a, __m512& b) {
   using T = NTraits<TYPE>;
   if constexpr (T::kScales && T::kAsym) {  // Q4_K, Q5_K: 6-bit scales and mins
-    const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + o.m)));
     const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + o.sc + 16 * gi));
     const __m128i mn = _mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + o.mn + 16 * gi));
-    a = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(sc)));
-    b = _mm512_sub_ps(_mm512_setzero_ps(), _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(mn))));
+    a = _mm512_mul_ps(u.d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(sc)));
+    b = _mm512_sub_ps(_mm512_setzero_ps(), _mm512_mul_ps(u.m, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(mn))));
   } else if constexpr (T::kScales) {  // Q6_K: int8 scales
     const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + o.sc + 16 * gi));
-    a = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sc)));
+    a = _mm512_mul_ps(u.d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sc)));
   } else {
-    a = d;
-    if constexpr (T::kAsym) b = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + o.m)));
+    a = u.d;
+    if constexpr (T::kAsym) b = u.m;
   }
 }
 
@@ -501,59 +518,118 @@ __attribute__((always_inline)) inline void n_codes(const uint8_t* rec, const Off
 // units ahead of the one being computed that n_tile prefetches (may point past the weights: prefetches never fault)
 constexpr int64_t kPrefetchUnits = 4;
 
-template <int TYPE, int R, int CG>
-__attribute__((noinline)) void n_tile(const LinearArgs& args, const uint8_t* const* groups, int64_t row0, int64_t n0) {
+// Rows per 1-group tile: each group's a (and b) and code vectors are decoded once for up to 16 rows. The 16
+// accumulators (and, for the asymmetric types, the 16 second accumulators, which the compiler keeps partly in memory:
+// loads and stores, not the multiply pipes that bound these tiles) are what a tile holds across the groups.
+constexpr int kNTileRows = 16;
+
+// A call's activations rearranged for its row tiles (tiles of kNTileRows rows from row 0, the last one shorter):
+// inside a tile of R rows, the values of group g (G inputs) of its row r lie at fixed offsets from one pointer per
+// array, so that a tile addresses all its rows from three registers:
+//   q     the G int8 values at q + (g R + r) G
+//   corr  the symmetric types' integer offset correction, -offset * (sum of the group's q), at corr[g R + r]
+//   ds    d and s of 32-input block b at ds[2 (b R + r)] and ds[2 (b R + r) + 1]
+// Copies of the quantizer's numbers: the outputs are the same bits as from the rows as the quantizer wrote them.
+inline int64_t n_row_bytes(int64_t k) { return k + 4 * (k / 16) + 8 * (k / 32); }
+
+struct NRows {
+  const uint8_t* q;
+  const int32_t* corr;
+  const float* ds;
+};
+
+template <int TYPE>
+inline NRows n_tile_rows(const uint8_t* buf, int64_t k, int64_t row0, int64_t rows) {
+  const uint8_t* base = buf + row0 * n_row_bytes(k);
+  const int64_t groups = k / NTraits<TYPE>::kGroup;
+  return {base, reinterpret_cast<const int32_t*>(base + rows * k),
+          reinterpret_cast<const float*>(base + rows * k + 4 * rows * groups)};
+}
+
+// writes the activations of every row tile of a call (m rows of k inputs) into buf (m n_row_bytes(k) bytes), laid out
+// as n_tile_rows reads them
+template <int TYPE>
+void n_interleave(const QuantizedRows& xq, int64_t m, int64_t k, uint8_t* buf) {
   using T = NTraits<TYPE>;
   constexpr int G = T::kGroup;
-  const QuantizedRows& xq = *args.xq;
-  const int64_t k = args.k;
-  const Offsets o = offsets(*args.type, LAYOUT_N, k);
-  __m512 acc[R][CG], accb[R][CG];
-#pragma GCC unroll 16
-  for (int r = 0; r < R; ++r)
-#pragma GCC unroll 16
-    for (int c = 0; c < CG; ++c) acc[r][c] = accb[r][c] = _mm512_setzero_ps();
-  const int64_t units = k / T::kUnit;
-  for (int64_t unit = 0; unit < units; ++unit) {
-    for (int gi = 0; gi < T::kUnit / G; ++gi) {
-      const int64_t kbase = unit * T::kUnit + gi * G;  // first input of the group
-#pragma GCC unroll 16
-      for (int c = 0; c < CG; ++c) {
-        const uint8_t* rec = groups[c] + unit * o.total;
-        if (gi == 0) {  // stream the weights: fetch a few units ahead into L2
-          for (int64_t line = 0; line < o.total; line += 64)
-            _mm_prefetch(reinterpret_cast<const char*>(rec + kPrefetchUnits * o.total + line), _MM_HINT_T1);
-        }
-        __m512 a, b = _mm512_setzero_ps();
-        n_params<TYPE>(rec, o, gi, a, b);
-        __m512i codes[G / 4];
-        n_codes<TYPE>(rec, o, gi, codes);
-#pragma GCC unroll 16
-        for (int r = 0; r < R; ++r) {
-          const int64_t row = row0 + r;
-          const int8_t* q = xq.q + row * k + kbase;
-          __m512i isum0, isum1 = _mm512_setzero_si512();
-          if constexpr (T::kOffset > 0) {
-            const int32_t* s16 = xq.sum16 + row * (k / 16) + kbase / 16;
-            const int32_t xsum = G == 16 ? s16[0] : s16[0] + s16[1];
-            isum0 = _mm512_set1_epi32(-T::kOffset * xsum);
-          } else {
-            isum0 = _mm512_setzero_si512();
-          }
-#pragma GCC unroll 16
-          for (int h = 0; h < G / 4; h += 2) {
-            isum0 = _mm512_dpbusd_epi32(isum0, codes[h], _mm512_set1_epi32(static_cast<int>(ld32(reinterpret_cast<const uint8_t*>(q) + 4 * h))));
-            isum1 = _mm512_dpbusd_epi32(isum1, codes[h + 1], _mm512_set1_epi32(static_cast<int>(ld32(reinterpret_cast<const uint8_t*>(q) + 4 * h + 4))));
-          }
-          const __m512i isum = _mm512_add_epi32(isum0, isum1);
-          const int64_t block = row * (k / 32) + kbase / 32;
-          const __m512 s = _mm512_mul_ps(a, _mm512_set1_ps(xq.d[block]));
-          acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), s, acc[r][c]);
-          if constexpr (T::kAsym) accb[r][c] = _mm512_fmadd_ps(b, _mm512_set1_ps(xq.s[block]), accb[r][c]);
-        }
+  const int64_t groups = k / G, blocks = k / 32;
+  for (int64_t row0 = 0; row0 < m; row0 += kNTileRows) {
+    const int64_t rows = std::min<int64_t>(kNTileRows, m - row0);
+    uint8_t* q = buf + row0 * n_row_bytes(k);
+    uint8_t* corr = q + rows * k;
+    uint8_t* ds = corr + 4 * rows * groups;
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t row = row0 + r;
+      const int32_t* s16 = xq.sum16 + row * (k / 16);
+      for (int64_t g = 0; g < groups; ++g) {
+        std::memcpy(q + (g * rows + r) * G, xq.q + row * k + g * G, G);
+        const int32_t xsum = G == 16 ? s16[g] : s16[2 * g] + s16[2 * g + 1];
+        const int32_t c = T::kOffset > 0 ? -T::kOffset * xsum : 0;
+        std::memcpy(corr + 4 * (g * rows + r), &c, 4);
+      }
+      for (int64_t blk = 0; blk < blocks; ++blk) {
+        std::memcpy(ds + 8 * (blk * rows + r), xq.d + row * blocks + blk, 4);
+        std::memcpy(ds + 8 * (blk * rows + r) + 4, xq.s + row * blocks + blk, 4);
       }
     }
   }
+}
+
+// The buffer of n_interleave: one per thread, kept from call to call up to kKeptBufferBytes (a call of a few rows
+// allocates nothing); a larger one (a long prefill) is the call's own and freed when it returns.
+constexpr int64_t kKeptBufferBytes = int64_t{4} << 20;
+
+class NBuffer {
+ public:
+  explicit NBuffer(int64_t bytes) {
+    thread_local std::vector<uint8_t> kept;
+    std::vector<uint8_t>& storage = bytes <= kKeptBufferBytes ? kept : own_;
+    if (static_cast<int64_t>(storage.size()) < bytes) storage.resize(bytes);
+    data_ = storage.data();
+  }
+  uint8_t* data() const { return data_; }
+
+ private:
+  std::vector<uint8_t> own_;
+  uint8_t* data_;
+};
+
+// The exact integer sum of row r's G products with the 16 columns' codes of group g (the symmetric types' offset
+// correction included; integer sums are exact, so their order is free): two chains of vpdpbusd, then their sum.
+template <int TYPE, int R>
+__attribute__((always_inline)) inline __m512i n_isum(const NRows& x, int64_t g, int r, const __m512i* codes) {
+  using T = NTraits<TYPE>;
+  constexpr int G = T::kGroup;
+  const uint8_t* q = x.q + (g * R + r) * G;
+  __m512i isum0 = _mm512_setzero_si512(), isum1 = _mm512_setzero_si512();
+  if constexpr (T::kOffset > 0) isum0 = _mm512_set1_epi32(x.corr[g * R + r]);
+#pragma GCC unroll 16
+  for (int h = 0; h < G / 4; h += 2) {
+    isum0 = _mm512_dpbusd_epi32(isum0, codes[h], _mm512_set1_epi32(static_cast<int>(ld32(q + 4 * h))));
+    isum1 = _mm512_dpbusd_epi32(isum1, codes[h + 1], _mm512_set1_epi32(static_cast<int>(ld32(q + 4 * h + 4))));
+  }
+  return _mm512_add_epi32(isum0, isum1);
+}
+
+// One group g of one 16-column group for the tile's R rows: acc = fma(float(isum), a * dx, acc) and, for the
+// asymmetric types, accb = fma(b, sx, accb).
+template <int TYPE, int R>
+__attribute__((always_inline)) inline void n_group(const NRows& x, int64_t g, const __m512i* codes, __m512 a,
+                                                   __m512 b, __m512 (&acc)[R], __m512 (&accb)[R]) {
+  const float* ds = x.ds + 2 * R * (g * NTraits<TYPE>::kGroup / 32);
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) {
+    const __m512i isum = n_isum<TYPE, R>(x, g, r, codes);
+    const __m512 s = _mm512_mul_ps(a, _mm512_set1_ps(ds[2 * r]));
+    acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), s, acc[r]);
+    if constexpr (NTraits<TYPE>::kAsym) accb[r] = _mm512_fmadd_ps(b, _mm512_set1_ps(ds[2 * r + 1]), accb[r]);
+  }
+}
+
+// y of a tile: acc (+ accb for the asymmetric types) (+ the bias), the padding columns left out
+template <int TYPE, int R, int CG>
+__attribute__((always_inline)) inline void n_store(const LinearArgs& args, int64_t row0, int64_t n0,
+                                                   const __m512 (&acc)[CG][R], const __m512 (&accb)[CG][R]) {
 #pragma GCC unroll 16
   for (int c = 0; c < CG; ++c) {
     const int64_t col = n0 + 16 * c;
@@ -562,53 +638,92 @@ __attribute__((noinline)) void n_tile(const LinearArgs& args, const uint8_t* con
     const __m512 bias = args.bias ? _mm512_maskz_loadu_ps(mask, args.bias + col) : _mm512_setzero_ps();
 #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
-      __m512 out = T::kAsym ? _mm512_add_ps(acc[r][c], accb[r][c]) : acc[r][c];
+      __m512 out = NTraits<TYPE>::kAsym ? _mm512_add_ps(acc[c][r], accb[c][r]) : acc[c][r];
       if (args.bias) out = _mm512_add_ps(out, bias);
       _mm512_mask_storeu_ps(args.y + (row0 + r) * args.n + col, mask, out);
     }
   }
 }
 
-// one tile of the R (1..8) rows from row0 for one 16-column group
-template <int TYPE, int R = 8>
-void n_rows(const LinearArgs& args, const uint8_t* const* groups, int64_t row0, int64_t rows, int64_t n0) {
-  if constexpr (R > 1) {
-    if (rows < R) return n_rows<TYPE, R - 1>(args, groups, row0, rows, n0);
+// R rows by CG groups of 16 columns: per group, its a (and b) and code vectors are decoded once and applied to the R
+// rows (the unit's fp16 numbers, n_unit, do not change within a unit: the compiler converts them once per unit). Each
+// column group's prefetch is issued just before its first group of the unit is computed (issuing the CG groups'
+// prefetches together first streamed 8-bit codes at one row 20-25% slower).
+template <int TYPE, int R, int CG>
+__attribute__((noinline)) void n_tile(const LinearArgs& args, const NRows& x, const uint8_t* const* groups,
+                                      int64_t row0, int64_t n0) {
+  using T = NTraits<TYPE>;
+  constexpr int G = T::kGroup;
+  const int64_t k = args.k;
+  const Offsets o = offsets(*args.type, LAYOUT_N, k);
+  __m512 acc[CG][R], accb[CG][R];
+#pragma GCC unroll 16
+  for (int c = 0; c < CG; ++c)
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) acc[c][r] = accb[c][r] = _mm512_setzero_ps();
+  const int64_t units = k / T::kUnit;
+  for (int64_t unit = 0; unit < units; ++unit) {
+    for (int gi = 0; gi < T::kUnit / G; ++gi) {
+#pragma GCC unroll 16
+      for (int c = 0; c < CG; ++c) {
+        const uint8_t* rec = groups[c] + unit * o.total;
+        if (gi == 0) {  // stream the weights: fetch a few units ahead into L2
+          for (int64_t line = 0; line < o.total; line += 64)
+            _mm_prefetch(reinterpret_cast<const char*>(rec + kPrefetchUnits * o.total + line), _MM_HINT_T1);
+        }
+        __m512 a, b = _mm512_setzero_ps();
+        n_params<TYPE>(rec, o, n_unit<TYPE>(rec, o), gi, a, b);
+        __m512i codes[G / 4];
+        n_codes<TYPE>(rec, o, gi, codes);
+        n_group<TYPE, R>(x, unit * (T::kUnit / G) + gi, codes, a, b, acc[c], accb[c]);
+      }
+    }
   }
-  n_tile<TYPE, R, 1>(args, groups, row0, n0);
+  n_store<TYPE, R, CG>(args, row0, n0, acc, accb);
+}
+
+// the tile of the `rows` (1..R) rows from row0 (a tile's first row) by CG 16-column groups
+template <int TYPE, int R, int CG>
+void n_rows(const LinearArgs& args, const uint8_t* xbuf, const uint8_t* const* groups, int64_t row0, int64_t rows,
+            int64_t n0) {
+  if constexpr (R > 1) {
+    if (rows < R) return n_rows<TYPE, R - 1, CG>(args, xbuf, groups, row0, rows, n0);
+  }
+  n_tile<TYPE, R, CG>(args, n_tile_rows<TYPE>(xbuf, args.k, row0, R), groups, row0, n0);
 }
 
 template <int TYPE, int CG>
-void n_columns(const LinearArgs& args, int64_t n0) {
+void n_columns(const LinearArgs& args, const uint8_t* xbuf, int64_t n0) {
   const int64_t group_bytes = kColumnsPerGroup * packed_row_bytes(*args.type, args.k);
   const uint8_t* groups[CG];
   for (int c = 0; c < CG; ++c) groups[c] = args.payload + (n0 / kColumnsPerGroup + c) * group_bytes;
-  if constexpr (CG == 1) {  // tiles of 8 rows, then one tile of the rest: each weight decoded once per 8 rows
-    for (int64_t r = 0; r < args.m; r += 8) n_rows<TYPE>(args, groups, r, std::min<int64_t>(8, args.m - r), n0);
-  } else {
-    int64_t r = 0;
-    if constexpr (CG == 2) {
-      if (r + 4 <= args.m) { n_tile<TYPE, 4, 2>(args, groups, r, n0); r += 4; }
-      if (r + 3 <= args.m) { n_tile<TYPE, 3, 2>(args, groups, r, n0); r += 3; }
-    }
-    if (r + 2 <= args.m) { n_tile<TYPE, 2, CG>(args, groups, r, n0); r += 2; }
-    if (r < args.m) n_tile<TYPE, 1, CG>(args, groups, r, n0);
+  if constexpr (CG == 1) {  // tiles of kNTileRows rows, then one tile of the rest: each weight decoded once per tile
+    constexpr int R = kNTileRows;
+    for (int64_t r = 0; r < args.m; r += R)
+      n_rows<TYPE, R, 1>(args, xbuf, groups, r, std::min<int64_t>(R, args.m - r), n0);
+  } else {  // one tile of all the rows: 1 or 2 (CG = 4), 3 or 4 (CG = 2)
+    n_rows<TYPE, CG == 4 ? 2 : 4, CG>(args, xbuf, groups, 0, args.m, n0);
   }
 }
 
-// Columns [n_begin, n_end) for every row, in tiles as wide as the rows allow: 4 groups of 16 columns for 1 or 2 rows
-// (the weights stream; more independent work in flight), 2 groups for 3 or 4 rows, else 1 group with tiles of 8
-// rows and one of the rest (a tile's rows share each decoded code vector); a chunk's columns beyond its last wide tile run in
-// 1-group tiles (the same bits: the tile shape never changes what an output computes).
+// Columns [n_begin, n_end) for every row: tiles of 4 groups of 16 columns for 1 or 2 rows (the weights stream; more
+// independent work in flight), 2 groups for 3 or 4 rows of 8-bit codes (twice the bytes per multiply-add of the
+// others: streaming bounds them), else 1 group with tiles of kNTileRows rows and one of the rest (a tile's rows share
+// each decoded code vector; at 3 and 4 rows of the other types, 2-group tiles ran slower: their accumulators,
+// parameters and codes overflowed the registers); a chunk's columns beyond its last wide tile run in 1-group tiles
+// (the same bits: the tile shape never changes what an output computes).
 template <int TYPE>
 void n_run(const LinearArgs& args, int64_t n_begin, int64_t n_end) {
+  const NBuffer buffer(args.m * n_row_bytes(args.k));  // the rows interleaved for the tiles (NRows)
+  const uint8_t* xbuf = buffer.data();
+  n_interleave<TYPE>(*args.xq, args.m, args.k, buffer.data());
   int64_t n = n_begin;
   if (args.m <= 2) {
-    for (; n + 64 <= n_end; n += 64) n_columns<TYPE, 4>(args, n);
-  } else if (args.m <= 4) {
-    for (; n + 32 <= n_end; n += 32) n_columns<TYPE, 2>(args, n);
+    for (; n + 64 <= n_end; n += 64) n_columns<TYPE, 4>(args, xbuf, n);
+  } else if (NTraits<TYPE>::kBits == 8 && args.m <= 4) {
+    for (; n + 32 <= n_end; n += 32) n_columns<TYPE, 2>(args, xbuf, n);
   }
-  for (; n < n_end; n += 16) n_columns<TYPE, 1>(args, n);
+  for (; n < n_end; n += 16) n_columns<TYPE, 1>(args, xbuf, n);
 }
 
 }  // namespace
