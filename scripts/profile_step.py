@@ -4,6 +4,8 @@ greedy answers to MT-bench first turns (one at a time, or ``--batch-size`` toget
     python scripts/profile_step.py --num-questions 4 --max-new-tokens 128
     python scripts/profile_step.py --tree 8/1/4/16 --plain
     python scripts/profile_step.py --num-questions 16 --batch-size 8 --plain
+    python scripts/profile_step.py --base-model-path ~/.cache/eagle/scale/2b/model-Q4_K_M.gguf \
+        --ea-model-path ~/.cache/eagle/scale/2b/head --plain          # a widened pair (eagle.evaluation.scale)
 
 The parts (nested: a line's time includes the lines indented below it):
 
@@ -137,11 +139,17 @@ def main(argv=None) -> None:
     parser.add_argument("--batch-size", type=int, default=1,
                         help="Prompts generated together (each batch's tree: the head's batch trees, or --tree).")
     parser.add_argument("--plain", action="store_true", help="Also time plain decoding on the same prompts.")
+    parser.add_argument("--base-model-path", default=None,
+                        help="The target (a GGUF file, a directory, a Hub id); default: the embedded SmolLM2.")
+    parser.add_argument("--ea-model-path", default=None,
+                        help="Its EAGLE-3 head's directory; default: the embedded head (with the embedded target).")
     add_gguf_kernels_argument(parser)
     args = parser.parse_args(argv)
     timers = Timers()
     install(timers)
-    model = EaModel.from_pretrained(gguf_kernels=GGUF_FLAG_VALUES[args.gguf_kernels])
+    paths = {key: value for key, value in (("base_model_path", args.base_model_path),
+                                            ("ea_model_path", args.ea_model_path)) if value is not None}
+    model = EaModel.from_pretrained(gguf_kernels=GGUF_FLAG_VALUES[args.gguf_kernels], **paths)
     if args.tree:
         model.set_tree(*(int(part) for part in args.tree.split("/")))
     s = model.tree_for_batch(args.batch_size)
