@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 from eagle.model.drafting.none import NoDrafter
 from eagle.model.drafting.protocol import DraftContext
@@ -15,6 +14,7 @@ from eagle.model.drafting.settings import TreePlan
 from eagle.model.drafting.suffix import SuffixDrafter, SuffixIndex, SuffixStore, graft_trie
 from eagle.model.drafting.tree import tree_from_parents
 from eagle.model.ea_model import EaModel
+from test_engine_seams import _run
 from test_lookup import pair  # noqa: F401  (the fixture: a tiny target whose greedy text repeats)
 from test_sampling import LENGTH, hf_warpers, position_p_values
 
@@ -98,12 +98,6 @@ def repeating(pair):  # noqa: F811
     model = EaModel.from_pretrained(base_model_path=str(base), ea_model_path=str(head), total_token=3, depth=0,
                                     top_k=2, dtype=torch.float32)
     return model, reference
-
-
-def _run(model, prompts, drafter, **settings):
-    request = model.engine.request(prompts, drafter=drafter, **settings)
-    steps = list(model.engine.run(request))
-    return [[t for step in steps for t in step.tokens[b].tolist()] for b in range(request.batch_size)], steps
 
 
 @pytest.mark.parametrize("drafter", ["suffix", "eagle3+suffix"])

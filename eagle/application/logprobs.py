@@ -80,8 +80,6 @@ def _rows(logprobs: TokenLogprobs):
 def with_first_token(first_token: int, logprobs: TokenLogprobs) -> TokenLogprobs:
     """A prompt's logprobs (its tokens 1..S-1) with its first token in front, unscored (a 0 placeholder that
     :meth:`LogprobWriter.part` writes as ``null`` with ``unscored_first``)."""
-    import torch
-
     ids = logprobs.token_ids
     first = torch.tensor([first_token], dtype=ids.dtype, device=ids.device)
     return TokenLogprobs(torch.cat([first, ids]), torch.cat([logprobs.chosen.new_zeros(1), logprobs.chosen]),

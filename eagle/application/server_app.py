@@ -318,7 +318,6 @@ class _Answer:
     logprobs: LogprobWriter | None = None
     echo: str | None = None
     first_token: int = 0
-    _logprob_parts: list[dict] = field(default_factory=list)
 
     def usage(self, update: Update) -> dict:
         return schema.usage(self.prompt_tokens, update.completion_tokens)
@@ -331,7 +330,7 @@ class _Answer:
         return (self.echo or "") if update.echo else update.text
 
     def logprobs_of(self, update: Update) -> dict | None:
-        """The logprobs of ``update``'s tokens (the prompt's for the echo update), or None; kept for :meth:`whole`."""
+        """The logprobs of ``update``'s tokens (the prompt's for the echo update), or None."""
         if self.logprobs is None:
             return None
         if update.echo and update.prompt_logprobs is not None:
@@ -340,11 +339,11 @@ class _Answer:
             part = self.logprobs.part(update.logprobs)
         else:
             return None
-        self._logprob_parts.append(part)
         return part
 
-    def whole(self, text: str, update: Update) -> dict:
-        logprobs = None if self.logprobs is None else _merged(self._logprob_parts, self.chat)
+    def whole(self, text: str, update: Update, logprob_parts: list[dict]) -> dict:
+        """The whole answer: ``text``, and ``logprob_parts`` (:meth:`logprobs_of` of every update) merged."""
+        logprobs = None if self.logprobs is None else _merged(logprob_parts, self.chat)
         if self.chat:
             return schema.chat_completion(self.id, self.model, text, update.finish_reason, self.usage(update),
                                           self.eagle(update), self.created, logprobs)
@@ -375,7 +374,7 @@ def _echo_text(tokenizer, prompt: str | list[int], prompt_ids: list[int]) -> str
 async def _collect(request: Request, answer: _Answer, job: Job, channel: _Channel,
                    worker: ModelWorker):
     """Wait for the whole answer; cancel it if the client goes away meanwhile."""
-    parts = []
+    parts, logprob_parts = [], []
     try:
         while True:
             try:
@@ -388,9 +387,11 @@ async def _collect(request: Request, answer: _Answer, job: Job, channel: _Channe
             if update.error is not None:
                 raise update.error
             parts.append(answer.text_of(update))
-            answer.logprobs_of(update)
+            logprobs = answer.logprobs_of(update)
+            if logprobs is not None:
+                logprob_parts.append(logprobs)
             if update.final:
-                return answer.whole("".join(parts), update)
+                return answer.whole("".join(parts), update, logprob_parts)
     finally:
         if not job.done:
             worker.cancel(job)
