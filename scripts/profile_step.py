@@ -147,9 +147,8 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     timers = Timers()
     install(timers)
-    paths = {key: value for key, value in (("base_model_path", args.base_model_path),
-                                            ("ea_model_path", args.ea_model_path)) if value is not None}
-    model = EaModel.from_pretrained(gguf_kernels=GGUF_FLAG_VALUES[args.gguf_kernels], **paths)
+    model = EaModel.from_pretrained(base_model_path=args.base_model_path, ea_model_path=args.ea_model_path,
+                                    gguf_kernels=GGUF_FLAG_VALUES[args.gguf_kernels])
     if args.tree:
         model.set_tree(*(int(part) for part in args.tree.split("/")))
     s = model.tree_for_batch(args.batch_size)

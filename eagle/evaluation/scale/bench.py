@@ -60,7 +60,7 @@ def read_bandwidth(threads: int, nbytes: int = BANDWIDTH_BYTES, repeats: int = 3
     (one thread)."""
     from eagle import kernels
 
-    if hasattr(kernels, "read_bandwidth"):
+    if kernels.available():
         return {"gb_per_s": float(kernels.read_bandwidth(nbytes, threads)), "source": "eagle.kernels.read_bandwidth",
                 "bytes": nbytes, "threads": threads}
     data = np.ones(nbytes // 8, dtype=np.float64)

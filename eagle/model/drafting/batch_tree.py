@@ -27,7 +27,7 @@ per-batch trees again.
 from __future__ import annotations
 
 from eagle.model.drafting.settings import TreeSettings, largest_tree_size, tree_for_batch
-from eagle.model.tuning.head_tree import TREE_FIELD, TREE_KEYS, check_tree_entry, first_tree, parse_head_trees, tree_kinds
+from eagle.model.tuning.head_tree import TREE_KEYS, check_tree_entry, first_tree, head_tree_kind, tree_kinds
 
 BATCH_TREE_FIELD = "eagle_batch_tree"
 __all__ = ["BATCH_TREE_FIELD", "parse_batch_trees", "head_batch_trees", "tree_for_batch", "largest_tree_size"]
@@ -68,10 +68,6 @@ def batch_tree_kinds(config, device, backend: str | None = None) -> list[str]:
     first kind that has a batch-1 tree (``eagle_tree``): batch trees measured on another kind's costs (the float32
     ``"cpu"`` ones under the int8 kernels' ``"cpu-gguf-int8"`` tree) would give batches larger trees than the
     batch-1 tree those costs chose."""
-    value = config.get(TREE_FIELD) if isinstance(config, dict) else getattr(config, TREE_FIELD, None)
     kinds = tree_kinds(device, backend)
-    if value is None:
-        return kinds
-    trees = parse_head_trees(value)
-    first = next((i for i, kind in enumerate(kinds) if kind in trees), len(kinds) - 1)
-    return kinds[: first + 1]
+    chosen = head_tree_kind(config, device, backend)[0]
+    return kinds if chosen is None else kinds[: kinds.index(chosen) + 1]

@@ -36,6 +36,7 @@ from collections import deque
 
 import torch
 
+from eagle.model.drafting.lookup import GRAFT_LOG_PROB  # a merged node ranks after the inner drafter's siblings
 from eagle.model.drafting.protocol import StepDrafter
 from eagle.model.drafting.tree import DraftTree, children_by_token, tree_from_parents
 
@@ -57,9 +58,6 @@ SUFFIX_NODES = 24
 MIN_BATCH_NODES = 4
 #: Tokens of earlier outputs a :class:`SuffixStore` keeps by default (about 45 MiB where no 3-gram repeats).
 STORE_TOKENS = 1 << 17
-# Added to a merged node's score (log 1e-3): scores only order siblings in sampling verification, so a suffix node
-# is tried after the inner drafter's own proposals for the same parent (as a prompt-lookup node is).
-GRAFT_LOG_PROB = -6.9
 # Separates documents in a store: never a token id, so no match or continuation crosses it.
 SEPARATOR = -1
 GRAM = 3

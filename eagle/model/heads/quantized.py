@@ -76,8 +76,8 @@ def quantize_q8_0(weight: torch.Tensor, chunk_values: int = 1 << 20) -> torch.Te
     """The Q8_0 blocks of a 2-D ``weight`` (rows of a multiple of 32 values, any float dtype) as a (rows, K / 32 * 34)
     uint8 tensor: gguf-py's ``quants.quantize`` of its float32 values (per block ``d = max|w| / 127``, codes
     rounded half away from zero, ``d`` stored as float16), which quantizes each row alone, applied to whole rows of
-    about ``chunk_values`` values at a time: the float32 copy of a float16 weight is one chunk's, never the whole
-    matrix's (a bfloat16 weight, which NumPy cannot hold, is made float32 whole first)."""
+    about ``chunk_values`` values at a time: the float32 copy of a float16 or bfloat16 weight is one chunk's, never
+    the whole matrix's."""
     import gguf
 
     if weight.dim() != 2 or weight.shape[1] % BLOCK or not weight.is_floating_point():
@@ -87,11 +87,8 @@ def quantize_q8_0(weight: torch.Tensor, chunk_values: int = 1 << 20) -> torch.Te
     rows_per_chunk = max(1, chunk_values // k)
     out = np.empty((rows, k // BLOCK * (2 + BLOCK)), dtype=np.uint8)
     source = weight.detach()
-    if source.dtype not in (torch.float32, torch.float16):  # numpy has no bfloat16: float32 rows, one chunk at a time
-        source = source.to(torch.float32)
-    source = source.numpy()
-    for start in range(0, rows, rows_per_chunk):
-        values = source[start:start + rows_per_chunk].astype(np.float32)
+    for start in range(0, rows, rows_per_chunk):  # float32 rows, one chunk at a time (a float32 weight: no copy)
+        values = source[start:start + rows_per_chunk].to(torch.float32).numpy()
         out[start:start + rows_per_chunk] = gguf.quants.quantize(values, gguf.GGMLQuantizationType.Q8_0)
     return torch.from_numpy(out)
 

@@ -92,11 +92,19 @@ def check_tree_entry(tree, label: str, source: str, expected: str, base: TreeSet
         raise ValueError(f"{label} in {source}: {err}") from None
 
 
+def head_tree_kind(config, device, backend: str | None = None) -> tuple[str | None, dict[str, int]]:
+    """The first of :func:`tree_kinds` that a head's config (an ``EConfig`` or a dict) has a tree for, and that
+    tree; ``(None, {})`` if none."""
+    value = config.get(TREE_FIELD) if isinstance(config, dict) else getattr(config, TREE_FIELD, None)
+    trees = parse_head_trees(value)
+    kind = next((kind for kind in tree_kinds(device, backend) if kind in trees), None)
+    return kind, trees.get(kind, {})
+
+
 def head_tree_for(config, device, backend: str | None = None) -> dict[str, int]:
     """The settings a head's config (an ``EConfig`` or a dict) gives for ``device``'s kind (with ``backend``:
     see :func:`tree_kinds`); empty if none."""
-    value = config.get(TREE_FIELD) if isinstance(config, dict) else getattr(config, TREE_FIELD, None)
-    return first_tree(parse_head_trees(value), tree_kinds(device, backend)) or {}
+    return head_tree_kind(config, device, backend)[1]
 
 
 def resolve_tree(explicit: dict, head_tree: dict | None = None) -> tuple[TreeSettings, dict[str, str]]:
