@@ -1,4 +1,4 @@
-"""draft_dtype="q8_0": the draft head's linear layers over Q8_0 blocks of its weights with int8 activations on the
+"""draft_dtype="q8_0" (and "q4_0"): the draft head's linear layers over Q8_0 (Q4_0) blocks of its weights with int8 activations on the
 kernels (eagle.model.heads.quantized). The head proposes as the float head does (to Q8_0 rounding), the output
 never changes, and where it cannot run the choice is refused (explicit) or left alone (auto)."""
 
@@ -159,6 +159,31 @@ def test_the_native_head_layer_computes_what_the_head_modules_compute(tiny_pair)
             plan.weights, plan.types, plan.norms, plan.dims, plan.eps, plan.scale, torch.zeros(2, 7, plan.dims[2]),
             torch.zeros(2, 7, plan.dims[2]), torch.zeros(3), torch.zeros(3), torch.zeros(1, dtype=torch.long),
             torch.zeros(0, dtype=torch.int32), plan.numerics, False)
+
+
+@needs_kernels
+def test_q4_0_puts_the_head_on_q4_0_blocks_and_keeps_the_output(tiny_pair):
+    """draft_dtype="q4_0": every linear layer of the head over Q4_0 blocks (about half of Q8_0's bytes), the head
+    named "q4_0", and greedy EAGLE output still plain decoding's token for token."""
+    q8, model = _load(tiny_pair, draft_dtype="q8_0"), _load(tiny_pair, draft_dtype="q4_0")
+    layers = [m for m in model.ea_layer.modules() if isinstance(m, QuantLinear)]
+    assert len(layers) == sum(isinstance(m, QuantLinear) for m in q8.ea_layer.modules()) > 0
+    assert all(layer.type_name == "Q4_0" and layer.numerics == "int8" for layer in layers)
+    assert quantized.draft_dtype_name(model.ea_layer) == "q4_0"
+    torch.manual_seed(0)
+    ids = torch.randint(3, 120, (1, 12))
+    assert torch.equal(model.eagenerate(ids, max_new_tokens=24), model.naivegenerate(ids, max_new_tokens=24))
+
+
+def test_q4_0_blocks_are_gguf_py_s_byte_for_byte_and_other_types_are_refused():
+    import gguf
+
+    torch.manual_seed(1)
+    weight = torch.randn(40, 64, dtype=torch.float16)
+    expected = gguf.quants.quantize(weight.to(torch.float32).numpy(), gguf.GGMLQuantizationType.Q4_0)
+    assert torch.equal(quantized.quantize_blocks(weight, "Q4_0", chunk_values=64 * 7), torch.from_numpy(expected))
+    with pytest.raises(ValueError, match="quantizes to"):
+        quantized.quantize_blocks(weight, "Q4_K")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])

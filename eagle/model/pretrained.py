@@ -172,8 +172,8 @@ def load_pretrained(cls, *, use_eagle3: bool | None, base_model_path, ea_model_p
     at most 2 GiB; ``True`` packs whatever can be packed; ``False`` leaves the layers alone. ``draft_dtype``: the
     head's dtype (``"auto"``: with the target on the GGUF kernels, ``"q8_0"`` for an EAGLE-3 head; else bfloat16
     for the EAGLE-3 head of a float32 model on a CPU that computes in bfloat16 natively, else the base model's;
-    ``"q8_0"``: its linear layers over Q8_0 blocks of its weights with int8 activations on eagle's kernels, see
-    :mod:`eagle.model.heads.quantized`); the output never depends on it. ``allow_unknown_attention`` (default False):
+    ``"q8_0"`` / ``"q4_0"``: its linear layers over Q8_0 / Q4_0 blocks of its weights with int8 activations on
+    eagle's kernels, see :mod:`eagle.model.heads.quantized`); the output never depends on it. ``allow_unknown_attention`` (default False):
     serve a base model whose attention EAGLE's tree masks may not reproduce exactly (a layer type or feature of
     :mod:`eagle.model.base.families`; remote code failing the mask check) instead of refusing it.
     ``thread_policy``: True (default) lets the generation loop of a CPU model choose torch's thread count as the

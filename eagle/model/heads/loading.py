@@ -134,8 +134,8 @@ def resolve_draft_dtype(draft_dtype, base_dtype: torch.dtype, device: torch.devi
         return base_dtype
     if isinstance(draft_dtype, str):
         if draft_dtype not in DTYPES_BY_NAME:
-            quantized = (" ('q8_0' quantizes a loaded float32 head: EaModel.from_pretrained does it)"
-                         if draft_dtype == "q8_0" else "")
+            quantized = (f" ({draft_dtype!r} quantizes a loaded float32 head: EaModel.from_pretrained does it)"
+                         if draft_dtype in ("q8_0", "q4_0") else "")
             raise ValueError(f"draft_dtype must be 'auto', a torch dtype or one of {sorted(DTYPES_BY_NAME)}, "
                              f"not {draft_dtype!r}{quantized}.")
         draft_dtype = DTYPES_BY_NAME[draft_dtype]

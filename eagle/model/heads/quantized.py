@@ -1,12 +1,13 @@
-"""A draft head whose linear layers compute over Q8_0 blocks of its own weights, on eagle's CPU kernels
-(``draft_dtype="q8_0"``; what ``"auto"`` picks for an EAGLE-3 head when the target runs on the GGUF kernels).
+"""A draft head whose linear layers compute over Q8_0 (or Q4_0) blocks of its own weights, on eagle's CPU kernels
+(``draft_dtype="q8_0"``, what ``"auto"`` picks for an EAGLE-3 head when the target runs on the GGUF kernels; or
+``draft_dtype="q4_0"``, 0.56 bytes per weight, for a head whose passes read a large share of a step's bytes).
 
 A draft pass of a small head is bound by reading its weights (and, between target forwards that stream the
 target's weights, they are no longer in the cache): Q8_0 reads 1.06 bytes per weight against bfloat16's 2, and the
 kernels' int8 activations (``numerics="int8"``, as llama.cpp computes) cost about one row's time for the few rows a
 draft pass has. The head's proposals change slightly; the output never does, since the target verifies every token.
-The layers are quantized at load (:func:`quantize_q8_0`, gguf-py's Q8_0 quantizer bit for bit: per 32 weights a
-float16 scale and 32 int8 codes), the
+The layers are quantized at load (:func:`quantize_blocks`, gguf-py's quantizer bit for bit: per 32 weights a
+float16 scale and 32 int8 codes (Q8_0) or 32 4-bit codes (Q4_0)), the
 RMSNorms run on the kernels' row norm (:class:`KernelRMSNorm`), the rest of the head
 (embedding, rotary, attention) in float32.
 """
@@ -23,14 +24,15 @@ from eagle.model.heads.draft_layers import RMSNorm
 
 logger = logging.getLogger(__name__)
 
-#: the ``draft_dtype`` value that selects this
+#: the ``draft_dtype`` value that ``"auto"`` picks, and the GGUF type of each quantized ``draft_dtype``
 QUANTIZED_DRAFT = "q8_0"
-QUANT_TYPE = "Q8_0"
-BLOCK = 32  # inputs per Q8_0 block: a layer's input size must be a multiple of it
+QUANTIZED_DRAFTS = {"q8_0": "Q8_0", "q4_0": "Q4_0"}
+QUANT_TYPE = QUANTIZED_DRAFTS[QUANTIZED_DRAFT]
+BLOCK = 32  # inputs per Q8_0 / Q4_0 block: a layer's input size must be a multiple of it
 
 
 def head_quantization_problem(head) -> str | None:
-    """Why ``head`` cannot run on the kernels' Q8_0 layers, or None when it can."""
+    """Why ``head`` cannot run on the kernels' quantized layers, or None when it can."""
     from eagle import kernels
 
     if not kernels.available():
@@ -42,10 +44,11 @@ def head_quantization_problem(head) -> str | None:
     return None
 
 
-def quantize_head(head: nn.Module, shared: nn.Module | None = None) -> int:
+def quantize_head(head: nn.Module, shared: nn.Module | None = None, type_name: str = QUANT_TYPE) -> int:
     """Replace ``head``'s own ``nn.Linear`` layers (not those of ``shared``, e.g. a target LM head the head
-    borrows) by kernel layers over Q8_0 blocks of their weights with int8 activations; returns how many. A layer
-    whose input size is not a multiple of 32 stays float32. The head must be float32 on the CPU."""
+    borrows) by kernel layers over ``type_name`` (Q8_0 or Q4_0) blocks of their weights with int8 activations;
+    returns how many. A layer whose input size is not a multiple of 32 stays float32. The head must be float32 on
+    the CPU."""
     from eagle.kernels.gguf_weights import GGUFWeight
     from eagle.kernels.linear import QuantLinear
     from eagle.model.backends.gguf import set_module
@@ -60,7 +63,7 @@ def quantize_head(head: nn.Module, shared: nn.Module | None = None) -> int:
                         layer.in_features, BLOCK)
             continue
         weight = layer.weight.detach()
-        packed = GGUFWeight(name, QUANT_TYPE, tuple(weight.shape), quantize_q8_0(weight))
+        packed = GGUFWeight(name, type_name, tuple(weight.shape), quantize_blocks(weight, type_name))
         bias = layer.bias.detach().to(torch.float32) if layer.bias is not None else None
         set_module(head, name, QuantLinear(packed, bias, "int8"))
         count += 1
@@ -72,25 +75,35 @@ def quantize_head(head: nn.Module, shared: nn.Module | None = None) -> int:
     return count
 
 
-def quantize_q8_0(weight: torch.Tensor, chunk_values: int = 1 << 20) -> torch.Tensor:
-    """The Q8_0 blocks of a 2-D ``weight`` (rows of a multiple of 32 values, any float dtype) as a (rows, K / 32 * 34)
-    uint8 tensor: gguf-py's ``quants.quantize`` of its float32 values (per block ``d = max|w| / 127``, codes
-    rounded half away from zero, ``d`` stored as float16), which quantizes each row alone, applied to whole rows of
-    about ``chunk_values`` values at a time: the float32 copy of a float16 or bfloat16 weight is one chunk's, never
-    the whole matrix's."""
+def quantize_blocks(weight: torch.Tensor, type_name: str = QUANT_TYPE, chunk_values: int = 1 << 20) -> torch.Tensor:
+    """The ``type_name`` (``"Q8_0"`` or ``"Q4_0"``) blocks of a 2-D ``weight`` (rows of a multiple of 32 values, any
+    float dtype) as a (rows, K / 32 * block bytes) uint8 tensor: gguf-py's ``quants.quantize`` of its float32 values
+    (Q8_0: per block ``d = max|w| / 127``, codes rounded half away from zero; Q4_0: ``d = w_max / -8`` for the
+    value of largest magnitude, 4-bit codes; ``d`` stored as float16), which quantizes each row alone, applied to
+    whole rows of about ``chunk_values`` values at a time: the float32 copy of a float16 or bfloat16 weight is one
+    chunk's, never the whole matrix's."""
     import gguf
 
+    if type_name not in QUANTIZED_DRAFTS.values():
+        raise ValueError(f"quantize_blocks quantizes to {sorted(QUANTIZED_DRAFTS.values())}, got {type_name!r}.")
     if weight.dim() != 2 or weight.shape[1] % BLOCK or not weight.is_floating_point():
-        raise ValueError(f"quantize_q8_0 takes a 2-D float weight whose rows are a multiple of {BLOCK} values, got "
-                         f"shape {tuple(weight.shape)} ({weight.dtype}).")
+        raise ValueError(f"quantize_blocks takes a 2-D float weight whose rows are a multiple of {BLOCK} values, "
+                         f"got shape {tuple(weight.shape)} ({weight.dtype}).")
+    qtype = gguf.GGMLQuantizationType[type_name]
+    block_bytes = gguf.GGML_QUANT_SIZES[qtype][1]
     rows, k = weight.shape
     rows_per_chunk = max(1, chunk_values // k)
-    out = np.empty((rows, k // BLOCK * (2 + BLOCK)), dtype=np.uint8)
+    out = np.empty((rows, k // BLOCK * block_bytes), dtype=np.uint8)
     source = weight.detach()
     for start in range(0, rows, rows_per_chunk):  # float32 rows, one chunk at a time (a float32 weight: no copy)
         values = source[start:start + rows_per_chunk].to(torch.float32).numpy()
-        out[start:start + rows_per_chunk] = gguf.quants.quantize(values, gguf.GGMLQuantizationType.Q8_0)
+        out[start:start + rows_per_chunk] = gguf.quants.quantize(values, qtype)
     return torch.from_numpy(out)
+
+
+def quantize_q8_0(weight: torch.Tensor, chunk_values: int = 1 << 20) -> torch.Tensor:
+    """:func:`quantize_blocks` to Q8_0."""
+    return quantize_blocks(weight, "Q8_0", chunk_values)
 
 
 class KernelRMSNorm(RMSNorm):
@@ -124,10 +137,10 @@ def _norms_on_kernels(head: nn.Module, borrowed: set[int]) -> None:
 
 
 def quantized_at_load(draft_dtype, target_on_kernels: bool) -> bool:
-    """Whether the head is to be quantized once loaded (``"q8_0"``, or ``"auto"`` with the target on the GGUF
-    kernels): its linear weights are then loaded in the checkpoint's dtype and quantized from it, never made
-    float32 whole (:func:`apply_draft_quantization` casts those it leaves float)."""
-    return draft_dtype == QUANTIZED_DRAFT or (draft_dtype in (None, "auto") and target_on_kernels)
+    """Whether the head is to be quantized once loaded (``"q8_0"`` / ``"q4_0"``, or ``"auto"`` with the target on
+    the GGUF kernels): its linear weights are then loaded in the checkpoint's dtype and quantized from it, never
+    made float32 whole (:func:`apply_draft_quantization` casts those it leaves float)."""
+    return draft_dtype in QUANTIZED_DRAFTS or (draft_dtype in (None, "auto") and target_on_kernels)
 
 
 def draft_load_dtype(draft_dtype, target_on_kernels: bool):
@@ -138,21 +151,22 @@ def draft_load_dtype(draft_dtype, target_on_kernels: bool):
 
 def apply_draft_quantization(head, base_model, draft_dtype, target_on_kernels: bool) -> bool:
     """Quantize ``head`` (loaded by :func:`draft_load_dtype`'s dtype) where ``draft_dtype`` asks for it: ``"q8_0"``
-    (refused, with the reason, where the kernels cannot run it) or ``"auto"`` with the target on the GGUF kernels
-    (where possible; else the head stays float32, logged). Returns whether it did."""
+    or ``"q4_0"`` (refused, with the reason, where the kernels cannot run it) or ``"auto"`` with the target on the
+    GGUF kernels (Q8_0 where possible; else the head stays float32, logged). Returns whether it did."""
     if not quantized_at_load(draft_dtype, target_on_kernels):
         return False
     problem = head_quantization_problem(head)
     if problem is not None:
-        if draft_dtype == QUANTIZED_DRAFT:
-            raise ValueError(f"draft_dtype='{QUANTIZED_DRAFT}' is not possible here: {problem}.")
+        if draft_dtype in QUANTIZED_DRAFTS:
+            raise ValueError(f"draft_dtype={draft_dtype!r} is not possible here: {problem}.")
         logger.info("The draft head stays float32: %s.", problem)
         _float32_linears(head, base_model)
         return False
-    count = quantize_head(head, shared=base_model)
+    type_name = QUANTIZED_DRAFTS.get(draft_dtype, QUANT_TYPE)
+    count = quantize_head(head, shared=base_model, type_name=type_name)
     _float32_linears(head, base_model)
-    logger.info("The draft head's %d linear layers compute over Q8_0 blocks with int8 activations (draft_dtype=%r).",
-                count, draft_dtype)
+    logger.info("The draft head's %d linear layers compute over %s blocks with int8 activations (draft_dtype=%r).",
+                count, type_name, draft_dtype)
     return count > 0
 
 
@@ -166,7 +180,10 @@ def _float32_linears(head: nn.Module, shared: nn.Module | None) -> None:
 
 
 def draft_dtype_name(head) -> str:
-    """How ``head`` computes, as ``draft_dtype`` names it: ``"q8_0"`` for a quantized head, else its dtype."""
-    if getattr(head.weight, "type_name", None) == QUANT_TYPE:  # the packed weight of a kernel layer
-        return QUANTIZED_DRAFT
+    """How ``head`` computes, as ``draft_dtype`` names it: ``"q8_0"`` / ``"q4_0"`` for a quantized head, else its
+    dtype."""
+    type_name = getattr(head.weight, "type_name", None)  # the packed weight of a kernel layer
+    for name, quantized_type in QUANTIZED_DRAFTS.items():
+        if type_name == quantized_type:
+            return name
     return str(head.weight.dtype).replace("torch.", "")
