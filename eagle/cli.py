@@ -136,10 +136,10 @@ LOADER_DEFAULTS = {"total_token": 60, "depth": 7, "top_k": 10, "lookup_tokens": 
 def drafter_flag(text: str) -> str:
     """``--drafter``'s value in its one spelling; an argparse error listing the known drafters for an unknown one
     (whether the loaded model can run it is checked when it loads)."""
-    from eagle.model.drafting.registry import canonical_spec, spec_parts
+    from eagle.model.drafting.registry import canonical
 
     try:
-        return canonical_spec(spec_parts(text))
+        return canonical(text)
     except ValueError as err:
         raise argparse.ArgumentTypeError(str(err)) from None
 
@@ -343,9 +343,9 @@ def load_model(options: ModelOptions, **hf_kwargs):
 
     options = options.resolved()
     if options.drafter is not None:  # a drafter that drafts with a head says which version loads
-        from eagle.model.drafting.registry import HEAD_VERSIONS, spec_parts
+        from eagle.model.drafting.registry import spec_head_version
 
-        needed = HEAD_VERSIONS.get(spec_parts(options.drafter)[0])
+        needed = spec_head_version(options.drafter)
         options = options if needed is None else dataclasses.replace(options, use_eagle3=needed == 3)
     _check_local_paths(options)
     _warn_on_head_version(options.ea_model_path, options.use_eagle3)

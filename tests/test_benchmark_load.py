@@ -11,6 +11,7 @@ import sys
 import textwrap
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -140,6 +141,30 @@ def test_thread_settings_detach_and_reattach_the_policy(tiny_model):
             policy.threads = settings.default
         tiny_model.thread_policy = policy
         torch.set_num_threads(previous)
+
+
+def test_each_thread_setting_of_a_method_drafts_from_a_suffix_store_of_its_own(tiny_model, monkeypatch):
+    """``suffix@1`` and ``suffix@2`` are timed apart: the second setting starts with an empty store, not with what
+    the first learned from the same question, and each setting keeps its own answers for the next question."""
+    seen = []
+    real = benchmark.engine_generate
+
+    def spy(model, input_ids, **options):
+        seen.append(len(model.engine.suffix_store))
+        return real(model, input_ids, **options)
+
+    monkeypatch.setattr(benchmark, "engine_generate", spy)
+    args = SimpleNamespace(temperature=0.0, max_new_tokens=16, prompt_lookup_num_tokens=10, seed=0)
+    timed = benchmark.TimedMethods(tiny_model, SimpleNamespace(is_llama3=False), [], args)
+    store, ids = tiny_model.engine.suffix_store, torch.tensor([[5, 9, 13, 17, 21, 25, 29]])
+    try:
+        for key in ("suffix@1", "suffix@2", "suffix@1"):
+            timed.run(key, ids)
+    finally:
+        timed.threads.restore()
+        tiny_model.engine.suffix_store = store
+    assert seen[:2] == [0, 0], "the second thread setting started with the first one's answer in its store"
+    assert seen[2] > 0, "the first setting's answer did not stay in its store"
 
 
 def busy_children() -> list[int]:

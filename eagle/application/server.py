@@ -26,6 +26,7 @@ from collections.abc import Sequence
 import uvicorn
 
 from .. import cli
+from ..model.drafting.registry import reference_drafter
 from .prompts import MODEL_TYPES
 from .request_guard import ANY_HOST, WILDCARD_HOSTS, allowed_hosts
 from .worker import ModelWorker
@@ -204,9 +205,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"--max-length must be at least 2, got {args.max_length}")
     if args.shutdown_timeout < 0:
         parser.error(f"--shutdown-timeout must be at least 0 seconds, got {args.shutdown_timeout}")
-    if args.no_eagle and args.drafter not in (None, "none"):
+    try:  # --no-eagle is the reference's use_eagle=False
+        args.drafter = reference_drafter(args.drafter, use_eagle=False if args.no_eagle else None)
+    except ValueError:
         parser.error(f"--no-eagle is --drafter none; it contradicts --drafter {args.drafter}")
-    args.drafter = "none" if args.no_eagle else args.drafter
     return args
 
 

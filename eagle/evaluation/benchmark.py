@@ -203,8 +203,8 @@ class TimedMethods:
         self.threads = ThreadSettings(model)
         self.need_head = model.ea_layer is not None  # the GGUF methods' models load what this one did
         self.gguf_models: dict[str, object] = {}  # numerics -> EaModel with the GGUF kernels
-        # method -> the store of earlier answers its suffix drafters match: each method's own, so that no method
-        # drafts from another's answer to the same question
+        # --methods key (``eagle3+suffix@1``) -> the store of earlier answers its suffix drafters match: each key's
+        # own, so that no method, and no thread setting of one, drafts from another's answer to the same question
         self.suffix_stores: dict[str, SuffixStore] = {}
         self.hf_configs = {
             "hf_generate": hf_generation_config(
@@ -223,7 +223,7 @@ class TimedMethods:
                                                             self.args.temperature, self.args.seed)
             return generation
         if method.runner == ENGINE:
-            return self._engine_run(method, input_ids)
+            return self._engine_run(method, input_ids, store=self.suffix_stores.setdefault(key, SuffixStore()))
         config = self.hf_configs["prompt_lookup" if method.prompt_lookup else "hf_generate"]
         if not method.unpacked:
             return hf_generate(self.hf_model, input_ids, config, self.stop_ids)
@@ -233,11 +233,11 @@ class TimedMethods:
         finally:
             pack_linear_layers(self.hf_model)
 
-    def _engine_run(self, method: Method, input_ids: torch.Tensor) -> Generation:
+    def _engine_run(self, method: Method, input_ids: torch.Tensor, store: SuffixStore) -> Generation:
         """``method`` on this engine: its drafter, on its model (the GGUF kernels' for ``numerics``), without the
-        lookup branch where it says."""
+        lookup branch where it says; its suffix drafters match ``store``."""
         model = self.model if method.numerics is None else self.gguf_model(method.numerics)
-        model.engine.suffix_store = self.suffix_stores.setdefault(method.name, SuffixStore())
+        model.engine.suffix_store = store
         options = dict(temperature=self.args.temperature, max_new_tokens=self.args.max_new_tokens,
                        is_llama3=self.template.is_llama3)
         generate = {HEAD: eagle_generate, NONE: plain_generate}.get(method.drafter)

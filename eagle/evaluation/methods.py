@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from eagle.model.drafting.registry import HEAD, HEAD_VERSIONS, NONE, canonical_spec, spec_parts
+from eagle.model.drafting.registry import HEAD, NONE, canonical, known_drafters, spec_head_version
 from eagle.utils.device import synchronize
 
 logger = logging.getLogger(__name__)
@@ -134,7 +134,7 @@ class Method:
         """Whether it drafts with the model's EAGLE head (the benchmark then loads one)."""
         if self.runner != ENGINE:
             return self.uses_head
-        return self.drafter == HEAD or spec_parts(self.drafter)[0] in HEAD_VERSIONS
+        return self.drafter == HEAD or spec_head_version(self.drafter) is not None
 
     @property
     def drafts(self) -> bool:
@@ -175,10 +175,10 @@ def method_named(name: str) -> Method:
     if name in _BY_NAME:
         return _BY_NAME[name]
     try:
-        spec = canonical_spec(spec_parts(name))
-    except ValueError as err:
+        spec = canonical(name)
+    except ValueError:
         raise ValueError(f"unknown method {name!r}: expected one of {', '.join(_BY_NAME)}, or a drafter on this "
-                         f"engine ({str(err).split('available: ', 1)[-1].rstrip('.')}).") from None
+                         f"engine ({known_drafters()}).") from None
     return _engine(name, f"engine, drafter {spec}", spec)
 
 

@@ -222,14 +222,14 @@ def head_loads_as_eagle3(drafter: str | None, use_eagle3: bool | None, load_head
     default drafter spec, drafts with an EAGLE-1 head), after checking ``drafter`` as far as it can be before
     loading (it is checked against the loaded head later): a ``ValueError`` for an unknown name, a boolean that
     contradicts it, or a drafter needing a head with ``load_head=False``."""
-    from eagle.model.drafting.registry import HEAD_VERSIONS, check_drafter, reference_drafter, spec_parts
+    from eagle.model.drafting.registry import check_drafter, reference_drafter, spec_head_version
 
     if drafter is None:
         return True if use_eagle3 is None else use_eagle3
     reference_drafter(drafter, use_eagle3=use_eagle3)
     if not load_head:
         check_drafter(drafter, None)
-    needed = HEAD_VERSIONS.get(spec_parts(drafter)[0])
+    needed = spec_head_version(drafter)
     return needed != 1 if use_eagle3 is None else use_eagle3
 
 

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import torch
 
-from eagle.model.drafting.protocol import StepDrafter
-from eagle.model.drafting.tree import DraftTree, children_by_token, tree_from_parents
+from eagle.model.drafting.protocol import Combinator
+from eagle.model.drafting.tree import DraftTree, merge_below_root, tree_from_parents
 
 MAX_NGRAM = 3
 MIN_NGRAM = 1
@@ -53,25 +53,20 @@ def find_match(history: torch.Tensor, max_tokens: int, max_ngram: int = MAX_NGRA
 
 
 def graft_chain(tree: DraftTree, chain: torch.Tensor) -> DraftTree:
-    """The tree with ``chain`` (k,) hung below the root: followed through existing nodes while they match, then
-    the rest added as new nodes, each the child of the one before. Returns ``tree`` itself when nothing is added."""
-    children = children_by_token(tree)
-    values = chain.tolist()
-    node, matched = 0, 0
-    while matched < len(values) and values[matched] in children.get(node, {}):
-        node = children[node][values[matched]]
-        matched += 1
-    rest = chain[matched:]
-    if not rest.numel():
+    """The tree with ``chain`` (k,) hung below the root (:func:`~eagle.model.drafting.tree.merge_below_root` of a
+    one-path trie): followed through existing nodes while they match, then the rest added as new nodes, each the
+    child of the one before and scored :data:`GRAFT_LOG_PROB` per step below the last node followed. Returns
+    ``tree`` itself when nothing is added."""
+    _, parents = merge_below_root(tree, chain.tolist(), list(range(-1, chain.numel() - 1)))
+    if not parents:
         return tree
-    # A new node has no children yet, so everything after the first new token is a plain chain below it.
-    size, count, device = tree.size, rest.numel(), tree.tokens.device
-    parents = torch.cat([torch.tensor([node]), torch.arange(size, size + count - 1)]).to(tree.parents)
+    # The new nodes are the chain's last ones: after the first new token nothing can be followed.
+    count, device = len(parents), tree.tokens.device
     steps = torch.arange(1, count + 1, device=device, dtype=tree.scores.dtype)
     return tree_from_parents(
-        torch.cat([tree.tokens, rest.to(tree.tokens)]),
-        torch.cat([tree.parents, parents]),
-        torch.cat([tree.scores, tree.scores[node] + GRAFT_LOG_PROB * steps]),
+        torch.cat([tree.tokens, chain[chain.numel() - count:].to(tree.tokens)]),
+        torch.cat([tree.parents, torch.tensor(parents).to(tree.parents)]),
+        torch.cat([tree.scores, tree.scores[parents[0]] + GRAFT_LOG_PROB * steps]),
     )
 
 
@@ -84,7 +79,7 @@ STANDALONE_LOOKUP_TOKENS = 10
 GRAFTED_LOOKUP_TOKENS = 4
 
 
-class LookupDrafter(StepDrafter):
+class LookupDrafter(Combinator):
     """Prompt lookup around any drafter: each row's tree from ``inner``, with the row's lookup chain grafted below
     its root (:func:`graft_chain`) when the context's last tokens occurred before.
 
@@ -93,8 +88,7 @@ class LookupDrafter(StepDrafter):
     searched."""
 
     def __init__(self, inner, tokens_for):
-        self.inner, self.tokens_for = inner, tokens_for
-        self.needs_features = inner.needs_features
+        super().__init__(inner, tokens_for)
         self.history: list[torch.Tensor | None] = []
 
     @classmethod
@@ -107,32 +101,21 @@ class LookupDrafter(StepDrafter):
             return cls(inner, lambda batch_size: tokens)
         return cls(inner, lambda batch_size: context.plan.for_batch(batch_size).lookup_tokens)
 
-    def reset(self, batch_size: int = 1) -> None:
-        self.inner.reset(batch_size)
+    def reset_rows(self, batch_size: int) -> None:
         self.history = [None] * batch_size
 
-    def observe(self, features, next_tokens: torch.Tensor, valid: torch.Tensor | None = None) -> None:
-        self.inner.observe(features, next_tokens, valid)
+    def observe_rows(self, next_tokens: torch.Tensor, valid: torch.Tensor | None) -> None:
         for row in range(next_tokens.shape[0]):
             new = next_tokens[row] if valid is None else next_tokens[row][valid[row]]
             history = self.history[row]
             self.history[row] = new if history is None else torch.cat([history, new])
 
-    def propose(self) -> list[DraftTree]:
-        trees = self.inner.propose()
-        limit = self.tokens_for(len(trees))
-        if not limit:
-            return trees
-        chains = [find_match(history, limit)[0] for history in self.history]
-        return [graft_chain(tree, chain) if chain.numel() else tree for tree, chain in zip(trees, chains)]
+    def graft_row(self, tree: DraftTree, row: int, limit: int) -> DraftTree:
+        chain = find_match(self.history[row], limit)[0]
+        return graft_chain(tree, chain) if chain.numel() else tree
 
-    def max_nodes(self, batch_size: int) -> int:
-        return self.inner.max_nodes(batch_size) + max(self.tokens_for(size) for size in range(1, batch_size + 1))
-
-    def select_rows(self, index: torch.Tensor) -> None:
-        self.inner.select_rows(index)
+    def keep_rows(self, index: torch.Tensor) -> None:
         self.history = [self.history[i] for i in index.tolist()]
 
-    def add_rows(self, features, next_tokens: torch.Tensor, valid: torch.Tensor | None = None) -> None:
-        self.inner.add_rows(features, next_tokens, valid)
+    def join_rows(self, next_tokens: torch.Tensor, valid: torch.Tensor | None) -> None:
         self.history += [row if valid is None else row[valid[b]] for b, row in enumerate(next_tokens)]

@@ -11,6 +11,7 @@ and builds them by name.
 """
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
@@ -63,6 +64,63 @@ class StepDrafter:
     def draft(self, features, next_tokens: torch.Tensor) -> DraftTree:
         """One row: features (1, m, F), next_tokens (1, m)."""
         return self.draft_batch(features, next_tokens)[0]
+
+
+class Combinator(StepDrafter, ABC):
+    """A drafter around another (the registry's combinators, ``"INNER+lookup"``, ``"INNER+suffix"``): each row's
+    tree from ``inner`` with up to ``extra_nodes(batch_size)`` nodes of the wrapper's own grafted into it
+    (:meth:`graft_row`; none when that is 0). Every call reaches ``inner`` first, then the wrapper's own rows
+    (:meth:`reset_rows`, :meth:`observe_rows`, :meth:`keep_rows`, :meth:`join_rows`)."""
+
+    def __init__(self, inner: Drafter, extra_nodes: Callable[[int], int]):
+        self.inner, self.extra_nodes = inner, extra_nodes
+        self.needs_features = inner.needs_features
+
+    def reset(self, batch_size: int = 1) -> None:
+        self.inner.reset(batch_size)
+        self.reset_rows(batch_size)
+
+    def observe(self, features, next_tokens: torch.Tensor, valid: torch.Tensor | None = None) -> None:
+        self.inner.observe(features, next_tokens, valid)
+        self.observe_rows(next_tokens, valid)
+
+    def propose(self) -> list[DraftTree]:
+        trees = self.inner.propose()
+        limit = self.extra_nodes(len(trees))
+        if not limit:
+            return trees
+        return [self.graft_row(tree, row, limit) for row, tree in enumerate(trees)]
+
+    def max_nodes(self, batch_size: int) -> int:
+        return self.inner.max_nodes(batch_size) + max(self.extra_nodes(size) for size in range(1, batch_size + 1))
+
+    def select_rows(self, index: torch.Tensor) -> None:
+        self.inner.select_rows(index)
+        self.keep_rows(index)
+
+    def add_rows(self, features, next_tokens: torch.Tensor, valid: torch.Tensor | None = None) -> None:
+        self.inner.add_rows(features, next_tokens, valid)
+        self.join_rows(next_tokens, valid)
+
+    @abstractmethod
+    def reset_rows(self, batch_size: int) -> None:
+        """A generation of ``batch_size`` rows starts."""
+
+    @abstractmethod
+    def observe_rows(self, next_tokens: torch.Tensor, valid: torch.Tensor | None) -> None:
+        """The rows committed these tokens (as :meth:`Drafter.observe`)."""
+
+    @abstractmethod
+    def keep_rows(self, index: torch.Tensor) -> None:
+        """Keep the rows ``index`` (as :meth:`Drafter.select_rows`)."""
+
+    @abstractmethod
+    def join_rows(self, next_tokens: torch.Tensor, valid: torch.Tensor | None) -> None:
+        """Rows join with these committed tokens (as :meth:`Drafter.add_rows`)."""
+
+    @abstractmethod
+    def graft_row(self, tree: DraftTree, row: int, limit: int) -> DraftTree:
+        """``inner``'s tree of ``row`` with at most ``limit`` nodes of the wrapper's own grafted into it."""
 
 
 def last_valid(valid: torch.Tensor) -> torch.Tensor:

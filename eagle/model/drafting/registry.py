@@ -86,6 +86,17 @@ def canonical_spec(parts: list[str]) -> str:
     return "+".join(parts[1:] if parts[0] == NONE and len(parts) > 1 else parts)
 
 
+def canonical(spec: str) -> str:
+    """``spec`` in its one spelling (``"none+lookup"`` -> ``"lookup"``); ``ValueError`` as :func:`spec_parts`."""
+    return canonical_spec(spec_parts(spec))
+
+
+def spec_head_version(spec: str) -> int | None:
+    """The EAGLE version of the head ``spec``'s drafter drafts with (None: it needs no head; ``"eagle3+lookup"``
+    -> 3); ``ValueError`` as :func:`spec_parts`."""
+    return HEAD_VERSIONS.get(spec_parts(spec)[0])
+
+
 def head_version(head) -> int | None:
     """The EAGLE version of ``head`` (None: no head)."""
     return None if head is None else int(head.eagle_version)
@@ -161,7 +172,7 @@ def reference_drafter(drafter: str | None = None, *, use_eagle: bool | None = No
         drafter = alias if drafter is None else drafter
     if use_eagle3 is None or drafter in (None, HEAD):
         return drafter
-    needed = HEAD_VERSIONS.get(spec_parts(drafter)[0])
+    needed = spec_head_version(drafter)
     if needed is not None and (needed == 3) != use_eagle3:
         raise ValueError(f"use_eagle3={use_eagle3} loads an EAGLE-{3 if use_eagle3 else 1} head, which cannot run "
                          f"drafter={drafter!r}: pass drafter alone.")

@@ -37,8 +37,8 @@ from collections import deque
 import torch
 
 from eagle.model.drafting.lookup import GRAFT_LOG_PROB  # a merged node ranks after the inner drafter's siblings
-from eagle.model.drafting.protocol import StepDrafter
-from eagle.model.drafting.tree import DraftTree, children_by_token, tree_from_parents
+from eagle.model.drafting.protocol import Combinator
+from eagle.model.drafting.tree import DraftTree, merge_below_root, tree_from_parents
 
 #: The longest suffix a query matches (longer matches count as this long).
 MAX_MATCH = 32
@@ -241,25 +241,22 @@ def continuation_trie(continuations: list[list[int]], nodes: int) -> tuple[list[
 
 
 def graft_trie(tree: DraftTree, tokens: list[int], parents: list[int], log_freqs: list[float]) -> DraftTree:
-    """``tree`` with a trie (see :func:`continuation_trie`) merged below its root: a trie node whose token is
-    already a child of where its parent went follows that child, the others become new nodes (scored their
-    parent's score plus their log frequency plus :data:`GRAFT_LOG_PROB`, so they rank after the inner drafter's own
-    nodes). Returns ``tree`` itself when nothing is added."""
-    children = children_by_token(tree) if tree.size > 1 else {}
-    all_tokens, all_parents, all_scores = tree.tokens.tolist(), tree.parents.tolist(), tree.scores.tolist()
-    where = []  # merged node of each trie node
-    for token, parent, log_freq in zip(tokens, parents, log_freqs):
-        above = where[parent] if parent >= 0 else 0
-        node = children.setdefault(above, {}).get(token)
-        if node is None:
-            node = children[above][token] = len(all_tokens)
-            all_tokens.append(token), all_parents.append(above)
-            all_scores.append(all_scores[above] + log_freq + GRAFT_LOG_PROB)
-        where.append(node)
-    if len(all_tokens) == tree.size:
+    """``tree`` with a trie (see :func:`continuation_trie`) merged below its root
+    (:func:`~eagle.model.drafting.tree.merge_below_root`): a trie node whose token is already a child of where its
+    parent went follows that child, the others become new nodes (scored their parent's score plus their log
+    frequency plus :data:`GRAFT_LOG_PROB`, so they rank after the inner drafter's own nodes). Returns ``tree``
+    itself when nothing is added."""
+    landed, new_parents = merge_below_root(tree, tokens, parents)
+    if not new_parents:
         return tree
+    all_tokens, all_scores = tree.tokens.tolist(), tree.scores.tolist()
+    for node, token, log_freq in zip(landed, tokens, log_freqs):
+        if node == len(all_tokens):  # a new node (they are numbered in the trie's order)
+            all_tokens.append(token)
+            all_scores.append(all_scores[new_parents[node - tree.size]] + log_freq + GRAFT_LOG_PROB)
     return tree_from_parents(torch.tensor(all_tokens, dtype=tree.tokens.dtype, device=tree.tokens.device),
-                             torch.tensor(all_parents, dtype=tree.parents.dtype, device=tree.parents.device),
+                             torch.tensor(tree.parents.tolist() + new_parents, dtype=tree.parents.dtype,
+                                          device=tree.parents.device),
                              torch.tensor(all_scores, dtype=tree.scores.dtype, device=tree.scores.device))
 
 
@@ -285,7 +282,7 @@ def _hand_over(store: SuffixStore | None, rows: list[_Row]) -> None:
             store.add(row.output())
 
 
-class SuffixDrafter(StepDrafter):
+class SuffixDrafter(Combinator):
     """Suffix decoding around any drafter: each row's tree from ``inner``, with the row's suffix tree (see the
     module's docstring) merged below its root when the row's last tokens occurred before, in the row or in
     ``store``.
@@ -295,8 +292,8 @@ class SuffixDrafter(StepDrafter):
     is dropped hand their outputs to ``store``."""
 
     def __init__(self, inner, nodes_for, store: SuffixStore | None = None):
-        self.inner, self.nodes_for, self.store = inner, nodes_for, store
-        self.needs_features = inner.needs_features
+        super().__init__(inner, nodes_for)
+        self.store = store
         self.rows: list[_Row] = []  # changed in place only: the finalizer below holds this list
         weakref.finalize(self, _hand_over, store, self.rows)
 
@@ -307,28 +304,22 @@ class SuffixDrafter(StepDrafter):
         return cls(inner, lambda batch_size: max(MIN_BATCH_NODES, SUFFIX_NODES // batch_size),
                    context.suffix_store)
 
-    def reset(self, batch_size: int = 1) -> None:
-        self.inner.reset(batch_size)
+    def reset_rows(self, batch_size: int) -> None:
         _hand_over(self.store, self.rows)
         self.rows[:] = [_Row() for _ in range(batch_size)]
 
-    def observe(self, features, next_tokens: torch.Tensor, valid: torch.Tensor | None = None) -> None:
-        self.inner.observe(features, next_tokens, valid)
+    def observe_rows(self, next_tokens: torch.Tensor, valid: torch.Tensor | None) -> None:
         for row, new in zip(self.rows, _committed(next_tokens, valid)):
             if row.output_start is None:
                 row.output_start = len(row.index) + len(new) - 1
             row.index.extend(new)
 
-    def propose(self) -> list[DraftTree]:
-        trees = self.inner.propose()
-        limit = self.nodes_for(len(trees))
-        return [self._grafted(tree, row, limit) for tree, row in zip(trees, self.rows)]
-
-    def _grafted(self, tree: DraftTree, row: _Row, limit: int) -> DraftTree:
-        """``tree`` with ``row``'s suffix tree of at most ``limit`` nodes merged in."""
-        query = row.index.tokens
-        length, starts = row.index.occurrences(query, own=True)
-        continuations = [row.index.continuation(start, limit) for start in starts]
+    def graft_row(self, tree: DraftTree, row: int, limit: int) -> DraftTree:
+        """``tree`` with row ``row``'s suffix tree of at most ``limit`` nodes merged in."""
+        index = self.rows[row].index
+        query = index.tokens
+        length, starts = index.occurrences(query, own=True)
+        continuations = [index.continuation(start, limit) for start in starts]
         if self.store is not None:
             stored_length, stored = self.store.occurrences(query, limit)
             if stored_length > length:
@@ -340,18 +331,13 @@ class SuffixDrafter(StepDrafter):
             return tree
         return graft_trie(tree, *continuation_trie(continuations, nodes))
 
-    def max_nodes(self, batch_size: int) -> int:
-        return self.inner.max_nodes(batch_size) + max(self.nodes_for(size) for size in range(1, batch_size + 1))
-
-    def select_rows(self, index: torch.Tensor) -> None:
-        self.inner.select_rows(index)
+    def keep_rows(self, index: torch.Tensor) -> None:
         kept = index.tolist()
         staying = set(kept)
         _hand_over(self.store, [row for i, row in enumerate(self.rows) if i not in staying])
         self.rows[:] = [self.rows[i] for i in kept]
 
-    def add_rows(self, features, next_tokens: torch.Tensor, valid: torch.Tensor | None = None) -> None:
-        self.inner.add_rows(features, next_tokens, valid)
+    def join_rows(self, next_tokens: torch.Tensor, valid: torch.Tensor | None) -> None:
         self.rows += [_Row(tokens, len(tokens)) for tokens in _committed(next_tokens, valid)]
 
 

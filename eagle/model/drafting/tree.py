@@ -265,3 +265,21 @@ def children_by_token(tree: DraftTree) -> dict[int, dict[int, int]]:
         if parent >= 0:
             children.setdefault(parent, {}).setdefault(token, node)
     return children
+
+
+def merge_below_root(tree: DraftTree, tokens: list[int], parents: list[int]) -> tuple[list[int], list[int]]:
+    """Where the nodes of a trie land when it is merged into ``tree`` below the root. ``tokens`` / ``parents``: the
+    trie's nodes, parents first (-1: the root, else an earlier index). A node whose token is already a child of
+    where its parent landed follows that child; the others become new nodes, numbered from ``tree.size`` on in the
+    trie's order. Returns the node each trie node landed on and the parent of each new node."""
+    children = children_by_token(tree) if tree.size > 1 else {}
+    landed: list[int] = []
+    new_parents: list[int] = []
+    for token, parent in zip(tokens, parents):
+        above = landed[parent] if parent >= 0 else 0
+        node = children.setdefault(above, {}).get(token)
+        if node is None:
+            node = children[above][token] = tree.size + len(new_parents)
+            new_parents.append(above)
+        landed.append(node)
+    return landed, new_parents

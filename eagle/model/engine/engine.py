@@ -27,10 +27,6 @@ from eagle.utils.threads import ThreadPolicy
 
 logger = logging.getLogger(__name__)
 
-#: ``drafter="head"`` (:data:`~eagle.model.drafting.registry.HEAD`): the model's own head (EAGLE-3 or EAGLE-1),
-#: with prompt lookup where the trees graft it; ``drafter="none"``: plain decoding.
-PLAIN = NONE
-
 
 class Engine:
     """Generation for ``base_model`` with its draft ``head`` (None: plain decoding only). ``plan``: the trees the
@@ -214,4 +210,4 @@ class ContinuousBatch:
             self._running.close()
 
 
-__all__ = ["Engine", "ContinuousBatch", "HEAD", "PLAIN"]
+__all__ = ["Engine", "ContinuousBatch", "HEAD"]
