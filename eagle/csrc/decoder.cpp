@@ -343,14 +343,21 @@ void bind_norms(Layer& L, const LayerLists& A, int64_t i, const Shape& S, std::o
   L.norm_k = bound[5];
 }
 
-// Layer i's rotary table: the entry of A.cos / A.sin that A.layer_rotary names, or none for -1.
-void bind_rotary(Layer& L, const LayerLists& A, int64_t i, const Shape& S, const char* op) {
+// Every rotary table of a call, checked once (the layers bind them by index): (B, T, head_dim) float32 each.
+void check_tables(const LayerLists& A, const Shape& S, const char* op) {
+  for (size_t r = 0; r < A.cos.size(); ++r) {
+    check_float(A.cos[r], "cos", {S.batch, S.queries, S.head_dim}, op);
+    check_float(A.sin[r], "sin", {S.batch, S.queries, S.head_dim}, op);
+  }
+}
+
+// Layer i's rotary table (checked by check_tables): the entry of A.cos / A.sin that A.layer_rotary names, or none
+// for -1.
+void bind_rotary(Layer& L, const LayerLists& A, int64_t i, const char* op) {
   const int64_t r = A.layer_rotary[i];
   TORCH_CHECK_VALUE(r >= -1 && r < static_cast<int64_t>(A.cos.size()), op, ": layer ", i, " names rotary table ", r,
                     " of ", A.cos.size());
   if (r < 0) return;
-  check_float(A.cos[r], "cos", {S.batch, S.queries, S.head_dim}, op);
-  check_float(A.sin[r], "sin", {S.batch, S.queries, S.head_dim}, op);
   L.cos = A.cos[r].data_ptr<float>();
   L.sin = A.sin[r].data_ptr<float>();
 }
@@ -359,6 +366,7 @@ std::vector<at::Tensor> run_layers(const at::Tensor& hidden, const LayerLists& A
                                    bool keep_states, const char* op) {
   const int64_t layers = static_cast<int64_t>(A.layer_masks.size());
   check_float(hidden, "hidden", hidden.sizes(), op);
+  check_tables(A, S, op);
   std::vector<at::Tensor> out(1);
   at::Tensor x = hidden.reshape({S.rows(), S.hidden});
   std::optional<at::Tensor> held[kSpecNorms];
@@ -370,7 +378,7 @@ std::vector<at::Tensor> run_layers(const at::Tensor& hidden, const LayerLists& A
     Layer L{&A.weights[kWeights * i], &A.types[kWeights * i], {}, nullptr, nullptr, &A.keys[i], &A.values[i],
             &A.offsets[A.layer_masks[i]], &A.indices[A.layer_masks[i]], nullptr, nullptr};
     bind_norms(L, A, i, S, held, op);
-    bind_rotary(L, A, i, S, op);
+    bind_rotary(L, A, i, op);
     for (int64_t j = 0; j < kBiases; ++j) L.biases[j] = A.biases.get(kBiases * i + j);
     if (C.moe.experts > 0) {
       L.experts = &A.experts[C.moe.weights() * i];
@@ -448,8 +456,6 @@ std::vector<at::Tensor> decoder_layers(const at::Tensor& hidden, at::TensorList 
                      indices, layer_masks};
   check_lists(A, layers, Moe{}, kOp);
   const Shape S = check_shape(hidden, dims, keys, start, kOp);
-  check_float(cos, "cos", {S.batch, S.queries, S.head_dim});
-  check_float(sin, "sin", {S.batch, S.queries, S.head_dim});
   const Call C{S, static_cast<float>(eps), scale, numerics, Activation::kSilu};
   return run_layers(hidden, A, S, C, keep_states, kOp);
 }

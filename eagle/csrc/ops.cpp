@@ -21,6 +21,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstring>
+#include <map>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -279,28 +280,63 @@ Prepared prepare(const at::Tensor& x, const TypeInfo& t, Layout layout, const Li
   return {&t, layout, args, y, width, (n + width - 1) / width};
 }
 
+// The int8 activations of a call's rows x (M, K), made once for all its weights: quantized at the first weight that
+// takes int8 activations and, on AVX-512, interleaved for the row tiles of each weight type met (the layout follows
+// the type), instead of once per work chunk.
+class Int8Rows {
+ public:
+  Int8Rows(const at::Tensor& x, Isa isa) : x_(x), isa_(isa) {}
+
+  const quant::QuantizedRows* rows() {
+    if (rows_.q == nullptr) {
+      const int64_t m = x_.size(0), k = x_.size(1);
+      q_.resize(m * k);
+      d_.resize(m * k / 32);
+      s_.resize(m * k / 32);
+      sum16_.resize(m * k / 16);
+      rows_ = {m, k, q_.data(), d_.data(), s_.data(), sum16_.data()};
+      quantize_rows_with(isa_, x_.data_ptr<float>(), m, rows_);
+    }
+    return &rows_;
+  }
+
+  // the rows laid out for the AVX-512 tiles of a weight of type t; nullptr on the other instruction sets, whose
+  // kernels read the quantized rows as they are
+  const uint8_t* interleaved(const TypeInfo& t) {
+    if (isa_ != ISA_AVX512) return nullptr;
+    std::vector<uint8_t>& buffer = interleaved_[t.type];
+    if (buffer.empty()) {
+      const quant::QuantizedRows& xq = *rows();
+      buffer.resize(xq.rows * quant::interleaved_row_bytes(xq.k));
+      if (!quant::interleave_rows_avx512(t, xq, buffer.data())) return nullptr;
+    }
+    return buffer.data();
+  }
+
+ private:
+  const at::Tensor& x_;
+  Isa isa_;
+  std::vector<int8_t> q_;
+  std::vector<float> d_, s_;
+  std::vector<int32_t> sum16_;
+  quant::QuantizedRows rows_{};
+  std::map<int32_t, std::vector<uint8_t>> interleaved_;  // per weight type
+};
+
 // Computes every prepared weight over the same rows x in one parallel region (its chunks after one another), with
-// x quantized once when a weight takes int8 activations.
+// x quantized (and interleaved) once when a weight takes int8 activations.
 void run_prepared(std::vector<Prepared>& calls, const at::Tensor& x, const char* op) {
   const int64_t m = x.size(0), k = x.size(1);
   if (m == 0) return;
   const Isa isa = current_isa();
-  std::vector<int8_t> q;
-  std::vector<float> d, s;
-  std::vector<int32_t> sum16;
-  quant::QuantizedRows rows{};
+  Int8Rows int8(x, isa);
   int64_t total = 0, work = 0, scratch = 0;
   std::vector<int64_t> first(calls.size() + 1, 0);
   for (size_t i = 0; i < calls.size(); ++i) {
-    if (calls[i].layout == quant::LAYOUT_N && rows.q == nullptr) {
-      q.resize(m * k);
-      d.resize(m * k / 32);
-      s.resize(m * k / 32);
-      sum16.resize(m * k / 16);
-      rows = {m, k, q.data(), d.data(), s.data(), sum16.data()};
-      quantize_rows_with(isa, x.data_ptr<float>(), m, rows);
+    if (calls[i].layout == quant::LAYOUT_N) {
+      calls[i].args.xq = int8.rows();
+      calls[i].args.xn = int8.interleaved(*calls[i].t);
     }
-    if (calls[i].layout == quant::LAYOUT_N) calls[i].args.xq = &rows;
     first[i + 1] = total += calls[i].chunks;
     work += m * calls[i].args.n * k;
     scratch = std::max<int64_t>(scratch, quant::scratch_floats(*calls[i].t, k));

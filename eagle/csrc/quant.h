@@ -232,6 +232,12 @@ struct QuantizedRows {
 };
 void quantize_rows_portable(const float* x, int64_t row_begin, int64_t row_end, QuantizedRows& out);
 
+// The AVX-512 int8 kernels read a call's quantized rows rearranged for their row tiles (quant_avx512.cpp, NRows):
+// interleaved_row_bytes(k) bytes per row, written by interleave_rows_avx512 once per call and weight type (the layout
+// follows the type's group size and code offset); false for a type the kernels do not handle.
+inline int64_t interleaved_row_bytes(int64_t k) { return k + 4 * (k / 16) + 8 * (k / 32); }
+bool interleave_rows_avx512(const TypeInfo& t, const QuantizedRows& xq, uint8_t* out);
+
 // ---------------------------------------------------------------------------------------------------------------
 // Kernels. A call computes columns [n_begin, n_end) (LAYOUT_N: a multiple of 16 wide) of y (M, N) for every row.
 // What one output is depends only on its row of x and its column of weights: every path below computes it by one
@@ -244,6 +250,7 @@ struct LinearArgs {
   const QuantizedRows* xq;  // int8 numerics
   const float* bias;        // N or nullptr
   float* y;                 // (M, N)
+  const uint8_t* xn = nullptr;  // int8 numerics on AVX-512: xq interleaved for this type (interleave_rows_avx512)
 };
 
 // One set per instruction set (isa.h). Each returns false when it does not handle args.type (then ops.cpp refuses

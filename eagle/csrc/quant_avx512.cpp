@@ -539,8 +539,6 @@ constexpr int kNTileRows = 16;
 //   corr  the symmetric types' integer offset correction, -offset * (sum of the group's q), at corr[g R + r]
 //   ds    d and s of 32-input block b at ds[2 (b R + r)] and ds[2 (b R + r) + 1]
 // Copies of the quantizer's numbers: the outputs are the same bits as from the rows as the quantizer wrote them.
-inline int64_t n_row_bytes(int64_t k) { return k + 4 * (k / 16) + 8 * (k / 32); }
-
 struct NRows {
   const uint8_t* q;
   const int32_t* corr;
@@ -549,14 +547,14 @@ struct NRows {
 
 template <int TYPE>
 inline NRows n_tile_rows(const uint8_t* buf, int64_t k, int64_t row0, int64_t rows) {
-  const uint8_t* base = buf + row0 * n_row_bytes(k);
+  const uint8_t* base = buf + row0 * interleaved_row_bytes(k);
   const int64_t groups = k / NTraits<TYPE>::kGroup;
   return {base, reinterpret_cast<const int32_t*>(base + rows * k),
           reinterpret_cast<const float*>(base + rows * k + 4 * rows * groups)};
 }
 
-// writes the activations of every row tile of a call (m rows of k inputs) into buf (m n_row_bytes(k) bytes), laid out
-// as n_tile_rows reads them
+// writes the activations of every row tile of a call (m rows of k inputs) into buf (m interleaved_row_bytes(k) bytes),
+// laid out as n_tile_rows reads them (once per call and weight type: ops.cpp, interleave_rows_avx512)
 template <int TYPE>
 void n_interleave(const QuantizedRows& xq, int64_t m, int64_t k, uint8_t* buf) {
   using T = NTraits<TYPE>;
@@ -564,7 +562,7 @@ void n_interleave(const QuantizedRows& xq, int64_t m, int64_t k, uint8_t* buf) {
   const int64_t groups = k / G, blocks = k / 32;
   for (int64_t row0 = 0; row0 < m; row0 += kNTileRows) {
     const int64_t rows = std::min<int64_t>(kNTileRows, m - row0);
-    uint8_t* q = buf + row0 * n_row_bytes(k);
+    uint8_t* q = buf + row0 * interleaved_row_bytes(k);
     uint8_t* corr = q + rows * k;
     uint8_t* ds = corr + 4 * rows * groups;
     for (int64_t r = 0; r < rows; ++r) {
@@ -583,25 +581,6 @@ void n_interleave(const QuantizedRows& xq, int64_t m, int64_t k, uint8_t* buf) {
     }
   }
 }
-
-// The buffer of n_interleave: one per thread, kept from call to call up to kKeptBufferBytes (a call of a few rows
-// allocates nothing); a larger one (a long prefill) is the call's own and freed when it returns.
-constexpr int64_t kKeptBufferBytes = int64_t{4} << 20;
-
-class NBuffer {
- public:
-  explicit NBuffer(int64_t bytes) {
-    thread_local std::vector<uint8_t> kept;
-    std::vector<uint8_t>& storage = bytes <= kKeptBufferBytes ? kept : own_;
-    if (static_cast<int64_t>(storage.size()) < bytes) storage.resize(bytes);
-    data_ = storage.data();
-  }
-  uint8_t* data() const { return data_; }
-
- private:
-  std::vector<uint8_t> own_;
-  uint8_t* data_;
-};
 
 // The exact integer sum of row r's G products with the 16 columns' codes of group g (the symmetric types' offset
 // correction included; integer sums are exact, so their order is free): two chains of vpdpbusd, then their sum.
@@ -723,9 +702,7 @@ void n_columns(const LinearArgs& args, const uint8_t* xbuf, int64_t n0) {
 // (the same bits: the tile shape never changes what an output computes).
 template <int TYPE>
 void n_run(const LinearArgs& args, int64_t n_begin, int64_t n_end) {
-  const NBuffer buffer(args.m * n_row_bytes(args.k));  // the rows interleaved for the tiles (NRows)
-  const uint8_t* xbuf = buffer.data();
-  n_interleave<TYPE>(*args.xq, args.m, args.k, buffer.data());
+  const uint8_t* xbuf = args.xn;  // the rows interleaved for the tiles (NRows), once per call by ops.cpp
   int64_t n = n_begin;
   if (args.m <= 2) {
     for (; n + 64 <= n_end; n += 64) n_columns<TYPE, 4>(args, xbuf, n);
@@ -747,7 +724,12 @@ bool linear_k_avx512(const LinearArgs& args, int64_t n_begin, int64_t n_end, flo
 }
 
 bool linear_n_avx512(const LinearArgs& args, int64_t n_begin, int64_t n_end, float*) {
+  if (args.xn == nullptr) return false;  // the caller interleaves the rows (interleave_rows_avx512)
   return with_quant_type(args.type->type, [&](auto type) { n_run<decltype(type)::value>(args, n_begin, n_end); });
+}
+
+bool interleave_rows_avx512(const TypeInfo& t, const QuantizedRows& xq, uint8_t* out) {
+  return with_quant_type(t.type, [&](auto type) { n_interleave<decltype(type)::value>(xq, xq.rows, xq.k, out); });
 }
 
 void quantize_rows_avx512(const float* x, int64_t row_begin, int64_t row_end, QuantizedRows& out) {
@@ -788,6 +770,7 @@ void quantize_rows_avx512(const float* x, int64_t row_begin, int64_t row_end, Qu
 namespace eagle::quant {
 bool linear_k_avx512(const LinearArgs&, int64_t, int64_t, float*) { return false; }
 bool linear_n_avx512(const LinearArgs&, int64_t, int64_t, float*) { return false; }
+bool interleave_rows_avx512(const TypeInfo&, const QuantizedRows&, uint8_t*) { return false; }
 void quantize_rows_avx512(const float* x, int64_t row_begin, int64_t row_end, QuantizedRows& out) {
   quantize_rows_portable(x, row_begin, row_end, out);
 }

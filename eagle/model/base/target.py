@@ -17,7 +17,7 @@ from eagle.model.heads.draft_config import head_layer_ids
 from eagle.model.backends.attention import check_attention_implementation
 from eagle.model.backends.linear import real_rows_only
 from eagle.model.base.logits import LazyLogits, LazyProjection
-from eagle.model.base.families import check_attention_known
+from eagle.model.base.families import MASKED_LAYER_TYPES, check_attention_known
 from eagle.model.base.kv_cache import TreeKVCache
 from eagle.model.base.model_call import ModelCall, check_tree_attention
 from eagle.model.base.plan import ForwardPlan
@@ -47,6 +47,31 @@ def layer_types(config) -> list[str]:
         return list(types)
     kind = "sliding_attention" if getattr(config, "sliding_window", None) is not None else "full_attention"
     return [kind] * config.num_hidden_layers
+
+
+#: Model types whose transformers attention caches, in every layer, ``num_key_value_heads`` keys and values of
+#: ``head_dim`` each in the hidden states' dtype, which is what :func:`config_slot_bytes` computes (each checked
+#: against the bytes the model writes, tests/test_cache_size.py). Other families (MLA models, which cache a compressed
+#: latent; families never checked) measure what one token writes.
+CONFIG_SIZED_CACHES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "phi3", "gemma", "gemma3_text", "qwen2_moe",
+                       "qwen3_moe", "llama4_text", "gpt_oss", "olmoe", "granitemoe", "smollm3")
+
+
+def config_slot_bytes(model, dtype: torch.dtype) -> int | None:
+    """Bytes one row of a :class:`TreeKVCache` holds per slot for ``model`` (hidden states of ``dtype``), from its
+    text config: keys and values of ``num_key_value_heads`` x ``head_dim`` in every layer. None where the config does
+    not say it: a family outside :data:`CONFIG_SIZED_CACHES`, code that is not transformers' own (remote code caches
+    what it likes), a quantizer's layers (which may compute in a dtype of their own), a layer type that is not
+    attention."""
+    config = model.config.get_text_config()
+    if (getattr(config, "model_type", None) not in CONFIG_SIZED_CACHES
+            or not type(model).__module__.startswith("transformers.")
+            or getattr(model, "hf_quantizer", None) is not None
+            or any(kind not in MASKED_LAYER_TYPES for kind in layer_types(config))):
+        return None
+    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return 2 * config.num_hidden_layers * heads * head_dim * dtype.itemsize
 
 
 def check_target_model(model) -> None:
@@ -106,7 +131,7 @@ class Target:
         self._lazy_logits: bool | None = None if self.device.type == "cpu" and not postprocessed else False
         if self.call.legacy and not allow_unknown_attention:
             check_tree_attention(self)  # remote code of transformers 4: its 4-D mask convention is its own
-        self.slot_bytes()  # measured now, so that the first generation's memory check runs nothing
+        self.slot_bytes()  # known now, so that the first generation's memory check runs nothing
 
     @property
     def call(self) -> ModelCall:
@@ -122,14 +147,20 @@ class Target:
         return TreeKVCache(self.num_layers, capacity)
 
     def slot_bytes(self) -> int:
-        """Bytes one row's cache holds per slot, over all layers: measured once, when the target is built, from
-        what the model writes for one token (MLA models cache a compressed latent, not heads x head_dim keys and
-        values)."""
+        """Bytes one row's cache holds per slot, over all layers: known when the target is built, from the config
+        where it says them (:func:`config_slot_bytes`), else measured (:meth:`measured_slot_bytes`)."""
         if self._slot_bytes is None:
-            cache = self.new_cache(1)
-            self.prefill(torch.zeros(1, 1, dtype=torch.long), cache, features=False)
-            self._slot_bytes = cache.slot_bytes()
+            self._slot_bytes = config_slot_bytes(self.model, self.dtype)
+        if self._slot_bytes is None:
+            self._slot_bytes = self.measured_slot_bytes()
         return self._slot_bytes
+
+    def measured_slot_bytes(self) -> int:
+        """Bytes one row's cache holds per slot, as a prefill of one token writes them (MLA models cache a
+        compressed latent, not heads x head_dim keys and values)."""
+        cache = self.new_cache(1)
+        self.prefill(torch.zeros(1, 1, dtype=torch.long), cache, features=False)
+        return cache.slot_bytes()
 
     def attention_mask(self, past: int, position_ids: torch.Tensor, tree_mask: torch.Tensor | None,
                        valid: torch.Tensor | None = None, key_positions: torch.Tensor | None = None):
