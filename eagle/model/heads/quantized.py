@@ -143,14 +143,13 @@ def apply_draft_quantization(head, base_model, draft_dtype, target_on_kernels: b
     if not quantized_at_load(draft_dtype, target_on_kernels):
         return False
     problem = head_quantization_problem(head)
-    if problem is not None:
-        if draft_dtype == QUANTIZED_DRAFT:
-            raise ValueError(f"draft_dtype='{QUANTIZED_DRAFT}' is not possible here: {problem}.")
-        logger.info("The draft head stays float32: %s.", problem)
-        _float32_linears(head, base_model)
-        return False
-    count = quantize_head(head, shared=base_model)
+    if problem is not None and draft_dtype == QUANTIZED_DRAFT:
+        raise ValueError(f"draft_dtype='{QUANTIZED_DRAFT}' is not possible here: {problem}.")
+    count = quantize_head(head, shared=base_model) if problem is None else 0
     _float32_linears(head, base_model)
+    if problem is not None:
+        logger.info("The draft head stays float32: %s.", problem)
+        return False
     logger.info("The draft head's %d linear layers compute over Q8_0 blocks with int8 activations (draft_dtype=%r).",
                 count, draft_dtype)
     return count > 0
