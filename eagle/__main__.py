@@ -116,6 +116,7 @@ def main(argv=None) -> int:
     import torch
 
     from eagle.cli import load_model_from_args
+    from eagle.model.engine.acceptance import GREEDY_TEMPERATURE
     from eagle.utils.device import synchronize
 
     logger.info("Loading the models...")
@@ -154,7 +155,7 @@ def main(argv=None) -> int:
     print(f"=== Plain decoding ({nv_new} tokens) ===\n{nv_text}\n")
     print("\n".join(summary_lines(summary, args.repeats, args.repeat_tokens)))
     print(f"Mean tokens per target forward pass (accepted drafts + 1): {ea_new / (ea_steps + 1):.2f}")
-    if args.temperature <= 1e-5:
+    if args.temperature <= GREEDY_TEMPERATURE:
         same = torch.equal(ea_ids.cpu(), nv_ids.cpu())
         print("Greedy answers identical: " + ("yes" if same else "NO - please report this as a bug"))
         return 0 if same else 1

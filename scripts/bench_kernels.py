@@ -130,10 +130,9 @@ SYNTHETIC_TYPES = ("Q4_K", "Q6_K", "Q8_0", "Q5_K", "Q4_0", "Q4_1")
 # head (Q8_0 in its Q4_K_M file)
 SYNTHETIC_SHAPES = ("8192x2048", "2048x8192", "14336x4096", "4096x14336", "262144x640")
 SYNTHETIC_ROWS = (1, 2, 4, 8, 16, 32)
-# byte offsets of the fp16 scales (d, and m / dmin) inside one GGUF block of each type
-SCALE_OFFSETS = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0], "Q4_K": [0, 2],
-                 "Q5_K": [0, 2], "Q6_K": [208]}
-BLOCK_INPUTS = {name: 256 if name.endswith("_K") else 32 for name in SCALE_OFFSETS}
+# the GGUF types --types offers (their fp16 block scales: eagle.kernels.gguf_check.SCALE_FIELDS)
+RANDOM_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
+BLOCK_INPUTS = {name: 256 if name.endswith("_K") else 32 for name in RANDOM_TYPES}
 
 
 def parse_shape(text: str) -> tuple[int, int]:
@@ -149,12 +148,14 @@ def random_blocks(type_name: str, n: int, k: int, seed: int = 0) -> torch.Tensor
     import numpy as np
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
+    from eagle.kernels.gguf_check import SCALE_FIELDS
+
     block, size = GGML_QUANT_SIZES[GGMLQuantizationType[type_name]]
     if k % block:
         raise ValueError(f"in_features={k} is not a multiple of the {type_name} block size ({block})")
     rng = np.random.default_rng(seed)
     raw = rng.integers(0, 256, size=(n, k // block, size), dtype=np.uint8)
-    for offset in SCALE_OFFSETS[type_name]:
+    for offset in SCALE_FIELDS[type_name].values():
         scales = (rng.standard_normal((n, k // block), dtype=np.float32) * 0.01).astype(np.float16)
         raw[:, :, offset:offset + 2] = scales.view(np.uint8).reshape(n, k // block, 2)
     return torch.from_numpy(raw.reshape(n, -1))
@@ -246,7 +247,7 @@ def main(argv: list[str] | None = None) -> None:
     synthetic_options.add_argument("--synthetic", action="store_true",
                                    help="time single weights per type and shape (GB/s per k, t(k)/t(1)) instead")
     synthetic_options.add_argument("--types", nargs="+", default=list(SYNTHETIC_TYPES),
-                                   choices=sorted(SCALE_OFFSETS), help="GGUF types (default: %(default)s)")
+                                   choices=sorted(RANDOM_TYPES), help="GGUF types (default: %(default)s)")
     synthetic_options.add_argument("--shapes", nargs="+", type=parse_shape, default=None,
                                    help=f"OUTxIN weight shapes (default: {' '.join(SYNTHETIC_SHAPES)})")
     synthetic_options.add_argument("--k", type=int, nargs="+", default=list(SYNTHETIC_ROWS),

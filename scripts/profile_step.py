@@ -30,13 +30,12 @@ from collections import Counter, defaultdict
 
 import torch
 
+from eagle.cli import add_model_arguments, load_model_from_args
 from eagle.evaluation.questions import load_questions, spread_over_categories
 from eagle.model.drafting import eagle as eagle_drafter
 from eagle.model.drafting import lookup
-from eagle.model.ea_model import EaModel
 from eagle.model.engine import loop
 from eagle.model.heads import draft_head
-from eagle.model.backends.gguf import GGUF_FLAG_VALUES, add_gguf_kernels_argument
 from eagle.model.base import target
 from eagle.templates import encode_prompt, get_template
 
@@ -139,16 +138,11 @@ def main(argv=None) -> None:
     parser.add_argument("--batch-size", type=int, default=1,
                         help="Prompts generated together (each batch's tree: the head's batch trees, or --tree).")
     parser.add_argument("--plain", action="store_true", help="Also time plain decoding on the same prompts.")
-    parser.add_argument("--base-model-path", default=None,
-                        help="The target (a GGUF file, a directory, a Hub id); default: the embedded SmolLM2.")
-    parser.add_argument("--ea-model-path", default=None,
-                        help="Its EAGLE-3 head's directory; default: the embedded head (with the embedded target).")
-    add_gguf_kernels_argument(parser)
+    add_model_arguments(parser, tree=False, placement=False, quantization=False, drafter=False)
     args = parser.parse_args(argv)
     timers = Timers()
     install(timers)
-    model = EaModel.from_pretrained(base_model_path=args.base_model_path, ea_model_path=args.ea_model_path,
-                                    gguf_kernels=GGUF_FLAG_VALUES[args.gguf_kernels])
+    model = load_model_from_args(args)
     if args.tree:
         model.set_tree(*(int(part) for part in args.tree.split("/")))
     s = model.tree_for_batch(args.batch_size)

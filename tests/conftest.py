@@ -43,3 +43,13 @@ def tiny_model(tiny_pair):
     torch.manual_seed(0)
     return EaModel.from_pretrained(base_model_path=str(base_dir), ea_model_path=str(head_dir), total_token=12,
                                    depth=3, top_k=4)
+
+
+@pytest.fixture(scope="module")
+def kernels_float32_model():
+    """The embedded pair on the GGUF kernels in float32 activations, loaded once per test module: their logits equal
+    a plain transformers forward's to float rounding (in int8 activations, the default, a rounding difference can
+    move a block's quantization step)."""
+    from eagle.cli import ModelOptions, load_model
+
+    return load_model(ModelOptions(gguf_kernels="float32"))

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from chat_helpers import chat_template_ids
 from eagle.cli import ModelOptions, load_default_model, load_model
 from eagle.model.engine import loop
 from eagle.model.engine.logprobs import MAX_TOP_LOGPROBS
@@ -23,20 +24,8 @@ def kernels_model():
 
 
 @pytest.fixture(scope="module")
-def kernels_float32_model():
-    """The kernels in float32 activations: their logits equal a plain transformers forward's to float rounding (in
-    int8 activations, the default, a rounding difference can move a block's quantization step)."""
-    return load_model(ModelOptions(gguf_kernels="float32"))
-
-
-@pytest.fixture(scope="module")
 def float_model():
     return load_model(ModelOptions(gguf_kernels=False, draft_dtype=torch.float32, pack_cpu_weights=False))
-
-
-def chat_ids(model, message: str) -> torch.Tensor:
-    return model.tokenizer.apply_chat_template([{"role": "user", "content": message}], add_generation_prompt=True,
-                                               return_tensors="pt", return_dict=True)["input_ids"][0]
 
 
 def generate(model, ids, use_eagle: bool, top: int | None = 5, temperature: float = 0.0, seed: int | None = None,
@@ -71,7 +60,7 @@ def forward_logprobs(model, sequence: list[int], temperature: float = 1.0) -> to
 
 def test_greedy_eagle_logprobs_equal_plain_decoding_bit_for_bit_on_the_kernels(kernels_model):
     for message in PROMPTS:
-        ids = chat_ids(kernels_model, message)
+        ids = chat_template_ids(kernels_model, message)[0]
         tokens, accepted, chosen, top_ids, top_values = generate(kernels_model, ids, use_eagle=True)
         plain = generate(kernels_model, ids, use_eagle=False)
         assert accepted > 0  # drafted tokens are among those compared
@@ -87,7 +76,7 @@ def test_greedy_eagle_logprobs_equal_plain_decoding_bit_for_bit_on_the_kernels(k
 
 
 def test_greedy_eagle_logprobs_equal_plain_decoding_on_the_float32_path(float_model):
-    ids = chat_ids(float_model, PROMPTS[0])
+    ids = chat_template_ids(float_model, PROMPTS[0])[0]
     tokens, accepted, chosen, top_ids, top_values = generate(float_model, ids, use_eagle=True)
     plain = generate(float_model, ids, use_eagle=False)
     assert accepted > 0 and tokens == plain[0]
@@ -101,7 +90,7 @@ def test_greedy_eagle_logprobs_equal_plain_decoding_on_the_float32_path(float_mo
 @pytest.mark.parametrize("temperature", [0.7, 1.3])
 def test_sampled_tokens_logprobs_are_the_target_s_after_temperature(request, numerics, temperature):
     kernels_model = request.getfixturevalue("kernels_model" if numerics == "default" else "kernels_float32_model")
-    ids = chat_ids(kernels_model, PROMPTS[1])
+    ids = chat_template_ids(kernels_model, PROMPTS[1])[0]
     tokens, accepted, chosen, top_ids, top_values = generate(kernels_model, ids, use_eagle=True,
                                                              temperature=temperature, seed=3, top=3)
     assert accepted > 0
@@ -116,7 +105,7 @@ def test_sampled_tokens_logprobs_are_the_target_s_after_temperature(request, num
 
 
 def test_prompt_logprobs_equal_a_plain_forward(float_model):
-    ids = chat_ids(float_model, PROMPTS[1])
+    ids = chat_template_ids(float_model, PROMPTS[1])[0]
     got = float_model.engine.prompt_logprobs(ids, 4)
     reference = forward_logprobs(float_model, ids.tolist())
     assert len(got) == len(ids) - 1 and got.token_ids.tolist() == ids[1:].tolist()
@@ -129,7 +118,7 @@ def test_logprobs_cost_nothing_unless_a_row_asks(kernels_model, monkeypatch):
     calls = []
     real = loop.token_logprobs
     monkeypatch.setattr(loop, "token_logprobs", lambda *args: calls.append(1) or real(*args))
-    ids = [chat_ids(kernels_model, message) for message in PROMPTS]
+    ids = [chat_template_ids(kernels_model, message)[0] for message in PROMPTS]
     generate(kernels_model, ids[0], use_eagle=True, top=None, max_new_tokens=8)
     assert calls == []
     batch = kernels_model.continuous_batch(use_eagle=True)
@@ -145,7 +134,7 @@ def test_logprobs_cost_nothing_unless_a_row_asks(kernels_model, monkeypatch):
 
 
 def test_bad_logprob_counts_are_refused(kernels_model):
-    ids = chat_ids(kernels_model, PROMPTS[0])
+    ids = chat_template_ids(kernels_model, PROMPTS[0])[0]
     for bad in (-1, MAX_TOP_LOGPROBS + 1, 2.0, True):
         with pytest.raises(ValueError, match="logprobs"):
             kernels_model.continuous_batch().add(ids, logprobs=bad)

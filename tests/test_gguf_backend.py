@@ -12,6 +12,7 @@ import pytest
 import torch
 from torch import nn
 
+from chat_helpers import chat_template_ids
 from eagle import defaults, kernels
 from eagle.kernels.linear import QuantEmbedding, QuantLinear
 from eagle.model import pretrained
@@ -60,11 +61,6 @@ def load(loaded_base):
 
     yield make
     patch.undo()
-
-
-def _ids(model, prompt: str) -> torch.Tensor:
-    return model.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                               return_tensors="pt", return_dict=True)["input_ids"]
 
 
 class _Recorder:
@@ -166,7 +162,7 @@ def test_the_default_is_int8_activations_with_the_heads_int8_tree(load):
 def test_float32_logits_are_the_float32_models_and_the_defaults_are_int8s(load, loaded_base):
     """``gguf_kernels="float32"``: transformers' float32 model to float rounding; the default: the int8 numerics'
     logits bit for bit, which are not the float32 ones."""
-    ids = _ids(load("float32"), PROMPTS[2])
+    ids = chat_template_ids(load("float32"), PROMPTS[2])
     with torch.no_grad():
         reference = loaded_base[0](ids).logits
         logits = {name: load(name).base_model(ids).logits for name in ("float32", "int8", "default")}
@@ -254,20 +250,20 @@ def test_our_passes_run_the_position_ordered_kernel(load, monkeypatch):
     monkeypatch.setattr(native_decoder.NativeDecoder, "_native_layers",
                         lambda self, *a: native.append(real_native(self, *a)) or native[-1])
     assert plan.native is not None
-    model.eagenerate(_ids(model, PROMPTS[0]), max_new_tokens=4)
+    model.eagenerate(chat_template_ids(model, PROMPTS[0]), max_new_tokens=4)
     assert len(native) >= 2 and all(result is not None for result in native)  # prefill and a verification
     calls = []
     kernel = kernel_attention.tree_attention
     monkeypatch.setattr(kernel_attention, "tree_attention", lambda *a, **k: calls.append(1) or kernel(*a, **k))
     arguments = plan.native.arguments
     monkeypatch.setattr(plan.native, "arguments", None)  # the layers through their modules
-    model.eagenerate(_ids(model, PROMPTS[0]), max_new_tokens=4)
+    model.eagenerate(chat_template_ids(model, PROMPTS[0]), max_new_tokens=4)
     monkeypatch.setattr(plan.native, "arguments", arguments)
     assert len(calls) >= 30 * 2  # prefill and at least one verification, every layer
     calls.clear()
     target.forward_plan = dataclasses.replace(plan, native=None)  # transformers' forward reaches the kernel
     try:
-        model.eagenerate(_ids(model, PROMPTS[0]), max_new_tokens=4)
+        model.eagenerate(chat_template_ids(model, PROMPTS[0]), max_new_tokens=4)
     finally:
         target.forward_plan = plan
     assert len(calls) >= 30 * 2
@@ -283,7 +279,7 @@ def test_the_native_decoder_gives_the_bits_of_transformers_forward_on_the_embedd
         base, target = model.base_model, model.engine.target
         plan = target.forward_plan
         assert plan.native is not None and plan.native.arguments is not None
-        ids = _ids(model, PROMPTS[2])
+        ids = chat_template_ids(model, PROMPTS[2])
         outputs = {}
         for mode in ("native", "modules", "transformers", "transformers, lane norms"):
             with monkeypatch.context() as patch:
@@ -315,7 +311,7 @@ def test_the_native_decoder_gives_the_bits_of_transformers_forward_on_the_embedd
 @pytest.mark.parametrize("numerics", ["float32", "int8", "default"])
 def test_eagle_logits_equal_plain_decoding_bit_for_bit(load, monkeypatch, numerics):
     model = load(numerics)
-    prompts = [_ids(model, p) for p in PROMPTS]
+    prompts = [chat_template_ids(model, p) for p in PROMPTS]
     for prompt in prompts[:2]:  # batch 1
         eagle_tokens, eagle_logits = _generate_recording(monkeypatch, model.eagenerate, [prompt])
         plain_tokens, plain_logits = _generate_recording(monkeypatch, model.naivegenerate, [prompt])
@@ -345,7 +341,7 @@ def test_an_eagle1_head_drafts_on_the_kernels_with_the_targets_quantized_lm_head
     assert model.ea_layer.eagle_version == 1 and isinstance(lm_head, QuantLinear) and lm_head.uses_kernels
     assert model.ea_layer._target_lm_head == [lm_head]  # not the float32 copy, which is freed
     assert not any(isinstance(m, QuantLinear) for m in model.ea_layer.modules())  # the head itself stays float32
-    prompt = _ids(model, PROMPTS[0])
+    prompt = chat_template_ids(model, PROMPTS[0])
     eagle_tokens, eagle_logits = _generate_recording(monkeypatch, model.eagenerate, [prompt])
     plain_tokens, plain_logits = _generate_recording(monkeypatch, model.naivegenerate, [prompt])
     assert eagle_tokens == plain_tokens
@@ -356,7 +352,7 @@ def test_float32_kernels_decode_as_hugging_face_generate_on_the_float32_model(lo
     model = load("float32")
     reference = loaded_base[0]
     for prompt in PROMPTS[:2]:
-        ids = _ids(model, prompt)
+        ids = chat_template_ids(model, prompt)
         expected = reference.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS,
                                       do_sample=False, eos_token_id=sorted(model.stop_token_ids()), pad_token_id=0)
         assert model.naivegenerate(ids, max_new_tokens=NEW_TOKENS).tolist() == expected.tolist(), prompt

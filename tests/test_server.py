@@ -20,6 +20,7 @@ import torch
 
 openai = pytest.importorskip("openai")
 
+from chat_helpers import NAME, chat_ids, client, serve  # noqa: E402,F401 (also test_server_faults' imports)
 from eagle.application.prompts import encode_prompt  # noqa: E402
 from eagle.application.server import BackgroundServer, create_app, parse_args  # noqa: E402
 from eagle.application.text_stream import TextStream  # noqa: E402
@@ -27,7 +28,6 @@ from eagle.model.ea_model import EaModel  # noqa: E402
 
 pytestmark = pytest.mark.e2e  # the HTTP server in a subprocess and the embedded pair
 
-NAME = "tiny-eagle"
 PROMPTS = ["Hi there", "What is 2+2?", "Tell me a story.", "abc", "Name a colour.", "Why?", "Count to five.",
            "Write a haiku."]
 WAIT_S = 60  # upper bound of any single wait in these tests
@@ -94,24 +94,8 @@ class ControlledBatch:
 @pytest.fixture(scope="module")
 def served(tiny_model):
     """A server on the tiny model with default settings, shared by the tests that only read answers."""
-    with BackgroundServer(create_app(tiny_model, served_model_name=NAME, max_batch_size=8)) as server:
+    with serve(tiny_model, max_batch_size=8) as server:
         yield server
-
-
-@contextlib.contextmanager
-def serve(model, **settings):
-    with BackgroundServer(create_app(model, served_model_name=NAME, **settings)) as server:
-        yield server
-
-
-def client(server, api_key: str = "unused") -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.url + "/v1", api_key=api_key, max_retries=0, timeout=WAIT_S)
-
-
-def chat_ids(model, message: str) -> list[int]:
-    text = model.tokenizer.apply_chat_template([{"role": "user", "content": message}], tokenize=False,
-                                               add_generation_prompt=True)
-    return encode_prompt(model.tokenizer, text, True)
 
 
 def reference(model, prompt_ids: list[int], max_new_tokens: int) -> tuple[str, int]:

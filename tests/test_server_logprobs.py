@@ -5,7 +5,6 @@ plain decoding's, bit for bit, and echo's the same as the engine's prefill over 
 
 from __future__ import annotations
 
-import contextlib
 import json
 
 import httpx
@@ -14,13 +13,12 @@ import torch
 
 openai = pytest.importorskip("openai")
 
+from chat_helpers import NAME, chat_ids, client, serve  # noqa: E402
 from eagle.application.prompts import encode_prompt  # noqa: E402
-from eagle.application.server import BackgroundServer, create_app  # noqa: E402
-from eagle.cli import ModelOptions, load_default_model, load_model  # noqa: E402
+from eagle.cli import load_default_model  # noqa: E402
 
 pytestmark = pytest.mark.e2e  # the embedded SmolLM2 pair behind the HTTP server
 
-NAME = "eagle-logprobs"
 WAIT_S = 120
 MESSAGE = "Write a short poem about autumn leaves."
 PROMPT = "The capital of France is Paris. The capital of Italy is"
@@ -32,24 +30,9 @@ def model():
 
 
 @pytest.fixture(scope="module")
-def float32_kernels():
-    return load_model(ModelOptions(gguf_kernels="float32"))
-
-
-@contextlib.contextmanager
-def serve(model, **settings):
-    with BackgroundServer(create_app(model, served_model_name=NAME, **settings)) as server:
-        yield server
-
-
-@pytest.fixture(scope="module")
 def served(model):
     with serve(model) as server:
         yield server
-
-
-def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=WAIT_S)
 
 
 def post(server, path: str, body: dict) -> httpx.Response:
@@ -69,7 +52,7 @@ def chat_logprobs(server, max_tokens: int = 24, **extra) -> dict:
 
 
 def test_chat_logprobs_are_the_engine_s_and_plain_decoding_s(served, model):
-    answer = client(served).chat.completions.create(
+    answer = client(served, timeout=WAIT_S).chat.completions.create(
         model=NAME, messages=[{"role": "user", "content": MESSAGE}], max_tokens=24, temperature=0, logprobs=True,
         top_logprobs=3)
     content = answer.choices[0].logprobs.content
@@ -80,9 +63,7 @@ def test_chat_logprobs_are_the_engine_s_and_plain_decoding_s(served, model):
         assert bytes(entry.bytes).decode("utf-8", errors="replace") == entry.token
     assert "".join(entry.token for entry in content) == answer.choices[0].message.content
     # the engine's own numbers for that row
-    ids = model.tokenizer.apply_chat_template([{"role": "user", "content": MESSAGE}], tokenize=False,
-                                              add_generation_prompt=True)
-    ids = torch.tensor(encode_prompt(model.tokenizer, ids, True))
+    ids = torch.tensor(chat_ids(model, MESSAGE))
     batch = model.continuous_batch()
     batch.add(ids, max_new_tokens=24, logprobs=3)
     expected = [value for step in batch for part in step.values() for value in part.logprobs.chosen.tolist()]
@@ -111,8 +92,8 @@ def test_chat_without_logprobs_has_none(served):
 
 def test_echo_with_no_new_tokens_scores_the_prompt(served, model):
     ids = encode_prompt(model.tokenizer, PROMPT, False)
-    answer = client(served).completions.create(model=NAME, prompt=PROMPT, max_tokens=0, echo=True, logprobs=2,
-                                               temperature=0)
+    answer = client(served, timeout=WAIT_S).completions.create(model=NAME, prompt=PROMPT, max_tokens=0, echo=True,
+                                                               logprobs=2, temperature=0)
     choice = answer.choices[0]
     assert choice.text == PROMPT and choice.finish_reason == "length"
     assert answer.usage.completion_tokens == 0 and answer.usage.prompt_tokens == len(ids)
@@ -127,14 +108,14 @@ def test_echo_with_no_new_tokens_scores_the_prompt(served, model):
     assert logprobs.text_offset == [sum(len(t) for t in logprobs.tokens[:i]) for i in range(len(ids))]
 
 
-def test_prompt_logprobs_are_a_plain_forward_s(float32_kernels):
+def test_prompt_logprobs_are_a_plain_forward_s(kernels_float32_model):
     """In float32 activations, where the kernels compute transformers' float32 model to float rounding (in int8
     activations, the default, a rounding difference can move a block's quantization step), the prompt's logprobs
     are those of the base model's own forward pass over it."""
-    ids = encode_prompt(float32_kernels.tokenizer, PROMPT, False)
-    scored = float32_kernels.engine.prompt_logprobs(ids, 2)
+    ids = encode_prompt(kernels_float32_model.tokenizer, PROMPT, False)
+    scored = kernels_float32_model.engine.prompt_logprobs(ids, 2)
     with torch.no_grad():
-        logits = float32_kernels.base_model(torch.tensor([ids])).logits[0, :-1].float()
+        logits = kernels_float32_model.base_model(torch.tensor([ids])).logits[0, :-1].float()
     forward = torch.log_softmax(logits, -1).gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
     torch.testing.assert_close(scored.chosen, forward, atol=1e-4, rtol=0)
 

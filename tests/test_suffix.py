@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from chat_helpers import chat_template_ids
 from eagle.model.drafting.none import NoDrafter
 from eagle.model.drafting.protocol import DraftContext
 from eagle.model.drafting.registry import build_drafter
@@ -160,17 +161,11 @@ def default_model():
     return load_default_model()
 
 
-def _chat(model, text):
-    ids = model.tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                              return_tensors="pt")
-    return ids if isinstance(ids, torch.Tensor) else ids["input_ids"]
-
-
 def test_a_rewrite_prompt_accepts_several_tokens_per_step_on_the_embedded_pair(default_model):
     from eagle.evaluation.questions import load_questions
 
     question = next(q for q in load_questions("rewrite") if q["turns"][0].startswith("Copy this paragraph"))
-    ids = _chat(default_model, question["turns"][0])
+    ids = chat_template_ids(default_model, question["turns"][0])
     plain, _ = _run(default_model, ids, "none", max_new_tokens=80)
     taus = {}
     for drafter in ("suffix", "eagle3", "eagle3+suffix"):
@@ -182,7 +177,7 @@ def test_a_rewrite_prompt_accepts_several_tokens_per_step_on_the_embedded_pair(d
 
 
 def test_a_repeated_request_drafts_from_the_earlier_output_in_the_store(default_model):
-    ids = _chat(default_model, "Write a short poem about a lighthouse keeper.")
+    ids = chat_template_ids(default_model, "Write a short poem about a lighthouse keeper.")
     store = default_model.engine.suffix_store
     store.clear()
     first, first_steps = _run(default_model, ids, "suffix", max_new_tokens=60)

@@ -23,9 +23,12 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from ..model.engine.logprobs import MAX_TOP_LOGPROBS
+
 MAX_STOP_STRINGS = 4
-#: Bounds of the alternatives per token: ``top_logprobs`` (chat) and ``logprobs`` (completions), as OpenAI's.
-MAX_CHAT_TOP_LOGPROBS, MAX_COMPLETION_LOGPROBS = 20, 5
+#: Bounds of the alternatives per token: ``top_logprobs`` (chat; the engine's most, OpenAI's 20) and ``logprobs``
+#: (completions), as OpenAI's.
+MAX_CHAT_TOP_LOGPROBS, MAX_COMPLETION_LOGPROBS = MAX_TOP_LOGPROBS, 5
 #: ``seed``'s range: OpenAI's (a 64-bit signed integer).
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
 

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..model.drafting.registry import HEAD, NONE
+from ..model.engine.acceptance import GREEDY_TEMPERATURE
 from ..model.engine.logprobs import TokenLogprobs
 from ..utils.openmp import release_openmp_threads
 from .metrics import Metrics
@@ -130,7 +131,7 @@ def position_limit(model) -> int | None:
 
 def batch_key(params: GenerationParams) -> tuple | None:
     """Jobs with the same key may be generated in one batch; None: this one runs alone (a seeded sampler)."""
-    if params.temperature <= 1e-5:
+    if params.temperature <= GREEDY_TEMPERATURE:
         return ("greedy", params.drafter)
     if params.seed is not None:
         return None

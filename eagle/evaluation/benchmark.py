@@ -76,6 +76,7 @@ from tqdm import tqdm
 from eagle.cli import HelpFormatter, add_model_arguments, load_model_from_args, resolve_model_args
 from eagle.model.drafting.registry import HEAD, NONE
 from eagle.model.drafting.suffix import SuffixStore
+from eagle.model.engine.acceptance import GREEDY_TEMPERATURE
 from eagle.model.heads.quantized import draft_dtype_name
 from eagle.model.backends.onednn import pack_linear_layers, packed_layer_count, unpack_linear_layers
 from eagle.templates import TEMPLATES, encode_prompt, get_template
@@ -338,7 +339,7 @@ def summarise(per_question: list[dict], methods: list[str]) -> dict:
             row["speedup"][method] = _ratio(row["tokens_per_s"][method], row["tokens_per_s"][reference])
         if eagle:
             accepts = [a for q in group for a in q["methods"][eagle]["accept_lengths"]]
-            row["eagle_tau"] = (sum(accepts) / len(accepts) + 1) if accepts else None
+            row["eagle_tau"] = _tau(accepts)
         per_category[category] = row
 
     acceptance = None
@@ -348,7 +349,7 @@ def summarise(per_question: list[dict], methods: list[str]) -> dict:
         acceptance = {
             "steps": len(accepts),
             "mean_accept_length": mean,
-            "tau": None if mean is None else mean + 1,
+            "tau": _tau(accepts),
             "histogram": {str(a): n for a, n in sorted(Counter(accepts).items())},
             "alpha": alpha_from_accept_lengths(accepts),
         }
@@ -489,7 +490,7 @@ def run(args: argparse.Namespace, model=None) -> dict:
     ]
     per_question, outputs, load = timed_runs(timed, methods, questions, prompts, args)
     one_thread = None
-    if llama is not None and args.temperature <= 1e-5:  # llama.cpp's own multi-thread differences told apart
+    if llama is not None and args.temperature <= GREEDY_TEMPERATURE:  # llama.cpp's own multi-thread differences told apart
         try:
             one_thread = llamacpp.recheck_with_one_thread(
                 llama, outputs, {q["question_id"]: p[0].tolist() for q, p in zip(questions, prompts)},
@@ -504,7 +505,7 @@ def run(args: argparse.Namespace, model=None) -> dict:
                                        one_thread),
         "per_question": per_question,
     }
-    if args.temperature <= 1e-5:  # llama.cpp's answers come from its own (quantised) arithmetic: checked apart
+    if args.temperature <= GREEDY_TEMPERATURE:  # llama.cpp's answers come from its own (quantised) arithmetic: checked apart
         ours = [m for m in methods if m not in llamacpp.LLAMACPP_METHODS]
         results["greedy_check"] = check_greedy_answers(
             model, [dict(q, methods={m: q["methods"][m] for m in ours}) for q in per_question],

@@ -23,7 +23,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from .methods import Generation
+from .methods import GREEDY_TEMPERATURE, Generation
 
 logger = logging.getLogger(__name__)
 
@@ -32,13 +32,18 @@ DEFAULT_CACHE = Path.home() / ".cache" / "eagle" / "llama.cpp-11434"
 BUILD_HINT = "build it with scripts/build_llama_cpp.sh (about 15-40 minutes on 2 cores), or set EAGLE_LLAMA_CPP_BIN"
 
 
+def llama_cpp_cache() -> Path:
+    """The directory ``scripts/build_llama_cpp.sh`` builds llama.cpp in: ``$EAGLE_LLAMA_CPP_CACHE``, else
+    :data:`DEFAULT_CACHE`."""
+    return Path(os.environ.get("EAGLE_LLAMA_CPP_CACHE") or DEFAULT_CACHE)
+
+
 def find_llama_server() -> str | None:
     """Path of a llama-server binary, or None."""
     candidates = []
     if os.environ.get("EAGLE_LLAMA_CPP_BIN"):
         candidates.append(Path(os.environ["EAGLE_LLAMA_CPP_BIN"]) / "llama-server")
-    cache = Path(os.environ.get("EAGLE_LLAMA_CPP_CACHE") or DEFAULT_CACHE)
-    candidates.append(cache / "build" / "bin" / "llama-server")
+    candidates.append(llama_cpp_cache() / "build" / "bin" / "llama-server")
     for candidate in candidates:
         if candidate.is_file() and os.access(candidate, os.X_OK):
             return str(candidate)
@@ -96,7 +101,7 @@ class LlamaServer:
                 "cache_prompt": False, "return_tokens": True, "stream": False}
         if n_probs:
             body["n_probs"] = n_probs
-        if temperature <= 1e-5:
+        if temperature <= GREEDY_TEMPERATURE:
             body.update(top_k=1)
         else:  # the same distribution as the other methods: no top-k, top-p or min-p truncation
             body.update(top_k=0, top_p=1.0, min_p=0.0)
@@ -293,7 +298,7 @@ def report_lines(section: dict | None, temperature: float) -> list[str]:
         lines.append(f"- Drafted tokens accepted: {acc['accepted']} of {acc['drafted']} "
                      f"({acc['accepted_fraction']:.3f}).")
     check = section["greedy_check"]
-    if check and temperature <= 1e-5:
+    if check and temperature <= GREEDY_TEMPERATURE:
         threads = section.get("threads")
         same_threads = f" (both on {threads} thread{'s' * (threads != 1)})" if threads else ""
         lines.append(f"- Greedy answers with our head equal llama.cpp's plain ones{same_threads} on {check['identical']} "

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import torch
 
 from eagle.model.drafting.registry import HEAD, NONE, canonical, known_drafters, spec_head_version
+from eagle.model.engine.acceptance import GREEDY_TEMPERATURE
 from eagle.utils.device import synchronize
 
 logger = logging.getLogger(__name__)
@@ -207,7 +208,7 @@ def hf_generation_config(*, max_new_tokens: int, stop_ids: list[int], temperatur
     (:data:`NEUTRAL_DECODING`), so no checkpoint default changes the baseline. Pass it to :func:`hf_generate`."""
     from transformers import GenerationConfig
 
-    sampling = temperature > 1e-5
+    sampling = temperature > GREEDY_TEMPERATURE
     if sampling:
         options = {"temperature": temperature, "top_k": 0, "top_p": top_p if 0 < top_p < 1 else 1.0}
     else:  # transformers' neutral values, so greedy runs do not warn about the checkpoint's sampling settings

@@ -18,6 +18,7 @@ from torch import nn
 from eagle.model.drafting.choice import DrafterChoice
 from eagle.model.drafting.registry import HEAD, NONE, reference_drafter
 from eagle.model.drafting.settings import TreePlan, TreeSettings
+from eagle.model.engine.acceptance import GREEDY_TEMPERATURE
 from eagle.model.engine.engine import ContinuousBatch, Engine
 from eagle.model.engine.hf_args import check_generate_extras
 from eagle.model.engine.outputs import collect, stream
@@ -218,7 +219,7 @@ class EaModel(DrafterChoice, nn.Module):
         if input_ids is None:
             raise ValueError("generate() needs input_ids.")
         check_generate_extras(extras)
-        if do_sample and temperature <= 1e-5:
+        if do_sample and temperature <= GREEDY_TEMPERATURE:
             raise ValueError("do_sample=True needs temperature > 0.")
         request = self._request(input_ids, attention_mask, temperature=temperature if do_sample else 0.0,
                                 top_p=top_p if do_sample else 0.0, top_k=top_k if do_sample else 0,

@@ -30,14 +30,20 @@ def default_out(args) -> Path:
     return (CACHE / (args.shape if args.family == "llama" else f"{args.family}-{args.shape}")).expanduser()
 
 
+def add_quant_numerics(p: argparse.ArgumentParser, numerics_help: str,
+                       quant_help: str = "which converted model GGUF (default Q4_K_M)") -> None:
+    """``--quant`` (the model GGUF's quantization type) and ``--numerics`` (the GGUF kernels' activations)."""
+    p.add_argument("--quant", default="Q4_K_M", help=quant_help)
+    p.add_argument("--numerics", choices=NUMERICS, default="auto", help=numerics_help)
+
+
 def add_conversion(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--quant", default="Q4_K_M", help="llama-quantize type of the model GGUF (default Q4_K_M)")
+    add_quant_numerics(p, "activations of the GGUF kernels the tree is tuned for (as --gguf-kernels; default auto)",
+                       "llama-quantize type of the model GGUF (default Q4_K_M)")
     p.add_argument("--outtype", choices=["f16", "bf16"], default="f16",
                    help="type of convert_hf_to_gguf.py's intermediate GGUF (default f16)")
     p.add_argument("--keep-intermediate", action="store_true",
                    help="keep the f16/bf16 intermediate GGUF (deleted by default; ~16 GB at 8b)")
-    p.add_argument("--numerics", choices=NUMERICS, default="auto",
-                   help="activations of the GGUF kernels the tree is tuned for (as --gguf-kernels; default auto)")
     p.add_argument("--skip-tune", action="store_true",
                    help="keep the source head's trees instead of tuning one on the widened model (minutes at 2b/8b)")
 
@@ -50,8 +56,7 @@ def add_bench(sub) -> None:
                            "tokens after 256 as a multiple of k = 1, the read bandwidth and the GB/s one plain token "
                            "streams. Prints a table and writes OUTPUT_DIR/scale-bench.json.")
     add_out(bench)
-    bench.add_argument("--quant", default="Q4_K_M", help="which converted model GGUF (default Q4_K_M)")
-    bench.add_argument("--numerics", choices=NUMERICS, default="auto", help="--gguf-kernels of our methods")
+    add_quant_numerics(bench, "--gguf-kernels of our methods")
     bench.add_argument("--threads", type=int, default=2, help="threads of every method (default 2)")
     bench.add_argument("--num-questions", type=int, default=8, help="MT-bench questions (default 8)")
     bench.add_argument("--max-new-tokens", type=int, default=128, help="new tokens per answer (default 128)")
@@ -105,8 +110,7 @@ def parser() -> argparse.ArgumentParser:
                           description="Tune the tree of DIR/head on the converted model on the GGUF kernels and "
                                       "write it into the head (python -m eagle.evaluation.simulate --write-tree).")
     add_out(tune)
-    tune.add_argument("--quant", default="Q4_K_M", help="which converted model GGUF (default Q4_K_M)")
-    tune.add_argument("--numerics", choices=NUMERICS, default="auto", help="activations to tune for")
+    add_quant_numerics(tune, "activations to tune for")
     add_bench(sub)
     return p
 

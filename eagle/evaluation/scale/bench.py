@@ -165,14 +165,13 @@ def method_rows(results: dict) -> dict:
     (llama.cpp with the head) and resident bytes (measured on the first question)."""
     totals, first = results["methods"], results["per_question"][0]["methods"]
     base = (totals.get("llamacpp") or {}).get("tokens_per_s")
-    tau = (results.get("acceptance") or {}).get("tau")
     llama_acceptance = ((results.get("llamacpp") or {}).get("acceptance") or {}).get("accepted_fraction")
     rows = {}
     for method, total in totals.items():
         rate = total["tokens_per_s"]
         rows[method] = {"label": total["label"], "tokens_per_s": rate,
                         "vs_llamacpp_plain": rate / base if rate and base else None,
-                        "tau": tau if method == "eagle" else None,
+                        "tau": total["tau"] if method == "eagle" else None,
                         "accepted_fraction": llama_acceptance if method == "llamacpp_eagle3" else None,
                         "resident_bytes": first[method].get("resident_bytes")}
     return rows

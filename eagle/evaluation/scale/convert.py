@@ -51,14 +51,10 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 """
 
 
-def llama_cpp_cache() -> Path:
-    from eagle.evaluation.llamacpp import DEFAULT_CACHE
-
-    return Path(os.environ.get("EAGLE_LLAMA_CPP_CACHE") or DEFAULT_CACHE)
-
-
 def find_converter() -> Path | None:
     """``convert_hf_to_gguf.py`` of the pinned llama.cpp source, or None."""
+    from eagle.evaluation.llamacpp import llama_cpp_cache
+
     path = llama_cpp_cache() / "src" / "convert_hf_to_gguf.py"
     return path if path.is_file() else None
 
@@ -82,6 +78,8 @@ def missing_converter_modules() -> list[str]:
 def conversion_problem() -> str | None:
     """Why the conversion cannot run here (one sentence), or None."""
     if find_converter() is None:
+        from eagle.evaluation.llamacpp import llama_cpp_cache
+
         return (f"llama.cpp's convert_hf_to_gguf.py is not in {llama_cpp_cache() / 'src'}: run "
                 "scripts/build_llama_cpp.sh")
     if find_llama_tool("llama-quantize") is None:

@@ -274,14 +274,14 @@ def _convert_embeddings(model, weights, names, numerics) -> tuple[int, set[str]]
     return 2, {head_name}
 
 
-def convert_gguf_model(model: nn.Module, gguf_path: str, numerics: str = "float32", weights=None) -> int:
+def convert_gguf_model(model: nn.Module, gguf_path: str, numerics: str = "float32", weights=None,
+                       release: bool = True) -> int:
     """Replace ``model``'s linear layers, embedding and tied LM head by kernels over the GGUF file's blocks (module
     docstring), in place; returns how many modules changed. Raises ValueError naming a tensor whose blocks do not
     give transformers' float32 weight. ``weights``: the file's tensors by name (default: every tensor, viewed
     through a memory map; a :class:`~eagle.kernels.gguf_weights.GGUFTensorFile` reads them one at a time).
-    Freed memory is handed back to the system after converting a model whose layers had float weights (not one
-    built on the meta device, whose linear layers and embedding held none)."""
-    had_floats = any(isinstance(m, (nn.Linear, nn.Embedding)) and not m.weight.is_meta for m in model.modules())
+    ``release``: hand the freed float weights' memory back to the system afterwards (False for a model built on
+    the meta device, whose linear layers and embedding held none: :func:`fill_from_gguf`)."""
     weights = read_gguf_weights(gguf_path) if weights is None else weights
     architecture = gguf_architecture(gguf_path)
     names, permuted = hf_to_gguf_names(model, architecture), llama_permuted(architecture)
@@ -290,7 +290,7 @@ def convert_gguf_model(model: nn.Module, gguf_path: str, numerics: str = "float3
         count += _convert_linears(model, weights, names, numerics, permuted, skip)
         count += convert_gguf_experts(model, weights, names, numerics, _check_equal)
     del weights
-    if had_floats:
+    if release:
         release_freed_memory()
     logger.info("GGUF kernels (%s numerics): %d modules compute over the blocks of %s", numerics, count, gguf_path)
     return count
@@ -431,7 +431,7 @@ def fill_from_gguf(model: nn.Module, gguf_path: str, numerics: str = "float32", 
     init_buffers(model)
     with torch.no_grad():
         load_float_parameters(model, tensors, names, processor, lambda m, n: not _is_matrix_weight(m, n))
-        count = convert_gguf_model(model, gguf_path, numerics, weights=tensors)
+        count = convert_gguf_model(model, gguf_path, numerics, weights=tensors, release=False)
         load_float_parameters(model, tensors, names, processor)  # layers the kernels do not handle
     check_materialized(model, gguf_path)
     if verify:

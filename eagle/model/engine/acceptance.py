@@ -20,13 +20,16 @@ from eagle.model.base.logits import NodeLogits, TreeLogits
 from eagle.model.drafting.tree import DraftTree, TreeBatch, children_by_token
 from eagle.model.engine.handoffs import Accepted, DraftInput, StepResult
 
+#: The greedy threshold: a temperature at or below it decodes greedily (no sampler, no logits processors).
+GREEDY_TEMPERATURE = 1e-5
+
 
 def prepare_logits_processor(temperature: float = 0.0, repetition_penalty: float = 0.0, top_p: float = 0.0,
                              top_k: int = 0) -> LogitsProcessorList:
-    """Reference semantics: empty (greedy) unless temperature > 1e-5; top-p on when 1e-8 <= top_p < 1, top-k on
+    """Reference semantics: empty (greedy) unless temperature > :data:`GREEDY_TEMPERATURE`; top-p on when 1e-8 <= top_p < 1, top-k on
     when top_k > 0 (0 means off); top-p is applied before top-k."""
     processors = LogitsProcessorList()
-    if temperature > 1e-5:
+    if temperature > GREEDY_TEMPERATURE:
         if temperature != 1.0:
             processors.append(TemperatureLogitsWarper(temperature))
         if repetition_penalty > 1.0:

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
+from eagle.model.engine.acceptance import GREEDY_TEMPERATURE
+
 #: The most alternatives (top logprobs) a token reports.
 MAX_TOP_LOGPROBS = 20
 
@@ -49,8 +51,8 @@ def check_top(top) -> int:
 
 def logprob_temperature(temperature: float) -> float:
     """The temperature logprobs are computed at: the request's when it samples, 1 (the model's own distribution)
-    when it is greedy (temperature <= 1e-5, the engine's greedy threshold)."""
-    return float(temperature) if temperature > 1e-5 else 1.0
+    when it is greedy (temperature <= :data:`~eagle.model.engine.acceptance.GREEDY_TEMPERATURE`)."""
+    return float(temperature) if temperature > GREEDY_TEMPERATURE else 1.0
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, top: int, temperature: float) -> TokenLogprobs:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from eagle.model.engine.acceptance import Sampler
+from eagle.model.engine.acceptance import GREEDY_TEMPERATURE, Sampler
 
 
 @dataclass(frozen=True)
@@ -48,7 +48,7 @@ class GenerationRequest:
         return [prompt.shape[0] for prompt in self.prompts]
 
     def sampler(self) -> Sampler | None:
-        """The sampler of this request, or None for greedy decoding (temperature <= 1e-5)."""
+        """The sampler of this request, or None for greedy decoding (temperature <= :data:`GREEDY_TEMPERATURE`)."""
         return make_sampler(self.temperature, self.top_p, self.top_k, self.generator)
 
     def output_ids(self, new_tokens: list[list[int]]) -> torch.Tensor:
@@ -62,8 +62,8 @@ class GenerationRequest:
 
 
 def make_sampler(temperature: float, top_p: float, top_k: int, generator=None) -> Sampler | None:
-    """The sampler of these settings, or None for greedy decoding (temperature <= 1e-5)."""
-    return Sampler(temperature, top_p, top_k, generator) if temperature > 1e-5 else None
+    """The sampler of these settings, or None for greedy decoding (temperature <= :data:`GREEDY_TEMPERATURE`)."""
+    return Sampler(temperature, top_p, top_k, generator) if temperature > GREEDY_TEMPERATURE else None
 
 
 def build_request(input_ids, attention_mask=None, *, vocab_size: int, device, temperature=0.0, top_p=0.0, top_k=0,

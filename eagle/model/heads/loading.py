@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+from collections.abc import Collection
 
 import torch
 
@@ -85,12 +86,13 @@ def linear_weight_names(head) -> set[str]:
     return {f"{name}.weight" for name, module in head.named_modules() if isinstance(module, torch.nn.Linear)}
 
 
-def load_head_weights(head, state_dict: dict[str, torch.Tensor], source: str, keep_linear_dtype: bool = False) -> bool:
+def load_head_weights(head, state_dict: dict[str, torch.Tensor], source: str, kept: Collection[str] = ()) -> bool:
     """Strict load: a missing (non-optional) or unexpected tensor, or a wrong shape, is an error naming it.
     Returns whether the checkpoint carried its own embedding. The tensors are taken out of ``state_dict`` one at a
     time as they are copied into the head, so each is freed once copied (the checkpoint and the head, in its own
-    dtype, are never both whole in memory). ``keep_linear_dtype``: the linear layers' weights become the
-    checkpoint's tensors themselves, in the checkpoint's dtype (for a head quantized next, read from them)."""
+    dtype, are never both whole in memory). ``kept``: state-dict names (:func:`linear_weight_names`) whose
+    parameters become the checkpoint's tensors themselves, in the checkpoint's dtype (for a head quantized next,
+    read from them)."""
     expected = head.state_dict()
     optional = optional_keys(head)
     missing = sorted(k for k in expected if k not in state_dict and k not in optional)
@@ -112,7 +114,6 @@ def load_head_weights(head, state_dict: dict[str, torch.Tensor], source: str, ke
                 f"{tuple(expected[key].shape)}."
             )
     has_embedding = "embed_tokens.weight" in state_dict
-    kept = linear_weight_names(head) if keep_linear_dtype else set()
     for key in list(state_dict):  # completeness was checked above
         head.load_state_dict({key: state_dict.pop(key)}, strict=False, assign=key in kept)
     return has_embedding
@@ -163,8 +164,8 @@ def load_ea_layer(ea_model_path: str, base_model, use_eagle3: bool, draft_dtype=
     with no_init_weights():  # every weight is the checkpoint's or the target's: no random values to draw
         head = build_head(config, use_eagle3)
     check_head_matches_base(head, base_model)
-    has_embedding = load_head_weights(head, state_dict, f"{ea_model_path} ({layout} layout)", keep_linear_dtype)
     kept = linear_weight_names(head) if keep_linear_dtype else set()
+    has_embedding = load_head_weights(head, state_dict, f"{ea_model_path} ({layout} layout)", kept)
     embedding = base_model.get_input_embeddings()
     device = embedding.weight.device
     dtype = resolve_draft_dtype(draft_dtype, embedding.weight.dtype, device, head.eagle_version)

@@ -156,15 +156,14 @@ def apply_draft_quantization(head, base_model, draft_dtype, target_on_kernels: b
     if not quantized_at_load(draft_dtype, target_on_kernels):
         return False
     problem = head_quantization_problem(head)
-    if problem is not None:
-        if draft_dtype in QUANTIZED_DRAFTS:
-            raise ValueError(f"draft_dtype={draft_dtype!r} is not possible here: {problem}.")
-        logger.info("The draft head stays float32: %s.", problem)
-        _float32_linears(head, base_model)
-        return False
+    if problem is not None and draft_dtype in QUANTIZED_DRAFTS:
+        raise ValueError(f"draft_dtype={draft_dtype!r} is not possible here: {problem}.")
     type_name = QUANTIZED_DRAFTS.get(draft_dtype, QUANT_TYPE)
-    count = quantize_head(head, shared=base_model, type_name=type_name)
+    count = quantize_head(head, shared=base_model, type_name=type_name) if problem is None else 0
     _float32_linears(head, base_model)
+    if problem is not None:
+        logger.info("The draft head stays float32: %s.", problem)
+        return False
     logger.info("The draft head's %d linear layers compute over %s blocks with int8 activations (draft_dtype=%r).",
                 count, type_name, draft_dtype)
     return count > 0
