@@ -21,7 +21,7 @@ Without argparse (a server, a notebook)::
 - ``--drafter`` (a drafter spec of :mod:`eagle.model.drafting.registry`: what drafts by default, ``EaModel.drafter``;
   not given: the head's own; ``--drafter eagle1`` loads the head as EAGLE-1 whatever ``--use-eagle3`` says);
 - ``--total-token`` (-1: timed on this device), ``--depth``, ``--top-k``, ``--lookup-tokens`` (0 = off);
-- ``--device`` (auto = the best accelerator), ``--dtype`` and ``--draft-dtype`` (auto, q8_0 or a name of
+- ``--device`` (auto = the best accelerator), ``--dtype`` and ``--draft-dtype`` (auto, q8_0, q4_0 or a name of
   :data:`eagle.model.heads.loading.DTYPES_BY_NAME`), ``--pack-cpu-weights`` (auto, on, off), ``--gguf-kernels``
   (auto = int8, float32, off: a GGUF base model on the CPU computed over its quantized blocks, see
   :mod:`eagle.model.backends.gguf`);

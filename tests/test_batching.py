@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 from eagle.model.ea_model import EaModel
 from eagle.model.engine import loop

@@ -6,7 +6,6 @@ through the model call itself; nothing is switched on the shared model around a 
 
 from __future__ import annotations
 
-import copy
 import threading
 
 import pytest

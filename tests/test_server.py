@@ -24,7 +24,6 @@ from chat_helpers import NAME, chat_ids, client, serve  # noqa: E402,F401 (also 
 from eagle.application.prompts import encode_prompt  # noqa: E402
 from eagle.application.server import BackgroundServer, create_app, parse_args  # noqa: E402
 from eagle.application.text_stream import TextStream  # noqa: E402
-from eagle.model.ea_model import EaModel  # noqa: E402
 
 pytestmark = pytest.mark.e2e  # the HTTP server in a subprocess and the embedded pair
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 from eagle.model.drafting.eagle import EagleDrafter
 from eagle.model.drafting.settings import TreePlan, TreeSettings

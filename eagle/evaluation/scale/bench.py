@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import resource
 import subprocess
 import time
