@@ -116,7 +116,7 @@ def main(argv=None) -> int:
     import torch
 
     from eagle.cli import load_model_from_args
-    from eagle.model.engine.acceptance import GREEDY_TEMPERATURE
+    from eagle.model.engine.greedy import GREEDY_TEMPERATURE
     from eagle.utils.device import synchronize
 
     logger.info("Loading the models...")

@@ -4,6 +4,7 @@ count."""
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import subprocess
@@ -150,6 +151,7 @@ def test_each_thread_setting_of_a_method_drafts_from_a_suffix_store_of_its_own(t
     real = benchmark.engine_generate
 
     def spy(model, input_ids, **options):
+        gc.collect()  # a finished drafter hands its rows' answers to the store when it is freed
         seen.append(len(model.engine.suffix_store))
         return real(model, input_ids, **options)
 
@@ -165,6 +167,29 @@ def test_each_thread_setting_of_a_method_drafts_from_a_suffix_store_of_its_own(t
         tiny_model.engine.suffix_store = store
     assert seen[:2] == [0, 0], "the second thread setting started with the first one's answer in its store"
     assert seen[2] > 0, "the first setting's answer did not stay in its store"
+
+
+def test_the_first_timed_question_does_not_draft_from_the_warm_up_answer(tiny_model, monkeypatch):
+    """The warm-up answers the first question; the timed run of that question starts with an empty suffix store."""
+    seen = []
+    real = benchmark.engine_generate
+
+    def spy(model, input_ids, **options):
+        gc.collect()  # a finished drafter hands its rows' answers to the store when it is freed
+        seen.append(len(model.engine.suffix_store))
+        return real(model, input_ids, **options)
+
+    monkeypatch.setattr(benchmark, "engine_generate", spy)
+    args = SimpleNamespace(temperature=0.0, max_new_tokens=16, prompt_lookup_num_tokens=10, seed=0, warmup=1)
+    timed = benchmark.TimedMethods(tiny_model, SimpleNamespace(is_llama3=False), [], args)
+    store, ids = tiny_model.engine.suffix_store, torch.tensor([[5, 9, 13, 17, 21, 25, 29]])
+    try:
+        benchmark.warm_up_methods(timed, ["suffix"], ids, args)
+        timed.run("suffix", ids)
+    finally:
+        timed.threads.restore()
+        tiny_model.engine.suffix_store = store
+    assert seen == [0, 0], "the timed run drafted from the warm-up's answer to the same question"
 
 
 def busy_children() -> list[int]:

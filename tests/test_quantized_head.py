@@ -104,14 +104,15 @@ def test_layers_the_head_borrows_or_cannot_quantize_stay_as_they_are():
                                rtol=0.05, atol=0.05)
 
 
-def test_q8_0_is_refused_where_it_cannot_run(tiny_pair, eagle1_pair, monkeypatch):
+@pytest.mark.parametrize("name", ["q8_0", "q4_0"])
+def test_a_quantized_head_is_refused_where_it_cannot_run(tiny_pair, eagle1_pair, monkeypatch, name):
     if kernels.available():
-        with pytest.raises(ValueError, match="draft_dtype='q8_0' is not possible here: an EAGLE-1 head shares"):
-            _load(eagle1_pair, use_eagle3=False, draft_dtype="q8_0")
+        with pytest.raises(ValueError, match=f"draft_dtype='{name}' is not possible here: an EAGLE-1 head shares"):
+            _load(eagle1_pair, use_eagle3=False, draft_dtype=name)
     monkeypatch.setattr(kernels, "available", lambda: False)
     monkeypatch.setattr(kernels, "unavailable_reason", lambda: "no compiler")
     with pytest.raises(ValueError, match="not possible here: eagle's native kernels are unavailable \\(no compiler\\)"):
-        _load(tiny_pair, draft_dtype="q8_0")
+        _load(tiny_pair, draft_dtype=name)
 
 
 def test_auto_leaves_the_head_of_a_model_off_the_kernels_as_before(tiny_pair):
@@ -182,6 +183,11 @@ def test_q4_0_blocks_are_gguf_py_s_byte_for_byte_and_other_types_are_refused():
     weight = torch.randn(40, 64, dtype=torch.float16)
     expected = gguf.quants.quantize(weight.to(torch.float32).numpy(), gguf.GGMLQuantizationType.Q4_0)
     assert torch.equal(quantized.quantize_blocks(weight, "Q4_0", chunk_values=64 * 7), torch.from_numpy(expected))
+    # and the blocks hold the weight: each value within one step (its block's scale) of what they dequantize to
+    blocks = quantized.quantize_blocks(weight, "Q4_0").numpy()
+    back = torch.from_numpy(gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType.Q4_0)).reshape(40, 64)
+    steps = weight.float().reshape(40, 2, 32).abs().amax(-1, keepdim=True) / 8
+    assert ((back.reshape(40, 2, 32) - weight.float().reshape(40, 2, 32)).abs() <= steps * 1.001 + 1e-6).all()
     with pytest.raises(ValueError, match="quantizes to"):
         quantized.quantize_blocks(weight, "Q4_K")
 

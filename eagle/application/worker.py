@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..model.drafting.registry import HEAD, NONE
-from ..model.engine.acceptance import GREEDY_TEMPERATURE
+from ..model.engine.greedy import GREEDY_TEMPERATURE
 from ..model.engine.logprobs import TokenLogprobs
 from ..utils.openmp import release_openmp_threads
 from .metrics import Metrics

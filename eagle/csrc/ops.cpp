@@ -308,7 +308,10 @@ class Int8Rows {
     if (buffer.empty()) {
       const quant::QuantizedRows& xq = *rows();
       buffer.resize(xq.rows * quant::interleaved_row_bytes(xq.k));
-      if (!quant::interleave_rows_avx512(t, xq, buffer.data())) return nullptr;
+      if (!quant::interleave_rows_avx512(t, xq, buffer.data())) {
+        buffer.clear();  // not laid out: a second weight of this type must not get unwritten bytes
+        return nullptr;
+      }
     }
     return buffer.data();
   }

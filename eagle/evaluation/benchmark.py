@@ -76,7 +76,7 @@ from tqdm import tqdm
 from eagle.cli import HelpFormatter, add_model_arguments, load_model_from_args, resolve_model_args
 from eagle.model.drafting.registry import HEAD, NONE
 from eagle.model.drafting.suffix import SuffixStore
-from eagle.model.engine.acceptance import GREEDY_TEMPERATURE
+from eagle.model.engine.greedy import GREEDY_TEMPERATURE
 from eagle.model.heads.quantized import draft_dtype_name
 from eagle.model.backends.onednn import pack_linear_layers, packed_layer_count, unpack_linear_layers
 from eagle.templates import TEMPLATES, encode_prompt, get_template
@@ -536,11 +536,14 @@ def timed_runs(timed: TimedMethods, methods: list[str], questions: list[dict], p
 
 
 def warm_up_methods(timed: TimedMethods, methods: list[str], input_ids: torch.Tensor, args) -> None:
-    """``--warmup`` untimed runs of every method on the first question, with the full settings."""
+    """``--warmup`` untimed runs of every method on the first question, with the full settings. The suffix stores
+    forget the warm-up's answers: the first timed question is the same prompt, and a suffix drafter holding its own
+    greedy answer to it would accept far more than on any other question."""
     for _ in tqdm(range(args.warmup), desc="warm-up", disable=args.warmup == 0):
         for method in methods:
             torch.manual_seed(args.seed)
             timed.run(method, input_ids)
+    timed.suffix_stores.clear()
 
 
 def run_questions(timed: TimedMethods, methods: list[str], questions: list[dict], prompts: list[torch.Tensor],

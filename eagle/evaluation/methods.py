@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import torch
 
 from eagle.model.drafting.registry import HEAD, NONE, canonical, known_drafters, spec_head_version
-from eagle.model.engine.acceptance import GREEDY_TEMPERATURE
+from eagle.model.engine.greedy import GREEDY_TEMPERATURE
 from eagle.utils.device import synchronize
 
 logger = logging.getLogger(__name__)
@@ -177,9 +177,10 @@ def method_named(name: str) -> Method:
         return _BY_NAME[name]
     try:
         spec = canonical(name)
-    except ValueError:
-        raise ValueError(f"unknown method {name!r}: expected one of {', '.join(_BY_NAME)}, or a drafter on this "
-                         f"engine ({known_drafters()}).") from None
+    except ValueError as err:
+        what = str(err).split("; available")[0].rstrip(".")  # the registry's sentence naming the unknown part
+        raise ValueError(f"unknown method {name!r} ({what}): expected one of "
+                         f"{', '.join(_BY_NAME)}, or a drafter on this engine ({known_drafters()}).") from None
     return _engine(name, f"engine, drafter {spec}", spec)
 
 

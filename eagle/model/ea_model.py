@@ -18,7 +18,7 @@ from torch import nn
 from eagle.model.drafting.choice import DrafterChoice
 from eagle.model.drafting.registry import HEAD, NONE, reference_drafter
 from eagle.model.drafting.settings import TreePlan, TreeSettings
-from eagle.model.engine.acceptance import GREEDY_TEMPERATURE
+from eagle.model.engine.greedy import GREEDY_TEMPERATURE
 from eagle.model.engine.engine import ContinuousBatch, Engine
 from eagle.model.engine.hf_args import check_generate_extras
 from eagle.model.engine.outputs import collect, stream

@@ -18,10 +18,9 @@ from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogit
 
 from eagle.model.base.logits import NodeLogits, TreeLogits
 from eagle.model.drafting.tree import DraftTree, TreeBatch, children_by_token
+from eagle.model.engine.greedy import GREEDY_TEMPERATURE
 from eagle.model.engine.handoffs import Accepted, DraftInput, StepResult
 
-#: The greedy threshold: a temperature at or below it decodes greedily (no sampler, no logits processors).
-GREEDY_TEMPERATURE = 1e-5
 
 
 def prepare_logits_processor(temperature: float = 0.0, repetition_penalty: float = 0.0, top_p: float = 0.0,

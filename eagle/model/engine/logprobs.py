@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from eagle.model.engine.acceptance import GREEDY_TEMPERATURE
+from eagle.model.engine.greedy import GREEDY_TEMPERATURE
 
 #: The most alternatives (top logprobs) a token reports.
 MAX_TOP_LOGPROBS = 20
@@ -51,7 +51,7 @@ def check_top(top) -> int:
 
 def logprob_temperature(temperature: float) -> float:
     """The temperature logprobs are computed at: the request's when it samples, 1 (the model's own distribution)
-    when it is greedy (temperature <= :data:`~eagle.model.engine.acceptance.GREEDY_TEMPERATURE`)."""
+    when it is greedy (temperature <= :data:`~eagle.model.engine.greedy.GREEDY_TEMPERATURE`)."""
     return float(temperature) if temperature > GREEDY_TEMPERATURE else 1.0
 
 

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
-from eagle.model.engine.acceptance import GREEDY_TEMPERATURE, Sampler
+from eagle.model.engine.acceptance import Sampler
+from eagle.model.engine.greedy import GREEDY_TEMPERATURE
 
 
 @dataclass(frozen=True)

@@ -137,8 +137,8 @@ def resolve_draft_dtype(draft_dtype, base_dtype: torch.dtype, device: torch.devi
         if draft_dtype not in DTYPES_BY_NAME:
             quantized = (f" ({draft_dtype!r} quantizes a loaded float32 head: EaModel.from_pretrained does it)"
                          if draft_dtype in ("q8_0", "q4_0") else "")
-            raise ValueError(f"draft_dtype must be 'auto', a torch dtype or one of {sorted(DTYPES_BY_NAME)}, "
-                             f"not {draft_dtype!r}{quantized}.")
+            raise ValueError(f"draft_dtype must be 'auto', 'q8_0', 'q4_0', a torch dtype or one of "
+                             f"{sorted(DTYPES_BY_NAME)}, not {draft_dtype!r}{quantized}.")
         draft_dtype = DTYPES_BY_NAME[draft_dtype]
     if not isinstance(draft_dtype, torch.dtype) or not draft_dtype.is_floating_point:
         raise ValueError(f"draft_dtype must be 'auto' or a floating-point torch dtype, not {draft_dtype!r}.")

@@ -2,7 +2,7 @@
 
 A draft pass over a token or two is a few dozen small tensor operations in Python (norms, projections, rotary,
 attention, MLP) whose dispatch costs more than their arithmetic; the native layer runs them in one call over the
-kernels' Q8_0 layers. It computes the layer :class:`~eagle.model.heads.draft_layers.Eagle3DecoderLayer` describes,
+kernels' Q8_0 or Q4_0 layers (``draft_dtype``). It computes the layer :class:`~eagle.model.heads.draft_layers.Eagle3DecoderLayer` describes,
 with the kernels' rounding (their row norm, int8 activations, position-ordered attention): the head's proposals may
 differ in the last bits from the module path's, the output never does, since the target verifies every token.
 
