@@ -4,6 +4,7 @@ count."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import signal
@@ -144,9 +145,10 @@ def test_thread_settings_detach_and_reattach_the_policy(tiny_model):
         torch.set_num_threads(previous)
 
 
-def test_each_thread_setting_of_a_method_drafts_from_a_suffix_store_of_its_own(tiny_model, monkeypatch):
-    """``suffix@1`` and ``suffix@2`` are timed apart: the second setting starts with an empty store, not with what
-    the first learned from the same question, and each setting keeps its own answers for the next question."""
+@contextlib.contextmanager
+def suffix_store_sizes(model, monkeypatch, **settings):
+    """A benchmark's ``TimedMethods`` over ``model`` (greedy, 16 new tokens, ``settings`` added to its arguments) and
+    the list that gets the size of the suffix store each engine run starts with; the model's own store restored."""
     seen = []
     real = benchmark.engine_generate
 
@@ -156,39 +158,34 @@ def test_each_thread_setting_of_a_method_drafts_from_a_suffix_store_of_its_own(t
         return real(model, input_ids, **options)
 
     monkeypatch.setattr(benchmark, "engine_generate", spy)
-    args = SimpleNamespace(temperature=0.0, max_new_tokens=16, prompt_lookup_num_tokens=10, seed=0)
-    timed = benchmark.TimedMethods(tiny_model, SimpleNamespace(is_llama3=False), [], args)
-    store, ids = tiny_model.engine.suffix_store, torch.tensor([[5, 9, 13, 17, 21, 25, 29]])
+    args = SimpleNamespace(temperature=0.0, max_new_tokens=16, prompt_lookup_num_tokens=10, seed=0, **settings)
+    timed = benchmark.TimedMethods(model, SimpleNamespace(is_llama3=False), [], args)
+    store = model.engine.suffix_store
     try:
-        for key in ("suffix@1", "suffix@2", "suffix@1"):
-            timed.run(key, ids)
+        yield timed, seen
     finally:
         timed.threads.restore()
-        tiny_model.engine.suffix_store = store
+        model.engine.suffix_store = store
+
+
+PROMPT = torch.tensor([[5, 9, 13, 17, 21, 25, 29]])
+
+
+def test_each_thread_setting_of_a_method_drafts_from_a_suffix_store_of_its_own(tiny_model, monkeypatch):
+    """``suffix@1`` and ``suffix@2`` are timed apart: the second setting starts with an empty store, not with what
+    the first learned from the same question, and each setting keeps its own answers for the next question."""
+    with suffix_store_sizes(tiny_model, monkeypatch) as (timed, seen):
+        for key in ("suffix@1", "suffix@2", "suffix@1"):
+            timed.run(key, PROMPT)
     assert seen[:2] == [0, 0], "the second thread setting started with the first one's answer in its store"
     assert seen[2] > 0, "the first setting's answer did not stay in its store"
 
 
 def test_the_first_timed_question_does_not_draft_from_the_warm_up_answer(tiny_model, monkeypatch):
     """The warm-up answers the first question; the timed run of that question starts with an empty suffix store."""
-    seen = []
-    real = benchmark.engine_generate
-
-    def spy(model, input_ids, **options):
-        gc.collect()  # a finished drafter hands its rows' answers to the store when it is freed
-        seen.append(len(model.engine.suffix_store))
-        return real(model, input_ids, **options)
-
-    monkeypatch.setattr(benchmark, "engine_generate", spy)
-    args = SimpleNamespace(temperature=0.0, max_new_tokens=16, prompt_lookup_num_tokens=10, seed=0, warmup=1)
-    timed = benchmark.TimedMethods(tiny_model, SimpleNamespace(is_llama3=False), [], args)
-    store, ids = tiny_model.engine.suffix_store, torch.tensor([[5, 9, 13, 17, 21, 25, 29]])
-    try:
-        benchmark.warm_up_methods(timed, ["suffix"], ids, args)
-        timed.run("suffix", ids)
-    finally:
-        timed.threads.restore()
-        tiny_model.engine.suffix_store = store
+    with suffix_store_sizes(tiny_model, monkeypatch, warmup=1) as (timed, seen):
+        benchmark.warm_up_methods(timed, ["suffix"], PROMPT, timed.args)
+        timed.run("suffix", PROMPT)
     assert seen == [0, 0], "the timed run drafted from the warm-up's answer to the same question"
 
 
