@@ -206,9 +206,8 @@ def add_placement_arguments(parser: argparse.ArgumentParser, draft_dtype: bool =
         parser.add_argument("--draft-dtype", default="auto", choices=["auto", "q8_0", "q4_0", *DTYPES_BY_NAME],
                             help="draft head dtype; q8_0 (q4_0) = its linear layers over Q8_0 (Q4_0) blocks with int8 "
                             "activations on eagle's CPU kernels; auto = q8_0 for an EAGLE-3 head when the base model "
-                            "runs on the "
-                            "GGUF kernels, else bfloat16 for the EAGLE-3 head of a float32 model on a CPU with native "
-                            "bfloat16 (AVX512-BF16/AMX), else the model dtype")
+                            "runs on the GGUF kernels, else bfloat16 for the EAGLE-3 head of a float32 model on a CPU "
+                            "with native bfloat16 (AVX512-BF16/AMX), else the model dtype")
 
 
 def model_options(args: argparse.Namespace, need_head: bool = True) -> ModelOptions:

@@ -182,10 +182,10 @@ def test_q4_0_blocks_are_gguf_py_s_byte_for_byte_and_other_types_are_refused():
     torch.manual_seed(1)
     weight = torch.randn(40, 64, dtype=torch.float16)
     expected = gguf.quants.quantize(weight.to(torch.float32).numpy(), gguf.GGMLQuantizationType.Q4_0)
-    assert torch.equal(quantized.quantize_blocks(weight, "Q4_0", chunk_values=64 * 7), torch.from_numpy(expected))
+    blocks = quantized.quantize_blocks(weight, "Q4_0", chunk_values=64 * 7)
+    assert torch.equal(blocks, torch.from_numpy(expected))
     # and the blocks hold the weight: each value within one step (its block's scale) of what they dequantize to
-    blocks = quantized.quantize_blocks(weight, "Q4_0").numpy()
-    back = torch.from_numpy(gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType.Q4_0)).reshape(40, 64)
+    back = torch.from_numpy(gguf.quants.dequantize(blocks.numpy(), gguf.GGMLQuantizationType.Q4_0)).reshape(40, 64)
     steps = weight.float().reshape(40, 2, 32).abs().amax(-1, keepdim=True) / 8
     assert ((back.reshape(40, 2, 32) - weight.float().reshape(40, 2, 32)).abs() <= steps * 1.001 + 1e-6).all()
     with pytest.raises(ValueError, match="quantizes to"):
@@ -194,7 +194,7 @@ def test_q4_0_blocks_are_gguf_py_s_byte_for_byte_and_other_types_are_refused():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_q8_0_blocks_are_gguf_py_s_byte_for_byte(dtype):
-    """quantize_q8_0, chunk by chunk from the weight's own dtype, gives gguf-py's Q8_0 blocks of its float32 values:
+    """quantize_blocks to Q8_0, chunk by chunk from the weight's own dtype, gives gguf-py's Q8_0 blocks of its float32 values:
     zero blocks, halves that round away from zero, a chunk boundary inside the matrix."""
     import gguf
 
@@ -204,10 +204,10 @@ def test_q8_0_blocks_are_gguf_py_s_byte_for_byte(dtype):
     weight[9, 32:64] = torch.tensor([127.0, 63.5, -63.5, 0.5, -0.5, 1.5] + [0.0] * 26)
     weight = weight.to(dtype)
     expected = gguf.quants.quantize(weight.to(torch.float32).numpy(), gguf.GGMLQuantizationType.Q8_0)
-    blocks = quantized.quantize_q8_0(weight, chunk_values=96 * 16)
+    blocks = quantized.quantize_blocks(weight, "Q8_0", chunk_values=96 * 16)
     assert blocks.dtype == torch.uint8 and torch.equal(blocks, torch.from_numpy(expected))
     with pytest.raises(ValueError, match="multiple of 32"):
-        quantized.quantize_q8_0(torch.zeros(4, 40))
+        quantized.quantize_blocks(torch.zeros(4, 40), "Q8_0")
 
 
 @needs_kernels

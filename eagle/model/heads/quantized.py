@@ -101,11 +101,6 @@ def quantize_blocks(weight: torch.Tensor, type_name: str = QUANT_TYPE, chunk_val
     return torch.from_numpy(out)
 
 
-def quantize_q8_0(weight: torch.Tensor, chunk_values: int = 1 << 20) -> torch.Tensor:
-    """:func:`quantize_blocks` to Q8_0."""
-    return quantize_blocks(weight, "Q8_0", chunk_values)
-
-
 class KernelRMSNorm(RMSNorm):
     """The head's RMSNorm on eagle's CPU kernels (``eagle::rms_norm``): each float32 CPU row normalised by one fixed
     sequence of roundings (the decoder layers' norm, :func:`eagle.kernels.reference.lane_rms_norm` bit for bit), in
