@@ -515,17 +515,36 @@ __attribute__((always_inline)) inline void n_codes(const uint8_t* rec, const Off
   }
 }
 
-// units ahead of the one being computed that n_tile prefetches (may point past the weights: prefetches never fault)
-constexpr int64_t kPrefetchUnits = 4;
-
-// Whether a tile prefetches its weights: all but Q4_K's 4-group tiles (1 or 2 rows), whose records the hardware
-// prefetcher alone streams faster. Measured on a 2-core AMD EPYC Zen 4, 2 threads, plain decoding of a Q4_K_M
-// file of ~2B parameters (1.18 GB), the settings interleaved in one process: 20.7-20.8 tokens/s with the
-// prefetches, 23.0-23.5 without them for Q4_K (and 5.9 against 7.8 at an 8B shape of 4.35 GB); without them for
-// Q6_K as well, or for the tiles of 3 rows and more, it was no faster (Q6_K) or slower (single weights of 4 rows:
-// 20.6 against 27.2 GB/s).
+// How a tile streams its weights into L2 ahead of use: each group of a unit record prefetches its share of the
+// record kPrefetchUnits units ahead, so that the prefetches flow at the pace of the arithmetic (the types of one
+// group per unit prefetch their whole record at once). Q4_K's 1- and 2-row tiles issue none: the hardware
+// prefetcher alone streams their records fastest. Prefetches may point past the weights: they never fault.
+// Measured on a 2-core AMD EPYC Zen 4, 2 threads, 40 random weights of 2048x8192 (more than the L3 cache) called
+// in turn, GB/s of weights (the machine read 31-34 GB/s), separate processes interleaved, against the earlier
+// prefetch of the whole record at a unit's first group, 4 units ahead:
+//   1 row:  Q6_K 25.7-26.4 against 20.4-20.9 (4 or 6 units ahead: 24.4-25.8); Q5_K 28-36 against 20-25; Q4_K
+//           without a prefetch 28.7-29.8, spread 28.0-28.8 (and plain decoding of a ~2B Q4_K_M file 23.0-23.5
+//           tokens/s without, 20.7-20.8 with the earlier one). The one-group types keep 4 units (Q4_1 at the
+//           embedded model's shapes: 20.7-23.3 against 19.5-22.2 GB/s two units ahead; Q8_0 mixed);
+//   3 rows: Q6_K 27.3-28.2 against 23.6-25.8, Q4_K 26.0-27.2 against 24.9-26.1; 4 rows: Q6_K 23.3-27.6 against
+//           21.8-22.7, Q4_K 24.1-25.4 against 23.2-24.7, Q5_K alike; 8 rows: Q6_K 16.5-17.1 against
+//           15.2-16.7. Prefetching into L1 instead (T0) was far slower (Q6_K 4 rows 11.5).
+template <int TYPE, int CG>
+constexpr int64_t kPrefetchUnits = CG == 4 && TypeTraits<TYPE>::kUnit > TypeTraits<TYPE>::kGroup ? 2 : 4;
 template <int TYPE, int CG>
 constexpr bool kPrefetches = !(TYPE == Q4_K && CG == 4);
+
+// group gi's share of the prefetches of the record at rec (o.total bytes), for a tile of CG column groups
+template <int TYPE, int CG>
+__attribute__((always_inline)) inline void prefetch_record(const uint8_t* rec, const Offsets& o, int gi) {
+  if constexpr (kPrefetches<TYPE, CG>) {
+    constexpr int kGroupsPerUnit = TypeTraits<TYPE>::kUnit / TypeTraits<TYPE>::kGroup;
+    const int64_t share = (o.total + 64 * kGroupsPerUnit - 1) / (64 * kGroupsPerUnit) * 64;  // whole lines
+    const int64_t end = std::min<int64_t>((gi + 1) * share, o.total);
+    for (int64_t line = gi * share; line < end; line += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(rec + kPrefetchUnits<TYPE, CG> * o.total + line), _MM_HINT_T1);
+  }
+}
 
 // Rows per 1-group tile: each group's a (and b) and code vectors are decoded once for up to 16 rows. The 16
 // accumulators (and, for the asymmetric types, the 16 second accumulators, which the compiler keeps partly in memory:
@@ -635,7 +654,7 @@ __attribute__((always_inline)) inline void n_store(const LinearArgs& args, int64
 
 // R rows by CG groups of 16 columns: per group, its a (and b) and code vectors are decoded once and applied to the R
 // rows (the unit's fp16 numbers, n_unit, do not change within a unit: the compiler converts them once per unit). Each
-// column group's prefetch is issued just before its first group of the unit is computed (issuing the CG groups'
+// column group's prefetches (prefetch_record) are issued just before that group's work (issuing the CG groups'
 // prefetches together first streamed 8-bit codes at one row 20-25% slower).
 template <int TYPE, int R, int CG>
 __attribute__((noinline)) void n_tile(const LinearArgs& args, const NRows& x, const uint8_t* const* groups,
@@ -655,10 +674,7 @@ __attribute__((noinline)) void n_tile(const LinearArgs& args, const NRows& x, co
 #pragma GCC unroll 16
       for (int c = 0; c < CG; ++c) {
         const uint8_t* rec = groups[c] + unit * o.total;
-        if (kPrefetches<TYPE, CG> && gi == 0) {  // stream the weights: fetch a few units ahead into L2
-          for (int64_t line = 0; line < o.total; line += 64)
-            _mm_prefetch(reinterpret_cast<const char*>(rec + kPrefetchUnits * o.total + line), _MM_HINT_T1);
-        }
+        prefetch_record<TYPE, CG>(rec, o, gi);
         __m512 a, b = _mm512_setzero_ps();
         n_params<TYPE>(rec, o, n_unit<TYPE>(rec, o), gi, a, b);
         __m512i codes[G / 4];
