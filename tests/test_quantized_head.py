@@ -194,8 +194,8 @@ def test_q4_0_blocks_are_gguf_py_s_byte_for_byte_and_other_types_are_refused():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_q8_0_blocks_are_gguf_py_s_byte_for_byte(dtype):
-    """quantize_blocks to Q8_0, chunk by chunk from the weight's own dtype, gives gguf-py's Q8_0 blocks of its float32 values:
-    zero blocks, halves that round away from zero, a chunk boundary inside the matrix."""
+    """quantize_blocks to Q8_0, chunk by chunk from the weight's own dtype, gives gguf-py's Q8_0 blocks of its float32
+    values: zero blocks, halves that round away from zero, a chunk boundary inside the matrix."""
     import gguf
 
     torch.manual_seed(0)

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from eagle.model.drafting.registry import HEAD, NONE, canonical, known_drafters, spec_head_version
+from eagle.model.drafting.registry import HEAD, NONE, UnknownDrafter, canonical, known_drafters, spec_head_version
 from eagle.model.engine.greedy import GREEDY_TEMPERATURE
 from eagle.utils.device import synchronize
 
@@ -177,9 +177,8 @@ def method_named(name: str) -> Method:
         return _BY_NAME[name]
     try:
         spec = canonical(name)
-    except ValueError as err:
-        what = str(err).split("; available")[0].rstrip(".")  # the registry's sentence naming the unknown part
-        raise ValueError(f"unknown method {name!r} ({what}): expected one of "
+    except UnknownDrafter as err:
+        raise ValueError(f"unknown method {name!r} ({err.problem}): expected one of "
                          f"{', '.join(_BY_NAME)}, or a drafter on this engine ({known_drafters()}).") from None
     return _engine(name, f"engine, drafter {spec}", spec)
 

@@ -64,20 +64,28 @@ def known_drafters() -> str:
     return f"{', '.join(sorted(DRAFTERS))} and the combinators {combinators} (\"NAME+COMBINATOR\", or one alone)"
 
 
+class UnknownDrafter(ValueError):
+    """A spec that names no registered drafter or combinator: ``problem`` is the sentence naming the part that is
+    wrong; the message adds the known names."""
+
+    def __init__(self, problem: str):
+        self.problem = problem
+        super().__init__(f"{problem}; available: {known_drafters()}.")
+
+
 def spec_parts(spec: str) -> list[str]:
-    """``spec``'s drafter then its combinators (``"lookup"`` -> ``["none", "lookup"]``); ``ValueError`` listing
-    the known names for an unknown part or a spec that is not a non-empty string."""
+    """``spec``'s drafter then its combinators (``"lookup"`` -> ``["none", "lookup"]``); :class:`UnknownDrafter` (a
+    ``ValueError``) listing the known names for an unknown part or a spec that is not a non-empty string."""
     if not isinstance(spec, str) or not spec.strip():
-        raise ValueError(f"A drafter must be a name such as 'eagle3' or 'none', not {spec!r}; available: "
-                         f"{known_drafters()}.")
+        raise UnknownDrafter(f"A drafter must be a name such as 'eagle3' or 'none', not {spec!r}")
     names = [name.strip() for name in spec.strip().split("+")]
     if names[0] in COMBINATORS:
         names.insert(0, NONE)
     if names[0] not in DRAFTERS:
-        raise ValueError(f"Unknown drafter {names[0]!r} in {spec!r}; available: {known_drafters()}.")
+        raise UnknownDrafter(f"Unknown drafter {names[0]!r} in {spec!r}")
     for name in names[1:]:
         if name not in COMBINATORS:
-            raise ValueError(f"Unknown drafter combinator {name!r} in {spec!r}; available: {known_drafters()}.")
+            raise UnknownDrafter(f"Unknown drafter combinator {name!r} in {spec!r}")
     return names
 
 

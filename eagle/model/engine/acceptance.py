@@ -22,7 +22,6 @@ from eagle.model.engine.greedy import GREEDY_TEMPERATURE
 from eagle.model.engine.handoffs import Accepted, DraftInput, StepResult
 
 
-
 def prepare_logits_processor(temperature: float = 0.0, repetition_penalty: float = 0.0, top_p: float = 0.0,
                              top_k: int = 0) -> LogitsProcessorList:
     """Reference semantics: empty (greedy) unless temperature > :data:`GREEDY_TEMPERATURE`; top-p on when 1e-8 <= top_p < 1, top-k on

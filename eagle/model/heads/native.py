@@ -2,9 +2,10 @@
 
 A draft pass over a token or two is a few dozen small tensor operations in Python (norms, projections, rotary,
 attention, MLP) whose dispatch costs more than their arithmetic; the native layer runs them in one call over the
-kernels' Q8_0 or Q4_0 layers (``draft_dtype``). It computes the layer :class:`~eagle.model.heads.draft_layers.Eagle3DecoderLayer` describes,
-with the kernels' rounding (their row norm, int8 activations, position-ordered attention): the head's proposals may
-differ in the last bits from the module path's, the output never does, since the target verifies every token.
+kernels' Q8_0 or Q4_0 layers (``draft_dtype``). It computes the layer
+:class:`~eagle.model.heads.draft_layers.Eagle3DecoderLayer` describes, with the kernels' rounding (their row norm,
+int8 activations, position-ordered attention): the head's proposals may differ in the last bits from the module
+path's, the output never does, since the target verifies every token.
 
 :func:`head_layer_plan` decides once, at quantization, whether the head's layer can run natively (a head of one
 decoder layer whose projections are all kernel layers without biases); else the module path runs as before. It
