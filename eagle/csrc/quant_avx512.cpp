@@ -517,8 +517,8 @@ __attribute__((always_inline)) inline void n_codes(const uint8_t* rec, const Off
 
 // How a tile streams its weights into L2 ahead of use: each group of a unit record prefetches its share of the
 // record kPrefetchUnits units ahead, so that the prefetches flow at the pace of the arithmetic (the types of one
-// group per unit prefetch their whole record at once). Q4_K's 1- and 2-row tiles issue none: the hardware
-// prefetcher alone streams their records fastest. Prefetches may point past the weights: they never fault.
+// group per unit prefetch their whole record at once). Q4_K's 1- and 2-row tiles issue none inside a tile: the
+// hardware prefetcher alone streams their records fastest. Prefetches may point past the weights: they never fault.
 // Measured on a 2-core AMD EPYC Zen 4, 2 threads, 40 random weights of 2048x8192 (more than the L3 cache) called
 // in turn, GB/s of weights (the machine read 31-34 GB/s), separate processes interleaved, against the earlier
 // prefetch of the whole record at a unit's first group, 4 units ahead:
@@ -534,16 +534,33 @@ constexpr int64_t kPrefetchUnits = CG == 4 && TypeTraits<TYPE>::kUnit > TypeTrai
 template <int TYPE, int CG>
 constexpr bool kPrefetches = !(TYPE == Q4_K && CG == 4);
 
-// group gi's share of the prefetches of the record at rec (o.total bytes), for a tile of CG column groups
+// The record kPrefetchUnits units after unit `unit` of the column group at `group` (`units` records of o.total
+// bytes) in a tile of CG groups, or nullptr where that tile issues no prefetch there. Past the group's last unit it
+// is the record of the next tile's group (CG groups further on: the groups of a weight lie one after another), so
+// that the stream runs on across the tiles of a chunk. Pointing one group further instead (into the same tile's
+// next group, which that tile reads already) left each tile of CG > 1 groups to start its streams cold: over
+// weights of 2048 inputs (8 units) the 1-row tiles streamed up to 7% slower (2-core AMD EPYC Zen 4, 2 threads, 40
+// random weights called in turn, medians of 40 interleaved passes, two runs: 8192x2048 Q4_K 23.8 / 27.5 against
+// 25.0 / 28.1 GB/s, Q6_K 24.9 / 25.9 against 26.8 / 27.6; 1-5% at 2048x2048 and 2048x8192; plain decoding of the
+// ~2B widened file 4% faster, a 2-row forward 10%). Q4_K's wide tiles (no prefetch inside a tile: the hardware
+// prefetcher streams them fastest) prefetch across that boundary only.
 template <int TYPE, int CG>
-__attribute__((always_inline)) inline void prefetch_record(const uint8_t* rec, const Offsets& o, int gi) {
-  if constexpr (kPrefetches<TYPE, CG>) {
-    constexpr int kGroupsPerUnit = TypeTraits<TYPE>::kUnit / TypeTraits<TYPE>::kGroup;
-    const int64_t share = (o.total + 64 * kGroupsPerUnit - 1) / (64 * kGroupsPerUnit) * 64;  // whole lines
-    const int64_t end = std::min<int64_t>((gi + 1) * share, o.total);
-    for (int64_t line = gi * share; line < end; line += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(rec + kPrefetchUnits<TYPE, CG> * o.total + line), _MM_HINT_T1);
-  }
+__attribute__((always_inline)) inline const uint8_t* prefetch_target(const uint8_t* group, const Offsets& o,
+                                                                     int64_t unit, int64_t units) {
+  const int64_t ahead = unit + kPrefetchUnits<TYPE, CG>;
+  if (ahead >= units) return group + (ahead + (CG - 1) * units) * o.total;
+  return kPrefetches<TYPE, CG> ? group + ahead * o.total : nullptr;
+}
+
+// group gi's share of the prefetches of the record at target (o.total bytes; none for nullptr)
+template <int TYPE>
+__attribute__((always_inline)) inline void prefetch_record(const uint8_t* target, const Offsets& o, int gi) {
+  if (target == nullptr) return;
+  constexpr int kGroupsPerUnit = TypeTraits<TYPE>::kUnit / TypeTraits<TYPE>::kGroup;
+  const int64_t share = (o.total + 64 * kGroupsPerUnit - 1) / (64 * kGroupsPerUnit) * 64;  // whole lines
+  const int64_t end = std::min<int64_t>((gi + 1) * share, o.total);
+  for (int64_t line = gi * share; line < end; line += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(target + line), _MM_HINT_T1);
 }
 
 // Rows per 1-group tile: each group's a (and b) and code vectors are decoded once for up to 16 rows. The 16
@@ -674,7 +691,7 @@ __attribute__((noinline)) void n_tile(const LinearArgs& args, const NRows& x, co
 #pragma GCC unroll 16
       for (int c = 0; c < CG; ++c) {
         const uint8_t* rec = groups[c] + unit * o.total;
-        prefetch_record<TYPE, CG>(rec, o, gi);
+        prefetch_record<TYPE>(prefetch_target<TYPE, CG>(groups[c], o, unit, units), o, gi);
         __m512 a, b = _mm512_setzero_ps();
         n_params<TYPE>(rec, o, n_unit<TYPE>(rec, o), gi, a, b);
         __m512i codes[G / 4];
