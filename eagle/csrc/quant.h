@@ -127,7 +127,9 @@ struct TypeTraits {
 //   LAYOUT_N unit record: d[16] m[16] sc[groups][16] mn[groups][16] codes planes
 //     codes: 4/5/6-bit: 64 bytes per 8 inputs t: byte 4 j + i = nib(j, 8t + i) | nib(j, 8t + 4 + i) << 4;
 //       8-bit: 64 bytes per 4 inputs h: byte 4 j + i = u(j, 4h + i)   (j: column lane 0..15)
-//     planes: 8 bytes per 4 inputs h: bit 4 j + i = bit 4 (then 5) of u(j, 4h + i).
+//     planes: 5-bit: 8 bytes per 4 inputs h: bit 4 j + i = bit 4 of u(j, 4h + i); 6-bit (both planes' bytes, one
+//       high vector per 16 inputs q): 64 bytes per 16 inputs: byte 4 j + i = bits 4-5 of u(j, 16q + 4s + i) at bits
+//       2s, 2s + 1 (s = 0..3), so that one shift and one logic operation put a step's high bits in its code bytes.
 struct Offsets {
   int64_t d, m, sc, mn, codes, plane, plane2, total;
 };

@@ -267,7 +267,7 @@ __attribute__((always_inline)) inline void n_params(const uint8_t* rec, const Of
   }
 }
 
-// the high bits of 5- and 6-bit codes: bits 32 half .. 32 half + 31 of step h's 64-bit mask -> 16 << plane per byte
+// the fifth bits of 5-bit codes: bits 32 half .. 32 half + 31 of step h's 64-bit mask -> 16 << plane per byte
 __attribute__((always_inline)) inline __m256i plane_bits(const uint8_t* p, int plane) {
   const __m256i spread = _mm256_shuffle_epi8(
       _mm256_set1_epi32(static_cast<int>(ld32(p))),
@@ -286,9 +286,16 @@ __attribute__((always_inline)) inline __m256i n_codes(const uint8_t* rec, const 
   } else {
     const __m256i v = ld256(rec + o.codes + 64 * (h / 2) + 32 * half);
     __m256i c = _mm256_and_si256(h % 2 ? _mm256_srli_epi16(v, 4) : v, _mm256_set1_epi8(0x0F));
-#pragma GCC unroll 2
-    for (int plane = 0; plane < T::kPlanes; ++plane)
-      c = _mm256_add_epi8(c, plane_bits(rec + (plane ? o.plane2 : o.plane) + 8 * h + 4 * half, plane));
+    if constexpr (T::kBits == 5) c = _mm256_add_epi8(c, plane_bits(rec + o.plane + 8 * h + 4 * half, 0));
+    if constexpr (T::kBits == 6) {  // bits 2 (h % 4) and up of the high vector to bits 4-5 (quant.h)
+      const __m256i hv = ld256(rec + o.plane + 64 * (h / 4) + 32 * half);
+      const int s = h % 4;
+      const __m256i at = s == 0   ? _mm256_slli_epi16(hv, 4)
+                         : s == 1 ? _mm256_slli_epi16(hv, 2)
+                         : s == 2 ? hv
+                                  : _mm256_srli_epi16(hv, 2);
+      c = _mm256_or_si256(c, _mm256_and_si256(at, _mm256_set1_epi8(0x30)));
+    }
     return c;
   }
 }

@@ -229,9 +229,10 @@ void k_to_column(const TypeInfo& t, const uint8_t* in, int64_t k, Column& c) {
 namespace {
 
 // One column's codes of one unit into a LAYOUT_N record: code i at byte 64 * (i / 4) + 4 * j + i % 4 (8-bit), or as
-// the low (i % 8 < 4) or high nibble of byte 64 * (i / 8) + 4 * j + i % 4 with its fifth / sixth bits at bit
-// 4 * j + i % 4 of the 8-byte word 8 * (i / 4) of each plane. Every code byte is written whole; the plane bytes
-// are shared by two columns, so a column ORs its four bits into them (the record starts zeroed).
+// the low (i % 8 < 4) or high nibble of byte 64 * (i / 8) + 4 * j + i % 4, with its fifth bit (5-bit codes) at bit
+// 4 * j + i % 4 of the plane's 8-byte word 8 * (i / 4), or its fifth and sixth bits (6-bit codes) at bits
+// 2 ((i / 4) % 4) and up of high byte 64 * (i / 16) + 4 * j + i % 4. Every code and high byte is written whole; the
+// plane bytes are shared by two columns, so a column ORs its four bits into them (the record starts zeroed).
 [[gnu::always_inline]] inline void unit_codes_to_n(const TypeInfo& t, const uint8_t* u, int j, uint8_t* rec,
                                                   const Offsets& o) {
   uint8_t* codes = rec + o.codes + 4 * j;
@@ -249,6 +250,16 @@ namespace {
   for (int q = 0; q < t.unit / 8; ++q)
     for (int r = 0; r < 4; ++r)
       codes[64 * q + r] = static_cast<uint8_t>((u[8 * q + r] & 0xF) | ((u[8 * q + 4 + r] & 0xF) << 4));
+  if (t.planes() == 2) {  // 6-bit: bits 4-5 of 4 steps' codes in one byte of the steps' 64-byte high vector
+    uint8_t* high = rec + o.plane + 4 * j;
+    for (int q = 0; q < t.unit / 16; ++q)
+      for (int r = 0; r < 4; ++r) {
+        int byte = 0;
+        for (int s = 0; s < 4; ++s) byte |= ((u[16 * q + 4 * s + r] >> 4) & 3) << (2 * s);
+        high[64 * q + r] = static_cast<uint8_t>(byte);
+      }
+    return;
+  }
   const int shift = 4 * (j % 2);
   for (int plane = 0; plane < t.planes(); ++plane) {
     uint8_t* bits = rec + (plane ? o.plane2 : o.plane) + j / 2;
@@ -307,6 +318,11 @@ void n_to_column(const TypeInfo& t, const uint8_t* group_base, int j, int64_t k,
       }
       const uint8_t byte = rec[o.codes + 64 * (i / 8) + 4 * j + i % 4];
       uint8_t v = static_cast<uint8_t>((i % 8 >= 4 ? byte >> 4 : byte) & 0xF);
+      if (t.planes() == 2) {
+        const uint8_t high = rec[o.plane + 64 * (i / 16) + 4 * j + i % 4];
+        u[i] = static_cast<uint8_t>(v | (((high >> (2 * ((i / 4) % 4))) & 3) << 4));
+        continue;
+      }
       for (int plane = 0; plane < t.planes(); ++plane) {
         const uint8_t* bits = rec + (plane ? o.plane2 : o.plane) + 8 * (i / 4);
         const int bit = 4 * j + i % 4;
