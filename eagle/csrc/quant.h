@@ -45,7 +45,7 @@ enum Type : int32_t {
 enum Layout : int32_t { LAYOUT_K = 0, LAYOUT_N = 1 };
 
 constexpr uint32_t kMagic = 0x57514745u;  // "EGQW"
-constexpr uint32_t kVersion = 1;
+constexpr uint32_t kVersion = 2;  // 2: Q6_K's LAYOUT_N high bits in one vector per 16 inputs (was two bit planes)
 constexpr int64_t kHeaderBytes = 64;
 constexpr int kColumnsPerGroup = 16;  // LAYOUT_N interleaves this many columns
 
