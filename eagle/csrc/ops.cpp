@@ -148,9 +148,10 @@ void for_chunks(int64_t chunks, int64_t work, const F& fn) {
 // mode gives them only to regions that ask): every whole 2 MiB of it then takes one TLB entry instead of 512, and a
 // weight streamed from memory crosses a page boundary every 2 MiB instead of every 4 KiB. The tail beyond the last
 // whole 2 MiB stays in 4 KiB pages, so the resident size is the tensor's. Measured on a 2-core AMD EPYC Zen 4 VM, 2
-// threads, 40 random weights of 8192 x 2048 called in turn from DRAM, the same packed bytes in both kinds of pages in
-// one process, medians of 10 interleaved passes: Q4_K 27.3 -> 30.7 GB/s at one row and 24.3 -> 30.8 at four, Q6_K
-// 28.5 -> 32.3 at one row (docs/PERFORMANCE.md). Elsewhere, or where the mapping fails: at::empty.
+// threads, 40 random Q4_K weights of 8192 x 2048 called in turn from DRAM, the same packed bytes in both kinds of
+// pages in one process, medians of 10 interleaved passes, either kind allocated first: one row 35.0 / 36.9 -> 38.8 /
+// 39.8 GB/s, four rows 28.5 / 31.0 -> 33.2 / 35.2 (docs/PERFORMANCE.md). Elsewhere, or where the mapping fails:
+// at::empty.
 at::Tensor weight_bytes(int64_t nbytes) {
 #if defined(__linux__) && defined(MADV_HUGEPAGE)
   constexpr int64_t kHuge = int64_t{2} << 20;
