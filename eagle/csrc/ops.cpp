@@ -19,6 +19,7 @@
 
 #if defined(__linux__)
 #include <sys/mman.h>
+#include <unistd.h>
 #endif
 
 #include <algorithm>
@@ -161,7 +162,7 @@ at::Tensor weight_bytes(int64_t nbytes) {
     if (base != MAP_FAILED) {
       const uintptr_t start = reinterpret_cast<uintptr_t>(base);
       const uintptr_t aligned = (start + kHuge - 1) & ~static_cast<uintptr_t>(kHuge - 1);
-      const size_t page = 4096;
+      const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));  // munmap takes whole pages (64 KiB on some)
       const size_t length = (static_cast<size_t>(nbytes) + page - 1) / page * page;
       if (aligned > start) munmap(base, aligned - start);
       const uintptr_t end = aligned + length, span_end = start + span;
