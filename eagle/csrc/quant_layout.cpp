@@ -260,12 +260,12 @@ namespace {
       }
     return;
   }
-  const int shift = 4 * (j % 2);
-  for (int plane = 0; plane < t.planes(); ++plane) {
-    uint8_t* bits = rec + (plane ? o.plane2 : o.plane) + j / 2;
+  if (t.planes() == 1) {  // 5-bit: bit 4 of each code in the plane, two columns' nibbles per byte
+    const int shift = 4 * (j % 2);
+    uint8_t* bits = rec + o.plane + j / 2;
     for (int v = 0; v < t.unit / 4; ++v) {
       int nibble = 0;
-      for (int r = 0; r < 4; ++r) nibble |= ((u[4 * v + r] >> (4 + plane)) & 1) << r;
+      for (int r = 0; r < 4; ++r) nibble |= ((u[4 * v + r] >> 4) & 1) << r;
       bits[8 * v] = static_cast<uint8_t>(bits[8 * v] | (nibble << shift));
     }
   }
@@ -318,15 +318,12 @@ void n_to_column(const TypeInfo& t, const uint8_t* group_base, int j, int64_t k,
       }
       const uint8_t byte = rec[o.codes + 64 * (i / 8) + 4 * j + i % 4];
       uint8_t v = static_cast<uint8_t>((i % 8 >= 4 ? byte >> 4 : byte) & 0xF);
-      if (t.planes() == 2) {
+      if (t.planes() == 2) {  // 6-bit: bits 4-5 from the high vector
         const uint8_t high = rec[o.plane + 64 * (i / 16) + 4 * j + i % 4];
-        u[i] = static_cast<uint8_t>(v | (((high >> (2 * ((i / 4) % 4))) & 3) << 4));
-        continue;
-      }
-      for (int plane = 0; plane < t.planes(); ++plane) {
-        const uint8_t* bits = rec + (plane ? o.plane2 : o.plane) + 8 * (i / 4);
+        v = static_cast<uint8_t>(v | (((high >> (2 * ((i / 4) % 4))) & 3) << 4));
+      } else if (t.planes() == 1) {  // 5-bit: bit 4 from the plane
         const int bit = 4 * j + i % 4;
-        v = static_cast<uint8_t>(v | (((bits[bit / 8] >> (bit % 8)) & 1) << (4 + plane)));
+        v = static_cast<uint8_t>(v | (((rec[o.plane + 8 * (i / 4) + bit / 8] >> (bit % 8)) & 1) << 4));
       }
       u[i] = v;
     }
